@@ -11,12 +11,17 @@
 
 namespace perigee {
 
-// One expert's matrices for MOE_EXPERTS. A matrix is either dense (BF16/F32 `weight`) or MXFP4
-// (`packed` U8 [out, in/2] + `scale` U8 [out, in/32], E8M0); `in`/`out` give its logical shape.
+// One expert's matrices for MOE_EXPERTS. A matrix is either dense (BF16/F32 `weight`) or FP4:
+//   MXFP4: `packed` U8 [out, in/2] (low nibble = even column) + `scale` U8 [out, in/32] (E8M0, 2^(s-127));
+//   NVFP4: `packed` U8 [out, in/2] + `scale` F8_E4M3 [out, in/16] + `global_scale` (value = e2m1*e4m3*global).
+// `in`/`out` give the logical shape. Decoding is src/quant's _ref codecs.
+enum class fp4_format : uint8_t { NONE, MXFP4, NVFP4 };
 struct expert_matrix {
     const tensor * weight = nullptr;
     const tensor * packed = nullptr;
     const tensor * scale = nullptr;
+    fp4_format format = fp4_format::NONE;
+    float global_scale = 1.0f;
     int64_t out = 0, in = 0;
 };
 struct expert_weights { expert_matrix gate, up, down; };   // w1 = gate, w3 = up, w2 = down
