@@ -57,6 +57,7 @@ public:
 
 private:
     node_ref push(node n);
+    const std::string & at_name(node_ref r) const { return g_.at(r).name; }
     graph g_;
 };
 
