@@ -332,7 +332,9 @@ class Config:
         self.n_group = int(_first(t, ["num_expert_group", "n_group"], 1))
         self.topk_group = int(_first(t, ["topk_group"], 1))
         self.latent = t.get("routed_expert_hidden_size")
-        self.latent_norm = bool(t.get("latent_moe_use_norm", self.latent is not None))
+        # RESOLVED: latent_moe_use_norm decides when stated; when absent, the presence of
+        # routed_expert_norm.weight decides (Model.moe).
+        self.latent_norm = t.get("latent_moe_use_norm")
         fkdr = int(_first(t, ["first_k_dense_replace"], 0 if self.form != "native" else 1))
         freq = int(_first(t, ["moe_layer_freq"], 1))
         if t.get("mlp_layer_types") is not None:
@@ -536,6 +538,29 @@ def indexer_select(scores, topk):
     equal = np.nonzero(scores == theta)[0]
     sel = np.concatenate([above, equal[:topk - len(above)]])
     return np.sort(sel)
+
+
+def moe_route(logits, bias, k, n_group=1, topk_group=1, renorm=True, scale=1.0, act="sigmoid"):
+    """Selection by score + correction bias (grouped when n_group > 1: group score = sum of its top-2
+    biased scores, keep topk_group groups, others -inf); weights = RAW scores of the chosen experts,
+    renormalised with +1e-20, times scale. Returns (sel [T, k], weights [T, k])."""
+    E = logits.shape[-1]
+    scores = sigmoid(logits) if act == "sigmoid" else softmax(logits, axis=-1)
+    choice = scores + bias
+    if n_group > 1:
+        gsz = E // n_group
+        grp = choice.reshape(-1, n_group, gsz)
+        top2 = -np.sort(-grp, axis=-1)[:, :, :2].sum(-1)
+        keep = np.argsort(-top2, axis=-1, kind="stable")[:, :topk_group]
+        gm = np.zeros(top2.shape, dtype=bool)
+        np.put_along_axis(gm, keep, True, axis=-1)
+        choice = np.where(np.repeat(gm, gsz, axis=-1), choice, -np.inf)
+    # RESOLVED: exact ties in the biased score go to the lower expert index (stable sort).
+    sel = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    wts = np.take_along_axis(scores, sel, axis=-1)
+    if renorm and k > 1:
+        wts = wts / (wts.sum(-1, keepdims=True) + 1e-20)
+    return sel, wts * scale
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -751,29 +776,13 @@ class Model:
         raise KeyError(f"{base}: no weight / weight_packed tensor")
 
     def route(self, l, h, pre):
-        """Router (ARCHITECTURE 3.7). Returns (sel [T, k] expert ids, weights [T, k])."""
+        """Router (ARCHITECTURE 3.7) on the full hidden. Returns (sel [T, k], weights [T, k])."""
         c = self.cfg
-        logits = h @ self.w(pre + "gate.weight", l).T               # [T, E], float64 on the full hidden
-        E = logits.shape[1]
-        scores = sigmoid(logits) if c.router_act == "sigmoid" else softmax(logits, axis=-1)
+        logits = h @ self.w(pre + "gate.weight", l).T               # [T, E], float64
         bname = pre + "gate.e_score_correction_bias"
-        bias = self.w(bname, l) if self.has(bname, l) else np.zeros(E)
-        choice = scores + bias
-        k = int(c.top_k)
-        if c.n_group > 1:
-            gsz = E // c.n_group
-            grp = choice.reshape(-1, c.n_group, gsz)
-            top2 = -np.sort(-grp, axis=-1)[:, :, :2].sum(-1)         # sum of top-2 biased scores
-            keep = np.argsort(-top2, axis=-1, kind="stable")[:, :c.topk_group]
-            gm = np.zeros_like(top2, dtype=bool)
-            np.put_along_axis(gm, keep, True, axis=-1)
-            choice = np.where(np.repeat(gm, gsz, axis=-1), choice, -np.inf)
-        # RESOLVED: exact ties in the biased score go to the lower expert index (stable sort).
-        sel = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
-        wts = np.take_along_axis(scores, sel, axis=-1)              # RAW scores, not biased
-        if c.renorm and k > 1:
-            wts = wts / (wts.sum(-1, keepdims=True) + 1e-20)
-        return sel, wts * c.routed_scale
+        bias = self.w(bname, l) if self.has(bname, l) else np.zeros(logits.shape[1])
+        return moe_route(logits, bias, int(c.top_k), c.n_group, c.topk_group, c.renorm,
+                         c.routed_scale, c.router_act)
 
     def moe(self, l, h):
         c = self.cfg
@@ -790,7 +799,7 @@ class Model:
             np.add.at(acc, rows, wts[rows, slot][:, None] * ye)
         if latent:
             nname = pre + "routed_expert_norm.weight"
-            if c.latent_norm or self.has(nname, l):
+            if c.latent_norm if c.latent_norm is not None else self.has(nname, l):
                 acc = rmsnorm(acc, self.w(nname, l), c.eps)         # on the combined SUM
             out = acc @ self.w(pre + "routed_expert_up_proj.weight", l).T
         else:
