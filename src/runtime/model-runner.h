@@ -1,0 +1,52 @@
+// The model runner: a loaded model (config, weights, state pools) plus a backend, running one
+// forward step for a batch. The scheduler and engine loop sit on top of it (nano-vllm's
+// model_runner seam); the CLI's logits/generate use it directly for one sequence.
+#pragma once
+#include "backend/backend.h"
+#include "model/forward.h"
+
+#include <memory>
+#include <string>
+
+namespace perigee {
+
+struct runner_options {
+    int n_slots = 1;           // KDA state slots (concurrent sequences)
+    int n_pages = 0;           // MLA cache pages; 0 = enough for n_slots sequences of max_tokens
+    int page_size = 16;
+    int max_tokens = 4096;     // per sequence, used to size pages when n_pages == 0
+    std::string backend = "cpu";
+};
+
+class model_runner {
+public:
+    model_runner(const std::string & model_dir, const runner_options & opt);
+    const kimi_config & config() const { return cfg_; }
+    model_state & state() { return st_; }
+    const model_weights & weights() const { return *w_; }
+    backend & be() { return *be_; }
+    // Runs one step; returns logits F32 [n_tokens, vocab].
+    tensor step(std::shared_ptr<const batch> b, const backend::node_callback & cb = {});
+
+private:
+    kimi_config cfg_;
+    std::unique_ptr<model_weights> w_;
+    model_state st_;
+    std::unique_ptr<backend> be_;
+};
+
+// A single sequence on slot 0 with its own pages: prefill then decode, as the CLI needs.
+class single_sequence {
+public:
+    explicit single_sequence(model_runner & r);
+    // Appends tokens to the sequence in one step; returns their logits [n, vocab].
+    tensor feed(const std::vector<int32_t> & ids);
+    int32_t n_past() const { return n_past_; }
+
+private:
+    model_runner & r_;
+    int32_t n_past_ = 0;
+    std::vector<int32_t> pages_;
+};
+
+} // namespace perigee
