@@ -1,0 +1,251 @@
+// The CPU reference backend: one dispatch switch over op_type, one file per op family.
+// Outputs are host tensors (F32, or I32 for ids/selections) allocated per node; WEIGHT leaves are
+// read in place through node.leaf; STATE leaves are updated in place through node.state.
+#include "backend/backend.h"
+#include "backend/cpu/cpu-ops.h"
+
+#include <cstring>
+
+namespace perigee {
+
+// ---- cpu_node_io ----
+
+const float * cpu_node_io::f32_in(size_t i) const {
+    const tensor * t = in.at(i);
+    PG_CHECK(t != nullptr, "{} ({}): input {} is missing", n().name, op_name(n().op), i);
+    PG_CHECK(t->type == dtype::F32, "{} ({}): unsupported input {} dtype: {} (activations are F32)", n().name,
+             op_name(n().op), i, dtype_name(t->type));
+    return t->as<float>();
+}
+
+const int32_t * cpu_node_io::i32_in(size_t i) const {
+    const tensor * t = in.at(i);
+    PG_CHECK(t != nullptr, "{} ({}): input {} is missing", n().name, op_name(n().op), i);
+    PG_CHECK(t->type == dtype::I32, "{} ({}): unsupported input {} dtype: {} (expected I32)", n().name,
+             op_name(n().op), i, dtype_name(t->type));
+    return t->as<int32_t>();
+}
+
+wview cpu_node_io::weight_in(size_t i) const {
+    const tensor * t = in.at(i);
+    if (t == nullptr) return {};
+    wview w = wview_of(*t);
+    PG_CHECK(t->type == dtype::F32 || t->type == dtype::BF16 || t->type == dtype::F16 || t->type == dtype::F64,
+             "{} ({}): unsupported weight dtype: {} (input {})", n().name, op_name(n().op), dtype_name(t->type), i);
+    return w;
+}
+
+tensor & cpu_node_io::state_in(size_t i) const {
+    const node_ref r = n().src.at(i);
+    const node & s = g.at(r);
+    PG_CHECK(s.op == op_type::STATE && s.state != nullptr, "{} ({}): input {} must be a STATE leaf, got {} ({})",
+             n().name, op_name(n().op), i, s.name, op_name(s.op));
+    return *s.state;
+}
+
+namespace {
+
+enum class slot_kind { ACT, IDS, W_ANY, W_F32_BF16, STATE_F32, OPT_W_F32_BF16 };
+
+struct slot_rule { size_t src; slot_kind kind; };
+
+// Which inputs are activations, ids, weights (and which weight dtypes) or states, per op.
+std::vector<slot_rule> input_rules(const node & n) {
+    using K = slot_kind;
+    switch (n.op) {
+        case op_type::IDS:
+        case op_type::WEIGHT:
+        case op_type::STATE: return {};
+        case op_type::GET_ROWS: return {{0, K::W_ANY}, {1, K::IDS}};
+        case op_type::RMS_NORM: return {{0, K::ACT}, {1, K::OPT_W_F32_BF16}};
+        case op_type::LAYER_NORM: return {{0, K::ACT}, {1, K::W_F32_BF16}, {2, K::W_F32_BF16}};
+        case op_type::L2_NORM: return {{0, K::ACT}};
+        case op_type::LINEAR: return {{0, K::ACT}, {1, K::W_ANY}};
+        case op_type::ADD:
+        case op_type::MUL:
+        case op_type::SILU_MUL:
+        case op_type::SITU_MUL: return {{0, K::ACT}, {1, K::ACT}};
+        case op_type::SCALE:
+        case op_type::SIGMOID:
+        case op_type::COLS: return {{0, K::ACT}};
+        case op_type::SHORT_CONV: return {{0, K::ACT}, {1, K::W_F32_BF16}, {2, K::STATE_F32}};
+        case op_type::KDA_GATE: return {{0, K::ACT}, {1, K::W_F32_BF16}, {2, K::W_F32_BF16}};
+        case op_type::KDA_SCAN:
+            return {{0, K::ACT}, {1, K::ACT}, {2, K::ACT}, {3, K::ACT}, {4, K::ACT}, {5, K::STATE_F32}};
+        case op_type::GATED_RMS_NORM: return {{0, K::ACT}, {1, K::ACT}, {2, K::W_F32_BF16}};
+        case op_type::MLA_ATTN: {
+            std::vector<slot_rule> r = {{0, K::ACT}, {1, K::ACT}, {2, K::ACT}, {3, K::W_ANY}, {4, K::STATE_F32}};
+            if (n.src.size() > 5 && n.src[5].valid()) r.push_back({5, K::IDS});
+            return r;
+        }
+        case op_type::INDEXER_TOPK: return {{0, K::ACT}, {1, K::ACT}, {2, K::ACT}, {3, K::STATE_F32}};
+        case op_type::MOE_ROUTE: return {{0, K::ACT}, {1, K::W_ANY}, {2, K::OPT_W_F32_BF16}};
+        case op_type::MOE_EXPERTS: return {{0, K::ACT}, {1, K::IDS}, {2, K::ACT}};
+        case op_type::ATTN_RES_MIX: {
+            std::vector<slot_rule> r;
+            const size_t nc = n.src.size() - 2;
+            for (size_t i = 0; i < nc; ++i) r.push_back({i, K::ACT});
+            r.push_back({nc, K::W_F32_BF16});
+            r.push_back({nc + 1, K::W_F32_BF16});
+            return r;
+        }
+        case op_type::COUNT: break;
+    }
+    PG_FAIL("{}: unsupported op: {}", n.name, int(n.op));
+}
+
+// Throws "unsupported <what>: <value>" naming the node when the CPU backend cannot run it.
+void check_node(const graph & g, int id) {
+    const node & n = g.nodes[size_t(id)];
+    const std::string who = fmt::format("node {} '{}' ({})", id, n.name, op_name(n.op));
+    for (const auto & r : input_rules(n)) {
+        const bool optional = r.kind == slot_kind::OPT_W_F32_BF16;
+        PG_CHECK(r.src < n.src.size(), "{}: input {} is missing", who, r.src);
+        const node_ref ref = n.src[r.src];
+        if (!ref.valid()) {
+            PG_CHECK(optional, "{}: input {} is missing", who, r.src);
+            continue;
+        }
+        const dtype t = g.out(ref).type;
+        switch (r.kind) {
+            case slot_kind::ACT:
+                PG_CHECK(t == dtype::F32, "{}: unsupported activation dtype: {} (input {})", who, dtype_name(t), r.src);
+                break;
+            case slot_kind::IDS:
+                PG_CHECK(t == dtype::I32, "{}: unsupported ids dtype: {} (input {})", who, dtype_name(t), r.src);
+                break;
+            case slot_kind::W_ANY:
+                PG_CHECK(t == dtype::F32 || t == dtype::BF16 || t == dtype::F16, "{}: unsupported weight dtype: {} (input {})",
+                         who, dtype_name(t), r.src);
+                break;
+            case slot_kind::W_F32_BF16:
+            case slot_kind::OPT_W_F32_BF16:
+                PG_CHECK(t == dtype::F32 || t == dtype::BF16, "{}: unsupported weight dtype: {} (input {})", who,
+                         dtype_name(t), r.src);
+                break;
+            case slot_kind::STATE_F32: {
+                const node & s = g.at(ref);
+                PG_CHECK(s.op == op_type::STATE && s.state != nullptr, "{}: input {} must be a STATE leaf, got '{}' ({})",
+                         who, r.src, s.name, op_name(s.op));
+                PG_CHECK(t == dtype::F32, "{}: unsupported state dtype: {} (input {})", who, dtype_name(t), r.src);
+                break;
+            }
+        }
+    }
+    if (n.op == op_type::WEIGHT || n.op == op_type::STATE)
+        PG_CHECK(n.leaf != nullptr, "{}: leaf without a tensor", who);
+    if (n.op == op_type::IDS || n.op == op_type::SHORT_CONV || n.op == op_type::KDA_SCAN || n.op == op_type::MLA_ATTN ||
+        n.op == op_type::INDEXER_TOPK)
+        PG_CHECK(g.b != nullptr, "{}: the graph has no batch layout", who);
+    if (n.op == op_type::MOE_EXPERTS) {
+        PG_CHECK(n.p.experts && !n.p.experts->empty(), "{}: no experts", who);
+        PG_CHECK(n.p.act == glu_act::SILU || n.p.act == glu_act::SITU, "{}: unsupported activation: {}", who, int(n.p.act));
+    }
+    if (n.op == op_type::MOE_ROUTE)
+        PG_CHECK(n.p.router == router_act::SIGMOID || n.p.router == router_act::SOFTMAX, "{}: unsupported router: {}", who,
+                 int(n.p.router));
+    if (n.op == op_type::KDA_SCAN)
+        PG_CHECK(n.p.chunk_size == 0 || n.p.chunk_size == 64, "{}: unsupported chunk size: {}", who, n.p.chunk_size);
+}
+
+tensor copy_tensor(const tensor & t) {
+    tensor r = tensor_new(t.type, t.shape);
+    if (t.nbytes) std::memcpy(r.data, t.data, t.nbytes);
+    return r;
+}
+
+class cpu_backend final : public backend {
+public:
+    std::string name() const override { return "cpu"; }
+
+    void check_supported(const graph & g) const override {
+        for (int i = 0; i < int(g.nodes.size()); ++i) check_node(g, i);
+    }
+
+    void run(const graph & g, const node_callback & cb) override {
+        outs_.assign(g.nodes.size(), {});
+        for (int id = 0; id < int(g.nodes.size()); ++id) {
+            check_node(g, id);
+            run_node(g, id);
+            if (cb) {
+                const node & n = g.nodes[size_t(id)];
+                if (n.op == op_type::STATE) {
+                    // The pool buffer is updated later in the run: hand out a snapshot of it as it is now.
+                    std::vector<tensor> snap;
+                    for (const auto & t : outs_[size_t(id)]) snap.push_back(copy_tensor(t));
+                    cb(g, id, snap);
+                } else {
+                    cb(g, id, outs_[size_t(id)]);
+                }
+            }
+        }
+    }
+
+    tensor read(node_ref r) const override {
+        PG_CHECK(r.node >= 0 && size_t(r.node) < outs_.size(), "read: node {} was not run", r.node);
+        const auto & o = outs_[size_t(r.node)];
+        PG_CHECK(r.out >= 0 && size_t(r.out) < o.size(), "read: node {} has no output {}", r.node, r.out);
+        return copy_tensor(o[size_t(r.out)]);
+    }
+
+private:
+    void run_node(const graph & g, int id) {
+        const node & n = g.nodes[size_t(id)];
+        std::vector<tensor> & out = outs_[size_t(id)];
+        // Leaves expose their tensors without a copy (a view with the same bytes).
+        switch (n.op) {
+            case op_type::IDS: {
+                tensor t = tensor_new(dtype::I32, n.outs.at(0).shape);
+                PG_CHECK(int64_t(g.b->ids.size()) == t.numel(), "{}: batch has {} ids, node wants {}", n.name,
+                         g.b->ids.size(), t.numel());
+                if (t.nbytes) std::memcpy(t.data, g.b->ids.data(), t.nbytes);
+                out.push_back(std::move(t));
+                return;
+            }
+            case op_type::WEIGHT:
+            case op_type::STATE:
+                out.push_back(tensor_view(n.leaf->type, n.leaf->shape, n.leaf->data, nullptr));
+                return;
+            default: break;
+        }
+        for (const auto & o : n.outs) out.push_back(tensor_new(o.type, o.shape));
+        cpu_node_io io{g, id, {}, &out};
+        for (const auto & s : n.src) io.in.push_back(s.valid() ? &outs_.at(size_t(s.node)).at(size_t(s.out)) : nullptr);
+
+        switch (n.op) {
+            case op_type::IDS:
+            case op_type::WEIGHT:
+            case op_type::STATE: break;   // handled above
+            case op_type::GET_ROWS: run_get_rows(io); break;
+            case op_type::RMS_NORM:
+            case op_type::LAYER_NORM:
+            case op_type::L2_NORM:
+            case op_type::GATED_RMS_NORM: run_norm(io); break;
+            case op_type::LINEAR: run_linear(io); break;
+            case op_type::ADD:
+            case op_type::MUL:
+            case op_type::SCALE:
+            case op_type::SIGMOID:
+            case op_type::SILU_MUL:
+            case op_type::SITU_MUL:
+            case op_type::COLS: run_elementwise(io); break;
+            case op_type::SHORT_CONV: run_short_conv(io); break;
+            case op_type::KDA_GATE: run_kda_gate(io); break;
+            case op_type::KDA_SCAN: run_kda_scan(io); break;
+            case op_type::MLA_ATTN: run_mla_attn(io); break;
+            case op_type::INDEXER_TOPK: run_indexer_topk(io); break;
+            case op_type::MOE_ROUTE: run_moe_route(io); break;
+            case op_type::MOE_EXPERTS: run_moe_experts(io); break;
+            case op_type::ATTN_RES_MIX: run_attn_res_mix(io); break;
+            case op_type::COUNT: PG_FAIL("{}: op COUNT is not an op", n.name);
+        }
+    }
+
+    std::vector<std::vector<tensor>> outs_;
+};
+
+} // namespace
+
+std::unique_ptr<backend> backend_cpu_init() { return std::make_unique<cpu_backend>(); }
+
+} // namespace perigee

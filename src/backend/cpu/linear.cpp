@@ -1,0 +1,46 @@
+// LINEAR and GET_ROWS: weights in F32/BF16/F16, converted per element; fp32 accumulation.
+#include "backend/cpu/cpu-ops.h"
+
+namespace perigee {
+
+void linear_ref(const float * x, int64_t T, int64_t in, wview W, int64_t out, float * y) {
+    wview_check(W, "linear weight");
+    // OpenMP over output rows: each weight row is converted once and used for every token.
+#pragma omp parallel
+    {
+        std::vector<float> wrow(static_cast<size_t>(in));
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < out; ++o) {
+            W.row(o * in, in, wrow.data());
+            for (int64_t t = 0; t < T; ++t) {
+                const float * xt = x + t * in;
+                float acc = 0.0f;
+                for (int64_t i = 0; i < in; ++i) acc += xt[i] * wrow[size_t(i)];
+                y[t * out + o] = acc;
+            }
+        }
+    }
+}
+
+void get_rows_ref(wview table, int64_t V, int64_t D, const int32_t * ids, int64_t T, float * y, const std::string & what) {
+    wview_check(table, "get_rows table");
+    for (int64_t t = 0; t < T; ++t)
+        PG_CHECK(ids[t] >= 0 && ids[t] < V, "{}: id {} at token {} outside 0..{}", what, ids[t], t, V - 1);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) table.row(int64_t(ids[t]) * D, D, y + t * D);
+}
+
+void run_linear(const cpu_node_io & io) {
+    const tensor & x = *io.in.at(0);
+    const tensor & w = *io.in.at(1);
+    linear_ref(io.f32_in(0), x.dim(0), x.dim(1), io.weight_in(1), w.dim(0), (*io.out)[0].f32());
+}
+
+void run_get_rows(const cpu_node_io & io) {
+    const tensor & table = *io.in.at(0);
+    const tensor & ids = *io.in.at(1);
+    get_rows_ref(io.weight_in(0), table.dim(0), table.dim(1), io.i32_in(1), ids.numel(), (*io.out)[0].f32(),
+                 fmt::format("{} (GET_ROWS)", io.n().name));
+}
+
+} // namespace perigee
