@@ -305,8 +305,10 @@ class Config:
             raise ValueError("config.json: no layer-type information (linear_attn_config lists or layer_types)")
 
         # --- KDA ---
-        self.kda_heads = int(_first(lac, ["num_heads"], _first(t, ["linear_num_heads"], 32)))
-        self.kda_head_dim = int(_first(lac, ["head_dim"], _first(t, ["linear_head_dim"], 128)))
+        self.kda_heads = int(_first(lac, ["num_heads"], _first(
+            t, ["linear_num_heads", "linear_attn_key_heads", "linear_attn_value_heads"], 32)))
+        self.kda_head_dim = int(_first(lac, ["head_dim"], _first(
+            t, ["linear_head_dim", "linear_attn_key_head_dim", "linear_attn_value_head_dim"], 128)))
         self.conv_k = int(_first(lac, ["short_conv_kernel_size"], _first(t, ["linear_conv_kernel_dim"], 4)))
         self.gate_lower_bound = _first(lac, ["gate_lower_bound"],
                                        _first(t, ["gate_lower_bound", "forget_gate_lower_bound"]))
@@ -573,8 +575,8 @@ class Model:
             self.cfg = Config(json.load(fh))
         self.ck = Checkpoint(model_dir)
         self.cache = {}
+        self.margins = {}   # selection margins seen by the last forward (see _note_margin)
         c = self.cfg
-        self.native = c.form == "native" or self.ck.has(c.prefix + "model.layers.0.mlp.experts.gate_up_proj")
         # K3.1 detection in both directions (ARCHITECTURE 1.4): indexer tensors must agree.
         mla_layers = [l for l in range(c.n_layers) if c.is_mla[l]]
         has_idx = [self._indexer_names(l) is not None for l in mla_layers]
@@ -729,8 +731,26 @@ class Model:
             return mask
         sc = self.indexer_scores(l, x, cq)
         for t in range(T):
-            mask[t, indexer_select(sc[t, :t + 1], topk)] = True
+            row = sc[t, :t + 1]
+            mask[t, indexer_select(row, topk)] = True
+            if t + 1 > topk:
+                self._note_margin("indexer", l, t, row, topk)
         return mask
+
+    def _note_margin(self, kind, l, t, row, k):
+        """Record how close the k-th / (k+1)-th boundary is: a different engine may flip a selection
+        only where this gap is within its rounding. Exact ties are counted apart (the tie rule decides)."""
+        v = np.sort(row)[::-1]
+        if v.size <= k or not np.isfinite(v[k]):
+            return
+        gap = float(v[k - 1] - v[k])
+        m = self.margins.setdefault(kind, {"min_gap": None, "where": None, "exact_ties": 0})
+        if gap == 0.0:
+            m["exact_ties"] += 1
+            d = v[v != v[k - 1]]
+            gap = float(np.min(np.abs(d - v[k - 1]))) if d.size else float("inf")
+        if m["min_gap"] is None or gap < m["min_gap"]:
+            m["min_gap"], m["where"] = gap, {"layer": l, "position": t}
 
     def dense_mlp(self, l, x, pre):
         gp = self.w(pre + "gate_proj.weight", l)
@@ -743,7 +763,7 @@ class Model:
         key = ("expert", l, e)
         if key in self.cache:
             return self.cache[key]
-        if self.native:
+        if self.has("mlp.experts.gate_up_proj", l):     # transformers-native 3-D experts
             gu = self.w("mlp.experts.gate_up_proj", l)[e]
             I = gu.shape[0] // 2
             res = (gu[:I], gu[I:], self.w("mlp.experts.down_proj", l)[e])
@@ -781,12 +801,16 @@ class Model:
         logits = h @ self.w(pre + "gate.weight", l).T               # [T, E], float64
         bname = pre + "gate.e_score_correction_bias"
         bias = self.w(bname, l) if self.has(bname, l) else np.zeros(logits.shape[1])
-        return moe_route(logits, bias, int(c.top_k), c.n_group, c.topk_group, c.renorm,
-                         c.routed_scale, c.router_act)
+        sel, wts = moe_route(logits, bias, int(c.top_k), c.n_group, c.topk_group, c.renorm,
+                             c.routed_scale, c.router_act)
+        scores = sigmoid(logits) if c.router_act == "sigmoid" else softmax(logits, axis=-1)
+        for t in range(logits.shape[0]):
+            self._note_margin("router", l, t, scores[t] + bias, int(c.top_k))
+        return sel, wts
 
     def moe(self, l, h):
         c = self.cfg
-        pre = "mlp." if self.native else "block_sparse_moe."
+        pre = self.moe_prefix(l)
         sel, wts = self.route(l, h, pre)
         latent = self.has(pre + "routed_expert_down_proj.weight", l)
         zl = h @ self.w(pre + "routed_expert_down_proj.weight", l).T if latent else h   # once per token
@@ -810,6 +834,11 @@ class Model:
             raise KeyError(f"layer {l}: num_shared_experts={c.n_shared} but no {pre}shared_experts tensors")
         return out
 
+    def moe_prefix(self, l):
+        """Checkpoint naming of the MoE block: `block_sparse_moe.` (Kimi checkpoints) or `mlp.`
+        (transformers save_pretrained)."""
+        return "mlp." if self.has("mlp.gate.weight", l) else "block_sparse_moe."
+
     def ffn(self, l, x):
         if self.cfg.is_moe[l]:
             return self.moe(l, x)
@@ -821,6 +850,7 @@ class Model:
     def forward(self, ids):
         """Whole-sequence prefill. Returns logits [T, V] float64."""
         c = self.cfg
+        self.margins = {}
         ids = np.asarray(ids, dtype=np.int64)
         emb = self.w("embed_tokens.weight")
         if ids.min() < 0 or ids.max() >= emb.shape[0]:
@@ -881,10 +911,9 @@ class Model:
         ck.used = set()
         self.forward(list(range(T)))
         # touch every expert of every MoE layer
-        pre = "mlp." if self.native else "block_sparse_moe."
         for l in range(c.n_layers):
             if c.is_moe[l]:
-                if self.native:
+                if self.has("mlp.experts.gate_up_proj", l):
                     self.w("mlp.experts.gate_up_proj", l)
                     self.w("mlp.experts.down_proj", l)
                 else:
@@ -915,7 +944,10 @@ def main(argv=None):
     a = sub.add_parser("logits", help="prefill logits, one row per position")
     a.add_argument("--model", required=True)
     a.add_argument("--ids", required=True)
-    a.add_argument("--kda", choices=["recurrent", "chunked"], default="recurrent")
+    a.add_argument("--kda", choices=["recurrent", "chunked"], default="recurrent",
+                   help="KDA form: the token recurrence (default) or the chunked WY form (C=64)")
+    a.add_argument("--margins", action="store_true",
+                   help="also print the smallest router / indexer selection gaps (near-tie diagnostics)")
     g = sub.add_parser("generate", help="greedy ids")
     g.add_argument("--model", required=True)
     g.add_argument("--ids", required=True)
@@ -927,7 +959,10 @@ def main(argv=None):
     if args.cmd == "logits":
         m.kda_mode = args.kda
         lg = m.forward(parse_ids(args.ids))
-        json.dump({"logits": lg.tolist()}, sys.stdout)
+        res = {"logits": lg.tolist()}
+        if args.margins:
+            res["margins"] = m.margins
+        json.dump(res, sys.stdout)
         sys.stdout.write("\n")
     elif args.cmd == "generate":
         json.dump(m.generate(parse_ids(args.ids), args.n), sys.stdout)

@@ -445,6 +445,8 @@ class TestTinyModels(unittest.TestCase):
         np.testing.assert_array_equal(sparse.forward(short), dense.forward(short))   # bit for bit
         a, b = sparse.forward(self.ids), dense.forward(self.ids)
         np.testing.assert_array_equal(a[:topk], b[:topk])
+        self.assertIn("indexer", sparse.margins)                   # near-tie diagnostics recorded
+        self.assertNotIn("indexer", dense.margins)
         self.assertGreater(rel_err(a[topk:], b[topk:]), 1e-4)
         # the mask really keeps exactly topk keys per query beyond topk
         l = [i for i in range(sparse.cfg.n_layers) if sparse.cfg.dsa_layer[i]][0]
