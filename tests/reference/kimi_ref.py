@@ -842,7 +842,10 @@ class Model:
     def ffn(self, l, x):
         if self.cfg.is_moe[l]:
             return self.moe(l, x)
-        return self.dense_mlp(l, x, "mlp.")
+        # transformers 5.x save_pretrained writes the dense layer's MLP as block_sparse_moe.{gate,up,down}_proj
+        pre = "mlp." if self.has("mlp.gate_proj.weight", l) or not self.has(
+            "block_sparse_moe.gate_proj.weight", l) else "block_sparse_moe."
+        return self.dense_mlp(l, x, pre)
 
     def attn(self, l, x):
         return self.mla(l, x) if self.cfg.is_mla[l] else self.kda(l, x)

@@ -557,7 +557,7 @@ class TestGoldens(unittest.TestCase):
 def golden_ids(case_dir, f, n):
     """Token ids of a golden case: a tensor 'ids.<n>' / 'input_ids.<n>' in golden.safetensors or a JSON
     file in the case directory."""
-    for nm in (f"ids.{n}", f"input_ids.{n}", "input_ids", "ids"):
+    for nm in (f"prompt.{n}", f"ids.{n}", f"input_ids.{n}"):
         if nm in f.entries:
             return [int(v) for v in f.raw(nm)[2].reshape(-1)[:n]]
     for fn in ("ids.json", "input_ids.json", "golden.json", "meta.json"):
@@ -586,6 +586,24 @@ def compare_golden_case(tc, case_dir):
         ours = m.forward(ids)
         err = rel_err(ours, gold)
         tc.assertLess(err, 1e-4, f"{case_dir}: {nm}: max|d|/max|golden| = {err:.3e}")
+        # control: the same comparison must fail on a perturbed golden
+        bad = gold.copy()
+        bad[-1, int(np.argmax(np.abs(bad[-1])))] *= 1.01
+        tc.assertGreater(rel_err(ours, bad), 1e-4, f"{case_dir}: {nm}: comparator control did not fail")
+    for g in ("greedy", "greedy_long"):
+        if f"{g}.prompt" not in f.entries:
+            continue
+        prompt = [int(v) for v in f.raw(f"{g}.prompt")[2]]
+        want = [int(v) for v in f.raw(f"{g}.tokens")[2]]
+        glog = R.to_f64(*f.raw(f"{g}.logits")[::2]) if f"{g}.logits" in f.entries else None
+        seq = list(prompt)
+        for i, tok in enumerate(want):
+            row = m.forward(seq)[-1]
+            if glog is not None:
+                err = rel_err(row, glog[i])
+                tc.assertLess(err, 1e-4, f"{case_dir}: {g} step {i}: max|d|/max|golden| = {err:.3e}")
+            tc.assertEqual(int(np.argmax(row)), tok, f"{case_dir}: {g} step {i}")
+            seq.append(tok)
 
 
 if __name__ == "__main__":
