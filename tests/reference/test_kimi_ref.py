@@ -539,6 +539,21 @@ class TestTinyModels(unittest.TestCase):
             seq.append(g)
 
 
+    def test_compare_script_self_and_control(self):
+        import compare_perigee as C
+        me = [sys.executable, os.path.join(HERE, "kimi_ref.py")]
+        res = C.compare(me, self.dirs["k31"], [1, 9], 3, [4], 1e-4, 0)
+        self.assertTrue(res["pass"], res)
+        shim = os.path.join(self.tmp, "perturbed_engine.py")
+        with open(shim, "w") as fh:
+            fh.write("import sys\nsys.path.insert(0, %r)\nimport numpy as np, kimi_ref as R\n"
+                     "f = R.Model.forward\n"
+                     "def g(self, ids):\n    y = f(self, ids)\n    y[-1, 0] += 1e-2\n    return y\n"
+                     "R.Model.forward = g\nsys.exit(R.main())\n" % HERE)
+        res = C.compare([sys.executable, shim], self.dirs["k31"], [9], 0, [], 1e-4, 0)
+        self.assertFalse(res["pass"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # cross-check against the transformers goldens (tests/golden/kimi_linear/<case>/), when present
 # ----------------------------------------------------------------------------------------------------
