@@ -539,6 +539,45 @@ class TestTinyModels(unittest.TestCase):
             seq.append(g)
 
 
+    def test_trap23_latent_moe_order_per_token(self):
+        m = R.Model(self.dirs["k3"])
+        l = 1
+        pre = m.cfg.prefix + f"model.layers.{l}.block_sparse_moe."
+        ck = m.ck
+        W = lambda n: ck.f64(pre + n)
+        h = np.random.default_rng(9).standard_normal((5, 64))
+        got = m.moe(l, h)
+
+        def by_hand(norm_where):
+            outs = []
+            for x in h:
+                s = R.sigmoid(W("gate.weight") @ x)                  # router on the FULL hidden
+                choice = s + W("gate.e_score_correction_bias")
+                sel = np.argsort(-choice, kind="stable")[:2]
+                w = s[sel] / (s[sel].sum() + 1e-20) * 1.0
+                z = W("routed_expert_down_proj.weight") @ x          # once per token
+                acc = np.zeros_like(z)
+                for e, we in zip(sel, w):
+                    w1, w3, w2 = (R.decode_mxfp4(ck.raw(pre + f"experts.{e}.{k}.weight_packed")[2],
+                                                 ck.raw(pre + f"experts.{e}.{k}.weight_scale")[2]) for k in ("w1", "w3", "w2"))
+                    y = w2 @ R.situ(w1 @ z, w3 @ z, 4.0, 25.0)
+                    if norm_where == "per_expert":
+                        y = R.rmsnorm(y, W("routed_expert_norm.weight"), 1e-5)
+                    acc += we * y
+                if norm_where == "sum":
+                    acc = R.rmsnorm(acc, W("routed_expert_norm.weight"), 1e-5)
+                up = W("routed_expert_up_proj.weight") @ acc
+                if norm_where == "after_up":
+                    up = R.rmsnorm(up, np.ones(64), 1e-5)
+                sh = W("shared_experts.down_proj.weight") @ R.situ(W("shared_experts.gate_proj.weight") @ x,
+                                                                   W("shared_experts.up_proj.weight") @ x, 4.0, 25.0)
+                outs.append(up + sh)
+            return np.array(outs)
+
+        np.testing.assert_allclose(got, by_hand("sum"), rtol=1e-12, atol=1e-12)
+        for bad in ("per_expert", "after_up"):                     # controls: wrong norm placement
+            self.assertGreater(rel_err(by_hand(bad), got), 1e-2, bad)
+
     def test_compare_script_self_and_control(self):
         import compare_perigee as C
         me = [sys.executable, os.path.join(HERE, "kimi_ref.py")]
