@@ -4,8 +4,9 @@
 
 #include <algorithm>
 #include <climits>
-#include <vector>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace perigee {
 
@@ -141,6 +142,54 @@ nvfp4_repack mxfp4_to_nvfp4(const tensor & packed, const tensor & scale, const s
     r.global_scale = std::ldexp(1.0f, g);
     r.ok = true;
     return r;
+}
+
+std::string nvfp4_matches_mxfp4(const tensor & mx_packed, const tensor & mx_scale, const tensor & nv_packed,
+                                const tensor & nv_scale, float global_scale, const std::string & name, bool full) {
+    PG_CHECK(mx_packed.shape.size() == 2, "{}: weight_packed has shape {}, expected 2-D [out, in/2]", name,
+             shape_str(mx_packed.shape));
+    const int64_t out = mx_packed.shape[0], in = mx_packed.shape[1] * 2;
+    mxfp4_validate(mx_packed, mx_scale, out, in, name);
+    nvfp4_validate(nv_packed, nv_scale, global_scale, out, in, name);
+    const auto * mp = mx_packed.as<uint8_t>();
+    const auto * np = nv_packed.as<uint8_t>();
+    const auto * ms = mx_scale.as<uint8_t>();
+    const auto * ns = nv_scale.as<uint8_t>();
+    if (full) {
+        std::vector<float> a(static_cast<size_t>(in)), b(static_cast<size_t>(in));
+        for (int64_t r = 0; r < out; ++r) {
+            mxfp4_dequant_row_ref(mp + r * (in / 2), ms + r * (in / k_mxfp4_block), in, a.data());
+            nvfp4_dequant_row_ref(np + r * (in / 2), ns + r * (in / k_nvfp4_block), global_scale, in, b.data());
+            for (int64_t c = 0; c < in; ++c)
+                if (std::memcmp(&a[size_t(c)], &b[size_t(c)], 4) != 0)
+                    return fmt::format("{}: row {}, column {}: MXFP4 decodes to {} but NVFP4 to {}", name, r, c,
+                                       a[size_t(c)], b[size_t(c)]);
+        }
+        return "";
+    }
+    for (int64_t r = 0; r < out; ++r) {
+        const int64_t off = r * (in / 2);
+        if (std::memcmp(mp + off, np + off, size_t(in / 2)) != 0) {
+            int64_t j = 0;
+            while (mp[off + j] == np[off + j]) ++j;
+            return fmt::format("{}: row {}, packed byte {}: MXFP4 0x{:02X}, NVFP4 0x{:02X} (nibbles must be verbatim)",
+                               name, r, j, mp[off + j], np[off + j]);
+        }
+        const int64_t nb = in / k_mxfp4_block;
+        for (int64_t b = 0; b < nb; ++b) {
+            bool nonzero = false;
+            for (int64_t i = 0; i < k_mxfp4_block / 2 && !nonzero; ++i) nonzero = (mp[off + b * 16 + i] & 0x77) != 0;
+            if (!nonzero) continue;   // +-0 in both encodings (validate rejected NaN scales)
+            const float want = e8m0_to_f32(ms[r * nb + b]);
+            for (int h = 0; h < 2; ++h) {
+                const float got = f8_e4m3_to_f32(ns[r * 2 * nb + 2 * b + h]) * global_scale;
+                if (std::memcmp(&got, &want, 4) != 0)
+                    return fmt::format("{}: row {}, block {} (half {}): NVFP4 scale x global = {} but MXFP4 scale = {}",
+                                       name, r, b, h, got, want);
+            }
+        }
+    }
+    return "";
 }
 
 } // namespace perigee

@@ -61,4 +61,15 @@ struct nvfp4_repack {
 nvfp4_repack mxfp4_to_nvfp4(const tensor & packed, const tensor & scale, const std::string & name = "mxfp4",
                             bool normal_scales_only = false);
 
+// Checks that an NVFP4 matrix decodes to exactly the values of an MXFP4 matrix, bit for bit (trap 32's
+// self-test). Returns "" when they agree, else a description of the first difference naming `name`.
+//  full = true:  decodes both row by row (bounded memory) and compares every element's bits.
+//  full = false: the equivalent cheap check: packed bytes identical, and for every 32-block with a nonzero
+//                nibble, e4m3(scale[2j]) * G == e4m3(scale[2j+1]) * G == 2^(e8m0 - 127) exactly in fp32 (values
+//                are then equal because every product is an exact power-of-two scaling); all-zero blocks
+//                only need non-NaN scales (their values are +-0 either way).
+// Both inputs are validated first (shapes, dtypes, 0xFF / NaN bytes).
+std::string nvfp4_matches_mxfp4(const tensor & mx_packed, const tensor & mx_scale, const tensor & nv_packed,
+                                const tensor & nv_scale, float global_scale, const std::string & name, bool full);
+
 } // namespace perigee

@@ -116,6 +116,18 @@ TEST(nvfp4, trap32_repack_bit_exact_random) {
         bad.as<uint8_t>()[0] ^= 0x08;   // block 0 is nonzero by construction
         tensor b2 = nvfp4_dequant_ref(r.packed, bad, r.global_scale, "t");
         EXPECT_NE(first_diff(a, b2), -1);
+        // The converter's self-check agrees in both modes, and catches the same wrong byte.
+        EXPECT_EQ(nvfp4_matches_mxfp4(m.packed, m.scale, r.packed, r.scale, r.global_scale, "t", true), "");
+        EXPECT_EQ(nvfp4_matches_mxfp4(m.packed, m.scale, r.packed, r.scale, r.global_scale, "t", false), "");
+        EXPECT_NE(nvfp4_matches_mxfp4(m.packed, m.scale, r.packed, bad, r.global_scale, "t", true), "");
+        EXPECT_NE(nvfp4_matches_mxfp4(m.packed, m.scale, r.packed, bad, r.global_scale, "t", false), "");
+        EXPECT_NE(nvfp4_matches_mxfp4(m.packed, m.scale, r.packed, r.scale, r.global_scale * 2, "t", false), "");
+        tensor badp = tensor_new(dtype::U8, m.packed.shape);
+        std::memcpy(badp.data, m.packed.data, m.packed.nbytes);
+        badp.as<uint8_t>()[0] ^= 0x01;   // block 0 is nonzero (in an all-zero block a nibble
+        // change can leave the decoded +-0 unchanged, since its NVFP4 scale is 0)
+        EXPECT_NE(nvfp4_matches_mxfp4(m.packed, m.scale, badp, r.scale, r.global_scale, "t", true), "");
+        EXPECT_NE(nvfp4_matches_mxfp4(m.packed, m.scale, badp, r.scale, r.global_scale, "t", false), "");
     }
 }
 
