@@ -166,7 +166,14 @@ public:
         outs_.assign(g.nodes.size(), {});
         for (int id = 0; id < int(g.nodes.size()); ++id) {
             check_node(g, id);
-            run_node(g, id);
+            try {
+                run_node(g, id);
+            } catch (const error & e) {
+                const node & n = g.nodes[size_t(id)];
+                const std::string msg = e.what();
+                if (!n.name.empty() && msg.find(n.name) != std::string::npos) throw;
+                throw error(e.func(), e.file(), e.line(), fmt::format("node {} '{}' ({}): {}", id, n.name, op_name(n.op), msg));
+            }
             if (cb) {
                 const node & n = g.nodes[size_t(id)];
                 if (n.op == op_type::STATE) {
