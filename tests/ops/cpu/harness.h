@@ -22,8 +22,10 @@ namespace perigee::test {
 // f32 elementwise, norms, routing math, f32 linear: NMSE 1e-7 (llama.cpp max_nmse_err). The CPU op reads the
 // same bf16/f16 weight values as the fp64 reference, so the bf16-linear row (5e-4) would be needlessly loose.
 inline constexpr double k_nmse_f32 = 1e-7;
-// KDA scan o and final state: RMS(err)/RMS(ref) 5e-3 (fla tests/ops/test_kda.py).
-inline constexpr double k_rms_kda = 5e-3;
+// KDA scan o and final state: RMS(err)/RMS(ref). The table starts at 5e-3 (fla tests/ops/test_kda.py, bf16
+// kernels); the CPU fp32 path vs fp64 measured <= 1.3e-7 (recurrence and chunked, T <= 131), so it is pinned at
+// 1e-5 here (~100x headroom). A CUDA-vs-CPU parity runner uses its own (bf16/TF32-aware) threshold.
+inline constexpr double k_rms_kda = 1e-5;
 // MLA attention output: elementwise abs 8e-4 (FlashMLA dense decode test); we also check NMSE 1e-7 since the
 // CPU path is fp32, not bf16.
 inline constexpr double k_abs_mla = 8e-4;

@@ -301,3 +301,33 @@ TEST(cpu_ops, run_reports_each_node_to_callback) {
 
 } // namespace
 } // namespace perigee::test
+
+namespace perigee::test {
+namespace {
+
+// A KDA state that is not F32 is rejected before running, naming the node and the dtype.
+TEST(cpu_ops, unsupported_state_dtype_names_node) {
+    arena a;
+    const int T = 2, H = 1, K = 4;
+    std::vector<float> q(T * H * K, 0.1f);
+    builder bd(batch_simple(T));
+    // the builder itself insists on F32 state for KDA_SCAN; SHORT_CONV's state dtype is left to the backend
+    tensor & w = a.f32({H * K, 1, 4}, std::vector<float>(H * K * 4, 0.1f));
+    tensor & cst = a.raw(dtype::BF16, {1, H * K, 3});
+    node_ref y = bd.name(bd.short_conv(bd.weight(a.f32({T, H * K}, q), "x"), bd.weight(w, "conv.weight"), bd.state(cst, "conv_state")),
+                         "q_conv", 2);
+    graph g = bd.finish(y);
+    auto be = backend_cpu_init();
+    try {
+        be->check_supported(g);
+        FAIL() << "a BF16 conv state must be rejected";
+    } catch (const error & e) {
+        const std::string m = e.what();
+        std::printf("error: %s\n", m.c_str());
+        EXPECT_NE(m.find("blk.2.q_conv"), std::string::npos);
+        EXPECT_NE(m.find("unsupported state dtype: BF16"), std::string::npos);
+    }
+}
+
+} // namespace
+} // namespace perigee::test
