@@ -328,6 +328,71 @@ void read_published_text_config(kimi_config & c, key_reader & r, bool k3) {
     r.finish();
 }
 
+
+// The transformers-native form written by KimiLinearConfig.save_pretrained (transformers 5.x,
+// ARCHITECTURE §1.2; tools/golden/README.md lists what 5.17 writes). Layer kinds come from
+// layer_types / mlp_layer_types instead of the 1-based lists. The native port only implements the
+// sigmoid router with grouped top-k and the softplus KDA gate; it has no K3 keys.
+void read_native_config(kimi_config & c, key_reader & r) {
+    ignore_bookkeeping(r);
+    r.ignore("attention_bias", "must be false: checked below");
+    r.ignore("attention_dropout", "training only");
+    r.ignore("pretraining_tp", "training only");
+    r.ignore("head_dim", "written as qk_rope_head_dim by transformers; unused");
+    r.ignore("qk_head_dim", "derived: qk_nope_head_dim + qk_rope_head_dim, checked below");
+    if (r.has("attention_bias")) PG_CHECK(!r.raw("attention_bias").get<bool>(), "{}: attention_bias=true is not supported", r.where());
+    c.vocab_size = r.req_int("vocab_size");
+    c.hidden_size = r.req_int("hidden_size");
+    c.intermediate_size = r.req_int("intermediate_size");
+    c.num_hidden_layers = r.req_int("num_hidden_layers");
+    c.num_attention_heads = r.req_int("num_attention_heads");
+    const int64_t kvh = r.req_int("num_key_value_heads");
+    PG_CHECK(kvh == c.num_attention_heads, "{}: num_key_value_heads {} != num_attention_heads {}", r.where(), kvh,
+             c.num_attention_heads);
+    c.rms_norm_eps = float(r.req_num("rms_norm_eps"));
+    c.tie_word_embeddings = r.req_bool("tie_word_embeddings");
+    if (auto v = r.opt_int("model_max_length")) c.max_position_embeddings = *v;
+    if (auto v = r.opt_int("max_position_embeddings")) c.max_position_embeddings = *v;
+    read_token_ids(r, c);
+    const std::string act = r.req_str("hidden_act");
+    PG_CHECK(act == "silu", "{}: hidden_act '{}' is not supported in the transformers-native form (silu)", r.where(), act);
+    c.hidden_act = glu_act::SILU;
+    c.q_lora_rank = r.opt_int("q_lora_rank").value_or(0);
+    r.raw("q_lora_rank");
+    c.kv_lora_rank = r.req_int("kv_lora_rank");
+    c.qk_nope_head_dim = r.req_int("qk_nope_head_dim");
+    c.qk_rope_head_dim = r.req_int("qk_rope_head_dim");
+    c.v_head_dim = r.req_int("v_head_dim");
+    if (auto v = r.opt_int("qk_head_dim"))
+        PG_CHECK(*v == c.qk_nope_head_dim + c.qk_rope_head_dim, "{}: qk_head_dim {} != qk_nope_head_dim + qk_rope_head_dim",
+                 r.where(), *v);
+    c.kda_num_heads = r.req_int("linear_num_heads");
+    c.kda_head_dim = r.req_int("linear_head_dim");
+    c.kda_short_conv_kernel_size = r.req_int("linear_conv_kernel_dim");
+    c.num_experts = r.req_int("num_experts");
+    c.num_experts_per_token = r.req_int("num_experts_per_token");
+    c.num_shared_experts = r.req_int("num_shared_experts");
+    c.moe_intermediate_size = r.req_int("moe_intermediate_size");
+    c.moe_renormalize = r.req_bool("moe_renormalize");
+    c.routed_scaling_factor = float(r.req_num("routed_scaling_factor"));
+    c.num_expert_group = r.req_int("num_expert_group");
+    c.topk_group = r.req_int("topk_group");
+    c.moe_router_activation_func = router_act::SIGMOID;
+    const auto lt = r.str_list("layer_types");
+    const auto mt = r.str_list("mlp_layer_types");
+    PG_CHECK(int64_t(lt.size()) == c.num_hidden_layers && int64_t(mt.size()) == c.num_hidden_layers,
+             "{}: layer_types ({}) and mlp_layer_types ({}) must have num_hidden_layers = {} entries", r.where(), lt.size(),
+             mt.size(), c.num_hidden_layers);
+    for (size_t l = 0; l < lt.size(); ++l) {
+        PG_CHECK(lt[l] == "linear_attention" || lt[l] == "full_attention", "{}: layer_types[{}] = '{}' (linear_attention, "
+                 "full_attention)", r.where(), l, lt[l]);
+        PG_CHECK(mt[l] == "dense" || mt[l] == "sparse", "{}: mlp_layer_types[{}] = '{}' (dense, sparse)", r.where(), l, mt[l]);
+        c.layer_is_kda.push_back(lt[l] == "linear_attention");
+        c.layer_is_moe.push_back(mt[l] == "sparse");
+    }
+    r.finish();
+}
+
 void validate(const kimi_config & c, const std::string & where) {
     auto pos = [&](int64_t v, const char * k) { PG_CHECK(v > 0, "{}: {} must be positive, got {}", where, k, v); };
     pos(c.vocab_size, "vocab_size");
@@ -412,8 +477,8 @@ kimi_config config_parse(const std::string & text, const std::string & where) {
             c.config_form = "published";
             read_published_text_config(c, r, false);
         } else {
-            PG_FAIL("{}: kimi_linear config without linear_attn_config: the transformers-native form is not "
-                    "supported yet", where);
+            c.config_form = "transformers";
+            read_native_config(c, r);
         }
         PG_CHECK(c.layer_is_dsa.empty(), "{}: a kimi_linear config with dsa_config: the indexer is only known in "
                  "kimi_k31 wrappers", where);
@@ -421,7 +486,7 @@ kimi_config config_parse(const std::string & text, const std::string & where) {
         PG_FAIL("{}: model_type '{}' is not supported (kimi_linear, kimi_k3, kimi_k31)", where, mt);
     }
     if (c.layer_is_dsa.empty()) c.layer_is_dsa.assign(size_t(c.num_hidden_layers), false);
-    derive_moe_layers(c);
+    if (c.layer_is_moe.empty()) derive_moe_layers(c);
     validate(c, where);
     return c;
 }

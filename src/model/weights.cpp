@@ -40,6 +40,14 @@ void declare_expert_matrix(decl_list & d, const kimi_config & c, const checkpoin
     }
 }
 
+// The dense MLP is `mlp.*` in the published checkpoints; transformers 5.x save_pretrained writes it
+// as `block_sparse_moe.{gate,up,down}_proj` (its reverse rename catches the dense layer too;
+// tools/golden/README.md). Only the transformers-native form may use the second spelling.
+std::string dense_mlp_prefix(const kimi_config & c, const checkpoint & ck, const std::string & L) {
+    if (c.config_form == "transformers" && ck.has(L + "block_sparse_moe.gate_proj.weight")) return L + "block_sparse_moe.";
+    return L + "mlp.";
+}
+
 } // namespace
 
 std::vector<weight_decl> weights_declare(const kimi_config & c, const checkpoint & ck) {
@@ -114,9 +122,10 @@ std::vector<weight_decl> weights_declare(const kimi_config & c, const checkpoint
         }
         if (!c.layer_is_moe[size_t(l)]) {
             const int64_t I = c.intermediate_size;
-            d.add(L + "mlp.gate_proj.weight", {I, D}, k_float);
-            d.add(L + "mlp.up_proj.weight", {I, D}, k_float);
-            d.add(L + "mlp.down_proj.weight", {D, I}, k_float);
+            const std::string F = dense_mlp_prefix(c, ck, L);
+            d.add(F + "gate_proj.weight", {I, D}, k_float);
+            d.add(F + "up_proj.weight", {I, D}, k_float);
+            d.add(F + "down_proj.weight", {D, I}, k_float);
         } else {
             const std::string M = L + "block_sparse_moe.";
             const int64_t E = c.num_experts, I = c.moe_intermediate_size;
@@ -296,7 +305,8 @@ std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck
             }
         }
         if (!lw.is_moe) {
-            lw.mlp = {T(L + "mlp.gate_proj.weight"), T(L + "mlp.up_proj.weight"), T(L + "mlp.down_proj.weight")};
+            const std::string F = dense_mlp_prefix(c, ck, L);
+            lw.mlp = {T(F + "gate_proj.weight"), T(F + "up_proj.weight"), T(F + "down_proj.weight")};
         } else {
             const std::string M = L + "block_sparse_moe.";
             auto & mo = lw.moe;
