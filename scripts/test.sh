@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs, builds and runs every test Perigee has on this machine (the README's test command; CI
+# runs it through .ci/run). CPU build + the whole CPU suite under ctest; with nvcc present, the
+# CUDA backend is also compiled (it cannot run without a GPU: GPU tests run on the GPU machine
+# through tools/gpu/run.sh and are recorded in bench/RESULTS.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+
+bash scripts/install-deps.sh
+for s in scripts/install-test-deps.sh scripts/install-server-test-deps.sh; do
+  if [ -f "$s" ]; then bash "$s"; fi
+done
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPERIGEE_TESTS=ON
+ninja -C build -j "$JOBS"
+
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== CUDA backend compile check (sm_90a; not run: no GPU here) =="
+  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPERIGEE_CUDA=ON -DPERIGEE_TESTS=OFF \
+        -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  ninja -C build-cuda -j "$JOBS"
+fi
+
+ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 900
