@@ -79,6 +79,15 @@ struct hasher {
     }
 };
 
+// The input's modification time (file clock ticks): with its size and header hash, what says "unchanged" without
+// re-reading the input's data.
+int64_t mtime_of(const std::string & path) {
+    std::error_code ec;
+    const auto t = fs::last_write_time(path, ec);
+    PG_CHECK(!ec, "{}: cannot stat: {}", path, ec.message());
+    return int64_t(t.time_since_epoch().count());
+}
+
 std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
 uint64_t hash_prefix(const std::string & path, uint64_t nbytes) {
@@ -230,6 +239,7 @@ bool converter::try_skip(const safetensors_file & in, const std::string & shard,
             return redo("it was made with other options");
         const auto & mi = m.at("input");
         if (mi.at("file").get<std::string>() != shard || mi.at("size").get<uint64_t>() != in.file_size() ||
+            mi.at("mtime").get<int64_t>() != mtime_of(in.path()) ||
             mi.at("header_hash").get<std::string>() != hex64(input_header_hash(in)))
             return redo("the input shard changed");
         const auto & mo = m.at("output");
@@ -342,7 +352,8 @@ void converter::convert_shard(const safetensors_file & in, const std::string & s
     m["version"] = k_marker_version;
     m["tool"] = "perigee convert (MXFP4 -> NVFP4)";
     m["options"] = {{"normal_scales_only", o_.normal_scales_only}};
-    m["input"] = {{"file", shard}, {"size", in.file_size()}, {"header_hash", hex64(input_header_hash(in))}};
+    m["input"] = {{"file", shard}, {"size", in.file_size()}, {"mtime", mtime_of(in.path())},
+                  {"header_hash", hex64(input_header_hash(in))}};
     m["output"] = {{"file", shard}, {"size", out_size}, {"hash", hex64(convert_file_hash(opath))}};
     ojson pj = ojson::array();
     for (const std::string & x : pairs_here) {
@@ -415,6 +426,18 @@ void converter::write_config() {
     g0["targets"] = targets;
     g0["weights"] = {{"num_bits", 4}, {"group_size", 16}, {"type", "float"}, {"strategy", "tensor_group"},
                      {"symmetric", true}, {"dynamic", false}, {"scale_dtype", "torch.float8_e4m3fn"}};
+    // The conventions, documented in the file itself (the engine's strict config parser skips config_groups;
+    // the tensors' dtypes and names are what it checks).
+    g0["perigee_conversion"] = {
+        {"tool", "perigee convert"},
+        {"converted_from", "mxfp4-pack-quantized"},
+        {"nvfp4_value", "e2m1(weight_packed nibble) * e4m3(weight_scale) * weight_global_scale"},
+        {"weight_global_scale",
+         "F32 [1], the multiplier itself (not a reciprocal divisor); a power of two and a normal fp32"},
+        {"scale_range", o_.normal_scales_only ? "E4M3 normal powers of two 2^-6..2^8"
+                                              : "E4M3 powers of two 2^-9..2^8 (subnormal scales allowed)"},
+        {"format_by_scale_dtype", "weight_scale F8_E4M3 + weight_global_scale = NVFP4; weight_scale U8 (E8M0) = MXFP4"},
+    };
     ojson groups = {{"group_0", g0}};
     ojson kept = ojson::array();
     for (const auto & [x, why] : rep_.kept_mxfp4) kept.push_back(x);
@@ -423,19 +446,11 @@ void converter::write_config() {
         for (const auto & [x, why] : rep_.kept_mxfp4) t.push_back(cat(cat("re:^", regex_escape(x)), "$"));
         groups["group_1"] = {{"format", "mxfp4-pack-quantized"}, {"targets", t}, {"weights", old_weights}};
     }
-    qc["format"] = rep_.kept_mxfp4.empty() ? "nvfp4-pack-quantized" : "mixed-precision";
+    // The tree's format is NVFP4; the pairs that did not fit stay MXFP4 and are listed in `mxfp4_kept`
+    // (their `<x>` prefixes), and described by group_1.
+    qc["format"] = "nvfp4-pack-quantized";
     qc["config_groups"] = groups;
-    qc["perigee_conversion"] = {
-        {"tool", "perigee convert"},
-        {"converted_from", "mxfp4-pack-quantized"},
-        {"nvfp4_value", "e2m1(weight_packed nibble) * e4m3(weight_scale) * weight_global_scale"},
-        {"weight_global_scale",
-         "F32 [1], the multiplier itself (not a reciprocal divisor); a power of two and a normal fp32"},
-        {"scale_range", o_.normal_scales_only ? "E4M3 normal powers of two 2^-6..2^8"
-                                              : "E4M3 powers of two 2^-9..2^8 (subnormal scales allowed)"},
-        {"format_by_scale_dtype", "weight_scale F8_E4M3 = NVFP4; weight_scale U8 (E8M0) = MXFP4"},
-        {"kept_mxfp4", kept},
-    };
+    qc["mxfp4_kept"] = kept;
     write_text_atomic((fs::path(o_.out_dir) / "config.json").string(), cfg.dump(2) + "\n");
 }
 

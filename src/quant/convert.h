@@ -13,15 +13,16 @@
 //    unchanged) and is reported by name with the reason; nothing is ever clamped. A tensor's format can always
 //    be told from its scale dtype: U8/F8_E8M0 = MXFP4, F8_E4M3 = NVFP4.
 //  * every other tensor is copied; every other file (tokenizer, generation_config.json, ...) is copied;
-//    config.json's quantization_config (inside text_config when there is one) is rewritten to
-//    nvfp4-pack-quantized ("mixed-precision" with a second MXFP4 group when some pairs were kept), with a
-//    `perigee_conversion` block listing the kept tensors; model.safetensors.index.json is written (sharded
+//    config.json's quantization_config (inside text_config when there is one) is rewritten: format
+//    nvfp4-pack-quantized, config_groups.group_0 the NVFP4 group (with a `perigee_conversion` block documenting
+//    the conventions), group_1 an MXFP4 group targeting the kept pairs (when any), and `mxfp4_kept`: the list of
+//    kept `<x>` prefixes (always present, maybe empty); model.safetensors.index.json is written (sharded
 //    input) with the same shard file names; `perigee_convert_report.json` records kept tensors and the
 //    histogram of block-exponent spans.
 //  * shard by shard: each output shard holds only views into the mmapped input plus its new scales
 //    (1/8 of its packed bytes); each is verified after writing by reopening it and checking every repacked
 //    pair against the input (nvfp4_matches_mxfp4) before its done-marker is written.
-//  * resumable: `<out>/.perigee-convert/<shard>.done.json` records the input shard's size and header hash, the
+//  * resumable: `<out>/.perigee-convert/<shard>.done.json` records the input shard's size, mtime and header hash, the
 //    options, and the output shard's size and content hash. A re-run skips a shard whose marker matches
 //    and whose output re-hashes to the recorded value; anything else is converted again.
 #pragma once

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -226,12 +227,16 @@ TEST(convert, trap32_tree_bit_exact_kept_reported_and_resumable) {
     const json in_cfg = json::parse(read_file(t.in / "config.json"));
     json cfg = json::parse(read_file(t.out / "config.json"));
     const json & qc = cfg["text_config"]["quantization_config"];
-    EXPECT_EQ(qc["format"], "mixed-precision");
+    EXPECT_EQ(qc["format"], "nvfp4-pack-quantized");
     EXPECT_EQ(qc["config_groups"]["group_0"]["format"], "nvfp4-pack-quantized");
     EXPECT_EQ(qc["config_groups"]["group_0"]["weights"]["group_size"], 16);
     EXPECT_EQ(qc["config_groups"]["group_1"]["format"], "mxfp4-pack-quantized");
-    EXPECT_EQ(qc["perigee_conversion"]["kept_mxfp4"], json::array({k_bad}));
-    EXPECT_NE(qc["perigee_conversion"]["weight_global_scale"].get<std::string>().find("multiplier"), std::string::npos);
+    EXPECT_EQ(qc["mxfp4_kept"], json::array({k_bad}));
+    ASSERT_EQ(qc["config_groups"]["group_1"]["targets"].size(), 1u);
+    EXPECT_EQ(qc["config_groups"]["group_1"]["targets"][0],
+              "re:^language_model\\.model\\.layers\\.1\\.block_sparse_moe\\.experts\\.3\\.w2$");
+    EXPECT_NE(qc["config_groups"]["group_0"]["perigee_conversion"]["weight_global_scale"].get<std::string>().find("multiplier"),
+              std::string::npos);
     EXPECT_EQ(qc["ignore"], in_cfg["text_config"]["quantization_config"]["ignore"]);
     cfg["text_config"].erase("quantization_config");
     json in_rest = in_cfg;
@@ -276,6 +281,16 @@ TEST(convert, trap32_tree_bit_exact_kept_reported_and_resumable) {
     EXPECT_TRUE(any_contains(log, "content hash differs"));
     EXPECT_EQ(r3.pairs_repacked, r.pairs_repacked);
     check_output(t);
+
+    // A rewritten input shard (new mtime) is converted again even though its marker and output are intact.
+    {
+        const fs::path p = t.in / "model-00003-of-00003.safetensors";
+        fs::last_write_time(p, fs::last_write_time(p) + std::chrono::seconds(5));
+        log.clear();
+        const convert_report r4 = convert_mxfp4_to_nvfp4(opts(t, &log));
+        EXPECT_EQ(r4.shards_converted, 1);
+        EXPECT_TRUE(any_contains(log, "input shard changed"));
+    }
 
     // --force converts everything again.
     convert_options of = opts(t);
