@@ -105,8 +105,10 @@ public:
     bool key(string_t & k) override {
         switch (st_) {
             case state::in_top:
-                PG_CHECK(names_.insert(k).second, "{}: header: duplicate key '{}'", path_, printable(k));
+                // Duplicate tensor names are found after the parse, on the name-sorted index (cheaper than a set).
                 if (k == "__metadata__") {
+                    PG_CHECK(!seen_metadata_, "{}: header: duplicate key '__metadata__'", path_);
+                    seen_metadata_ = true;
                     st_ = state::expect_meta;
                     in_tensor_ = false;
                     return true;
@@ -228,7 +230,7 @@ private:
     std::vector<st_entry> & out_;
     std::map<std::string, std::string> & meta_;
     state st_ = state::top;
-    std::unordered_set<std::string> names_;
+    bool seen_metadata_ = false;
     std::string cur_name_, meta_key_;
     bool in_tensor_ = false;
     st_entry cur_;
@@ -309,17 +311,31 @@ std::shared_ptr<safetensors_file> safetensors_file::open(const std::string & pat
                               "header offset {}", path, uint8_t(h[k]), k);
     }
 
+    // The shortest entry is ~50 header bytes, so n / 48 bounds the count: reserving it (virtual memory only,
+    // touched as filled) avoids the reallocation peak of a header with very many entries.
+    f->entries_.reserve(size_t(std::min<uint64_t>(n / 48 + 1, k_st_max_tensors)));
     header_sax sax(f->path_, buffer_size, f->entries_, f->metadata_);
     const bool ok = nlohmann::json::sax_parse(h, h + m, &sax, nlohmann::json::input_format_t::json, true, false);
     PG_CHECK(ok && sax.done(), "{}: header is not valid JSON", path);
 
-    // Offset order: each tensor starts where the previous ended, the first at 0, the last at the end of the buffer.
+    // Offset order (header key order is free, as in the reference reader, which sorts by offsets).
     auto & es = f->entries_;
-    std::sort(es.begin(), es.end(), [](const st_entry & a, const st_entry & b) {
+    const auto by_offset = [](const st_entry & a, const st_entry & b) {
         if (a.begin != b.begin) return a.begin < b.begin;
         if (a.end != b.end) return a.end < b.end;
         return a.name < b.name;
-    });
+    };
+    if (!std::is_sorted(es.begin(), es.end(), by_offset)) std::sort(es.begin(), es.end(), by_offset);
+
+    // Name index for find(); duplicate tensor keys show up as neighbours.
+    f->by_name_.resize(es.size());
+    for (size_t i = 0; i < es.size(); ++i) f->by_name_[i] = i;
+    std::sort(f->by_name_.begin(), f->by_name_.end(), [&es](size_t a, size_t b) { return es[a].name < es[b].name; });
+    for (size_t i = 1; i < es.size(); ++i)
+        PG_CHECK(es[f->by_name_[i - 1]].name != es[f->by_name_[i]].name, "{}: header: duplicate key '{}'", path,
+                 printable(es[f->by_name_[i]].name));
+
+    // Each tensor starts where the previous ended, the first at 0, the last at the end of the buffer.
     uint64_t pos = 0;
     for (size_t i = 0; i < es.size(); ++i) {
         const st_entry & e = es[i];
@@ -334,10 +350,6 @@ std::shared_ptr<safetensors_file> safetensors_file::open(const std::string & pat
     }
     PG_CHECK(pos == buffer_size, "{}: trailing bytes: buffer not fully covered: the data buffer is {} bytes but the "
              "tensors cover {} ({} bytes after the last tensor)", path, buffer_size, pos, buffer_size - pos);
-
-    f->by_name_.resize(es.size());
-    for (size_t i = 0; i < es.size(); ++i) f->by_name_[i] = i;
-    std::sort(f->by_name_.begin(), f->by_name_.end(), [&es](size_t a, size_t b) { return es[a].name < es[b].name; });
     return f;
 }
 
@@ -357,8 +369,12 @@ tensor safetensors_file::view(const st_entry & e) const {
     t.type = e.type;
     t.shape = e.shape;
     t.nbytes = size_t(e.end - e.begin);
-    PG_CHECK(uint64_t((shape_numel(e.shape) * dtype_bits(e.type)) / 8) == t.nbytes,
-             "{}: tensor '{}': entry size does not match its shape", path_, printable(e.name));
+    uint64_t numel = 1, nbits = 0;
+    bool ok = e.shape.size() <= k_st_max_rank && size_t(e.type) < size_t(dtype::COUNT);
+    for (int64_t d : e.shape) ok = ok && d >= 0 && !mul_overflows(numel, uint64_t(d), numel);
+    ok = ok && !mul_overflows(numel, uint64_t(dtype_bits(e.type)), nbits) && nbits % 8 == 0 && nbits / 8 == t.nbytes;
+    PG_CHECK(ok, "{}: tensor '{}': entry size does not match its shape {}", path_, printable(e.name),
+             shape_str(e.shape));
     if (t.nbytes > 0) {
         t.data = const_cast<uint8_t *>(base_ + 8 + header_size_ + e.begin);
         t.owner = map_;

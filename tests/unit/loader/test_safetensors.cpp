@@ -65,6 +65,7 @@ std::vector<defect> defects() {
         {"utf8_surrogate", obj(E("a\xed\xa0\x80", "F32", "[2]", 0, 8)), 8, std::nullopt, {"not valid UTF-8"}},
         // L-10: duplicate keys.
         {"duplicate_tensor", obj(k_ok + "," + E("a", "F32", "[2]", 8, 16)), 16, std::nullopt, {"duplicate key 'a'"}},
+        {"duplicate_tensor_same_offsets", obj(k_ok + "," + k_ok), 8, std::nullopt, {"duplicate key 'a'"}},
         {"duplicate_field", obj(R"("a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]})"), 8, std::nullopt,
          {"tensor 'a'", "duplicate key 'dtype'"}},
         {"duplicate_metadata", obj(R"("__metadata__":{"k":"v"},"__metadata__":{"k":"v"})"), 0, std::nullopt,
