@@ -292,10 +292,20 @@ TEST(convert, trap32_tree_bit_exact_kept_reported_and_resumable) {
         EXPECT_TRUE(any_contains(log, "input shard changed"));
     }
 
-    // --force converts everything again.
+    // --force converts everything again, byte-identically (RELIABILITY C-09: convert twice -> same bytes).
+    std::vector<uint64_t> before;
+    for (int s = 1; s <= 3; ++s)
+        before.push_back(convert_file_hash((t.out / fmt::format("model-{:05d}-of-00003.safetensors", s)).string()));
+    const std::string index_before = read_file(t.out / "model.safetensors.index.json");
+    const std::string config_before = read_file(t.out / "config.json");
     convert_options of = opts(t);
     of.force = true;
     EXPECT_EQ(convert_mxfp4_to_nvfp4(of).shards_converted, 3);
+    for (int s = 1; s <= 3; ++s)
+        EXPECT_EQ(convert_file_hash((t.out / fmt::format("model-{:05d}-of-00003.safetensors", s)).string()),
+                  before[size_t(s - 1)]) << s;
+    EXPECT_EQ(read_file(t.out / "model.safetensors.index.json"), index_before);
+    EXPECT_EQ(read_file(t.out / "config.json"), config_before);
     check_output(t);
 
     // --require-all fails naming the tensor that had to stay MXFP4 (the output is still complete).
