@@ -55,6 +55,8 @@ struct engine_options {
     int n_pages = 0;                  // 0 = enough for max_num_seqs * max_model_len
     int max_queue = 256;              // waiting requests beyond this are refused (server: 503)
     bool enable_prefix_caching = false;
+    // --- extensions (runtime) ---
+    int max_prefill_chunk = 0;        // 0 = only the token budget caps a prefill chunk
 };
 
 struct engine_stats {
@@ -62,6 +64,11 @@ struct engine_stats {
     int free_slots = 0, free_pages = 0;
     int total_slots = 0, total_pages = 0;
     uint64_t steps = 0, prompt_tokens = 0, generated_tokens = 0;
+    // --- extensions (runtime) ---
+    uint64_t batched_tokens = 0;      // tokens forwarded, recomputation after preemption included
+    uint64_t preemptions = 0;
+    uint64_t finished = 0, cancelled = 0, errors = 0;   // requests by how they ended
+    uint64_t nan_events = 0;          // requests failed for non-finite logits
 };
 
 class engine {
@@ -77,6 +84,9 @@ public:
     void cancel(uint64_t request_id);
     engine_stats stats() const;
     const kimi_config & config() const;
+    // --- extensions (runtime) ---
+    // Blocks until no request is queued or running (or the timeout passes); returns true if idle.
+    bool wait_idle(double timeout_s = 1e9);
 
     struct impl;
 private:

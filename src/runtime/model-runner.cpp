@@ -1,13 +1,18 @@
 #include "runtime/model-runner.h"
 
 #include "core/error.h"
+#include "runtime/block-manager.h"
+
+#include <cstring>
 
 namespace perigee {
 
 model_runner::model_runner(const std::string & dir, const runner_options & opt) {
     cfg_ = config_load(dir);
     w_ = weights_load(cfg_, checkpoint::open(dir));
-    const int pages = opt.n_pages > 0 ? opt.n_pages : opt.n_slots * ((opt.max_tokens + opt.page_size - 1) / opt.page_size);
+    int pages = opt.n_pages > 0 ? opt.n_pages : opt.n_slots * ((opt.max_tokens + opt.page_size - 1) / opt.page_size);
+    if (opt.memory_budget_bytes > 0)
+        pages = plan_pools(cfg_, opt.memory_budget_bytes, opt.n_slots, opt.page_size, opt.max_tokens).n_pages;
     st_ = state_init(cfg_, opt.n_slots, pages, opt.page_size);
     PG_CHECK(opt.backend == "cpu", "backend '{}' is not available in this build (cpu)", opt.backend);
     be_ = backend_cpu_init();
@@ -18,6 +23,27 @@ tensor model_runner::step(std::shared_ptr<const batch> b, const backend::node_ca
     be_->check_supported(g);
     be_->run(g, cb);
     return be_->read(g.logits);
+}
+
+tensor model_runner::step_rows(std::shared_ptr<const batch> b) {
+    PG_CHECK(!b->logits_rows.empty(), "step_rows: batch.logits_rows is empty");
+    tensor lg = step(b);
+    const int64_t R = int64_t(b->logits_rows.size()), V = lg.dim(1);
+    tensor rows;
+    if (lg.dim(0) == R && R != b->n_tokens()) {
+        rows = lg;   // the forward computed only the requested rows
+    } else {
+        PG_CHECK(lg.dim(0) == b->n_tokens(), "step_rows: forward returned {} logits rows for {} tokens", lg.dim(0), b->n_tokens());
+        rows = tensor_new(dtype::F32, {R, V});
+        for (int64_t r = 0; r < R; ++r)
+            std::memcpy(rows.f32() + r * V, lg.f32() + int64_t(b->logits_rows[size_t(r)]) * V, size_t(V) * sizeof(float));
+    }
+    if (logits_hook) logits_hook(*b, rows);
+    return rows;
+}
+
+void model_runner::zero_slot(int slot) {
+    if (!skip_slot_zero) state_slot_zero(st_, slot);
 }
 
 single_sequence::single_sequence(model_runner & r) : r_(r) { state_slot_zero(r_.state(), 0); }

@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 #include "model/forward.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -15,6 +16,8 @@ struct runner_options {
     int n_pages = 0;           // MLA cache pages; 0 = enough for n_slots sequences of max_tokens
     int page_size = 16;
     int max_tokens = 4096;     // per sequence, used to size pages when n_pages == 0
+    int64_t memory_budget_bytes = 0;   // > 0: n_pages from this byte budget (runtime/block-manager.h
+                                       //  plan_pools: n_slots slots first, the rest as pages)
     std::string backend = "cpu";
 };
 
@@ -27,6 +30,19 @@ public:
     backend & be() { return *be_; }
     // Runs one step; returns logits F32 [n_tokens, vocab].
     tensor step(std::shared_ptr<const batch> b, const backend::node_callback & cb = {});
+    // Runs one step and returns only the logits rows named by b->logits_rows (packed token
+    // indices), F32 [rows, vocab] in that order. Sets logits_rows on the batch it forwards, so a
+    // forward that honours it computes only those rows; one that does not is sliced here.
+    tensor step_rows(std::shared_ptr<const batch> b);
+
+    // TEST HOOKS (never set in production):
+    //  - logits_hook runs on the rows step_rows returns, before the caller sees them (tests
+    //    poison one sequence's row with NaN);
+    //  - skip_slot_zero makes zero_slot a no-op (the control for the recycled-slot test).
+    std::function<void(const batch &, tensor & rows)> logits_hook;
+    bool skip_slot_zero = false;
+    // Zeroes one KDA state slot in every layer (a recycled slot must not leak state).
+    void zero_slot(int slot);
 
 private:
     kimi_config cfg_;

@@ -1,0 +1,70 @@
+// The runtime's two memory pools, separate and named (STYLE §3.3, ARCHITECTURE §3.10):
+//  - slot_pool: KDA state slots (conv windows + fp32 recurrent state per KDA layer), one per
+//    running sequence, whatever its length;
+//  - page_pool: MLA latent-cache pages of page_size tokens (plus the K3.1 indexer keys), allocated
+//    as a sequence grows (nano-vllm's block_manager.py).
+// Pure bookkeeping: which ids are free. The bytes live in model_state; zeroing a slot before reuse
+// is the engine's job (it holds the tensors), and the scheduler tells it which slots are fresh.
+#pragma once
+#include "model/config.h"
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace perigee {
+
+class slot_pool {
+public:
+    explicit slot_pool(int n_slots);
+    int capacity() const { return n_; }
+    int n_free() const { return int(free_.size()); }
+    int n_used() const { return n_ - n_free(); }
+    // A free slot (lowest-numbered first for reproducibility), or nullopt when all are in use.
+    std::optional<int32_t> alloc();
+    void free(int32_t slot);   // throws on a slot that is not in use (double free)
+    // Why alloc() would fail now ("" when it would not).
+    std::string refusal() const;
+
+private:
+    int n_;
+    std::vector<int32_t> free_;     // sorted descending; back() is the lowest
+    std::vector<bool> used_;
+};
+
+class page_pool {
+public:
+    page_pool(int n_pages, int page_size);
+    int capacity() const { return n_; }
+    int page_size() const { return page_size_; }
+    int n_free() const { return int(free_.size()); }
+    int n_used() const { return n_ - n_free(); }
+    // Pages needed to hold positions 0..n_tokens-1.
+    int pages_for(int64_t n_tokens) const { return int((n_tokens + page_size_ - 1) / page_size_); }
+    bool can_alloc(int n) const { return n <= n_free(); }
+    // Appends n pages to `pages`; throws (naming the shortfall) when fewer than n are free.
+    void alloc(int n, std::vector<int32_t> & pages);
+    void free(std::vector<int32_t> & pages);   // frees and clears; throws on a page not in use
+    std::string refusal(int n) const;          // why alloc(n) would fail ("" when it would not)
+
+private:
+    int n_, page_size_;
+    std::deque<int32_t> free_;
+    std::vector<bool> used_;
+};
+
+// Pool sizes from a byte budget: max_num_seqs KDA slots first (each state_slot_bytes), the rest
+// of the budget as MLA pages (each state_page_bytes), capped at what max_num_seqs sequences of
+// max_model_len tokens can use. Throws, saying how many bytes are needed, when the budget cannot
+// hold the slots plus one full-length sequence's pages.
+struct pool_plan {
+    int n_slots = 0, n_pages = 0, page_size = 0;
+    int64_t slot_bytes = 0, page_bytes = 0;
+    int64_t total_bytes() const { return int64_t(n_slots) * slot_bytes + int64_t(n_pages) * page_bytes; }
+    std::string str() const;
+};
+pool_plan plan_pools(const kimi_config & c, int64_t budget_bytes, int max_num_seqs, int page_size, int max_model_len);
+
+} // namespace perigee
