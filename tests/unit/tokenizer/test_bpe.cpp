@@ -8,6 +8,8 @@
 #include <chrono>
 #include <random>
 
+#include <pthread.h>
+
 using namespace perigee::tok;
 
 namespace {
@@ -243,4 +245,32 @@ TEST(tokenizer_perf, adversarial_megabyte_runs) {
         EXPECT_LT(dt, 10.0);
         EXPECT_EQ(raw.decode(ids), text);
     }
+}
+
+// RELIABILITY K-04: encoding long runs needs no deep native recursion (PCRE2 JIT has its own heap
+// stack; BPE is iterative), so it works on a 256 KiB thread stack.
+TEST(tokenizer_perf, small_thread_stack) {
+    NEED_NPM();
+    struct job {
+        const tokenizer * t;
+        bool ok = false;
+    } j{&test::npm_tokenizer("o200k_base", k_pat_kimi, true)};
+    const auto body = [](void * arg) -> void * {
+        auto * jb = static_cast<job *>(arg);
+        bool ok = true;
+        for (const char * unit : {"a", "A", "カ", " ", "e\u0301", "_"}) {
+            const std::string text = repeat(unit, 256 * 1024);  // > one 25k chunk of a single run
+            ok = ok && jb->t->decode(jb->t->encode_ordinary(text)) == text;
+        }
+        jb->ok = ok;
+        return nullptr;
+    };
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    ASSERT_EQ(pthread_attr_setstacksize(&attr, 256 * 1024), 0);
+    pthread_t th;
+    ASSERT_EQ(pthread_create(&th, &attr, body, &j), 0);
+    pthread_join(th, nullptr);
+    pthread_attr_destroy(&attr);
+    EXPECT_TRUE(j.ok);
 }
