@@ -1,0 +1,41 @@
+// The CUDA backend (H200, sm_90a): the same op enum and graph as the CPU reference, run on one device.
+//
+// Device residency: WEIGHT leaves are uploaded once and cached by host data pointer (the checkpoint's dtype
+// is kept: BF16/F16/F32, MXFP4/NVFP4 experts as packed bytes + scales). STATE leaves (KDA state, conv windows,
+// MLA latent pages, indexer keys) are uploaded on first use and then stay on the device: the host tensors are
+// NOT updated by run(); call sync_state_to_host() to copy them back (parity comparisons, checkpointing), and
+// state_reload() after the host changed a pool (e.g. state_slot_zero) so the next run re-uploads it.
+// Activations are F32. An op or shape this backend cannot run is an error naming the node and the op
+// (check_supported), never a CPU fallback (STYLE §3.6).
+#pragma once
+#include "backend/backend.h"
+
+#include <memory>
+
+namespace perigee {
+
+struct cuda_options {
+    // Debug: every output is poisoned with NaN before its node runs and surrounded by sentinel words that
+    // are checked after the node (an error names the node). For the parity runner; slows every node.
+    bool guard = false;
+    // LINEAR with more than this many tokens goes to cuBLASLt (BF16/F32 weights); at most, the GEMV path.
+    int gemv_max_tokens = 8;
+};
+
+class backend_cuda : public backend {
+public:
+    // Copies every device-resident STATE buffer back into its host tensor.
+    virtual void sync_state_to_host() = 0;
+    // Forgets the device copies of STATE buffers; the next run uploads them from the host again.
+    virtual void state_reload() = 0;
+    // Test hook for the sentinel control: flips one sentinel byte after output `out` of `node` in the next
+    // guarded run, so that run must fail naming the node.
+    virtual void guard_corrupt_next(int node, int out) = 0;
+    // Device name and bytes of device memory held for weights / states.
+    virtual std::string device_name() const = 0;
+    virtual size_t weight_bytes() const = 0;
+};
+
+std::unique_ptr<backend_cuda> backend_cuda_init(int device, const cuda_options & opt = {});
+
+} // namespace perigee

@@ -1,0 +1,783 @@
+// The CUDA backend: one dispatch switch over op_type (STYLE §3.4 rule 4), device mirrors of weights and
+// states, per-run output buffers from the stream-ordered allocator, cuBLASLt for LINEAR with many tokens.
+#include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/cuda-ops.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <map>
+#include <tuple>
+#include <unordered_map>
+
+#define PG_CUDA_CHECK(call)                                                                              \
+    do {                                                                                                 \
+        const cudaError_t pg_e_ = (call);                                                                \
+        PG_CHECK(pg_e_ == cudaSuccess, "{} failed: {} ({})", #call, cudaGetErrorString(pg_e_), int(pg_e_)); \
+    } while (0)
+#define PG_CUBLAS_CHECK(call)                                                                          \
+    do {                                                                                               \
+        const cublasStatus_t pg_s_ = (call);                                                           \
+        PG_CHECK(pg_s_ == CUBLAS_STATUS_SUCCESS, "{} failed: cublas status {}", #call, int(pg_s_));      \
+    } while (0)
+
+namespace perigee {
+
+namespace {
+
+using cuda::dweight;
+using cuda::wtype;
+
+constexpr size_t k_guard_bytes = 256;
+constexpr uint32_t k_guard_word = 0xA5C3A5C3u;
+constexpr uint32_t k_poison_word = 0x7fc00000u;   // quiet NaN (also an impossible id in I32 outputs)
+
+struct dtensor {
+    void * p = nullptr;       // first element
+    void * alloc = nullptr;   // owned allocation (nullptr for leaves)
+    dtype type = dtype::F32;
+    shape_t shape;
+    size_t nbytes = 0;
+};
+
+size_t dtype_bytes(dtype t, int64_t n) { return size_t(n) * size_t(dtype_bits(t)) / 8; }
+
+wtype wtype_of(dtype t, const std::string & who) {
+    switch (t) {
+        case dtype::F32: return wtype::F32;
+        case dtype::BF16: return wtype::BF16;
+        case dtype::F16: return wtype::F16;
+        default: PG_FAIL("{}: unsupported weight dtype: {}", who, dtype_name(t));
+    }
+}
+
+bool is_wdtype(dtype t) { return t == dtype::F32 || t == dtype::BF16 || t == dtype::F16; }
+
+// ---- support check: the CPU rules plus this backend's own limits ----
+void check_node(const graph & g, int id) {
+    const node & n = g.nodes[size_t(id)];
+    const std::string who = fmt::format("node {} '{}' ({})", id, n.name, op_name(n.op));
+    auto in_type = [&](size_t i) -> dtype {
+        PG_CHECK(i < n.src.size() && n.src[i].valid(), "{}: input {} is missing", who, i);
+        return g.out(n.src[i]).type;
+    };
+    auto act = [&](size_t i) {
+        PG_CHECK(in_type(i) == dtype::F32, "{}: unsupported activation dtype: {} (input {})", who, dtype_name(in_type(i)), i);
+    };
+    auto ids = [&](size_t i) {
+        PG_CHECK(in_type(i) == dtype::I32, "{}: unsupported ids dtype: {} (input {})", who, dtype_name(in_type(i)), i);
+    };
+    auto wt = [&](size_t i, bool optional) {
+        if (optional && (i >= n.src.size() || !n.src[i].valid())) return;
+        PG_CHECK(g.at(n.src.at(i)).op == op_type::WEIGHT, "{}: input {} must be a WEIGHT leaf on cuda, got '{}' ({})", who,
+                 i, g.at(n.src[i]).name, op_name(g.at(n.src[i]).op));
+        PG_CHECK(is_wdtype(in_type(i)), "{}: unsupported weight dtype: {} (input {})", who, dtype_name(in_type(i)), i);
+    };
+    auto state = [&](size_t i) {
+        const node & s = g.at(n.src.at(i));
+        PG_CHECK(s.op == op_type::STATE && s.state != nullptr, "{}: input {} must be a STATE leaf, got '{}' ({})", who, i,
+                 s.name, op_name(s.op));
+        PG_CHECK(s.state->type == dtype::F32, "{}: unsupported state dtype: {} (input {})", who,
+                 dtype_name(s.state->type), i);
+    };
+    auto need_batch = [&] { PG_CHECK(g.b != nullptr, "{}: the graph has no batch layout", who); };
+    switch (n.op) {
+        case op_type::IDS: need_batch(); return;
+        case op_type::WEIGHT:
+        case op_type::STATE: PG_CHECK(n.leaf != nullptr, "{}: leaf without a tensor", who); return;
+        case op_type::GET_ROWS: wt(0, false); ids(1); return;
+        case op_type::RMS_NORM: act(0); wt(1, true); return;
+        case op_type::LAYER_NORM: act(0); wt(1, false); wt(2, false); return;
+        case op_type::L2_NORM: act(0); return;
+        case op_type::LINEAR: act(0); wt(1, false); return;
+        case op_type::ADD:
+        case op_type::MUL:
+        case op_type::SILU_MUL:
+        case op_type::SITU_MUL: act(0); act(1); return;
+        case op_type::SCALE:
+        case op_type::SIGMOID:
+        case op_type::COLS: act(0); return;
+        case op_type::SHORT_CONV: {
+            act(0); wt(1, false); state(2); need_batch();
+            const int64_t W = g.out(n.src[1]).shape.back();
+            PG_CHECK(W >= 1 && W <= 16, "{}: unsupported conv width: {} (1..16)", who, W);
+            return;
+        }
+        case op_type::KDA_GATE: act(0); wt(1, false); wt(2, false); return;
+        case op_type::KDA_SCAN:
+            for (size_t i = 0; i < 5; ++i) act(i);
+            state(5); need_batch();
+            PG_CHECK(n.p.head_dim_k >= 1 && n.p.head_dim_k <= 256, "{}: unsupported head_dim_k: {} (1..256)", who,
+                     n.p.head_dim_k);
+            PG_CHECK(n.p.chunk_size == 0 || n.p.chunk_size == 64, "{}: unsupported chunk size: {}", who, n.p.chunk_size);
+            return;
+        case op_type::GATED_RMS_NORM: act(0); act(1); wt(2, false); return;
+        case op_type::MLA_ATTN:
+            act(0); act(1); act(2); wt(3, false); state(4); need_batch();
+            if (n.src.size() > 5 && n.src[5].valid()) ids(5);
+            PG_CHECK(n.p.kv_lora_rank >= 1 && n.p.kv_lora_rank <= 512, "{}: unsupported kv_lora_rank: {} (1..512)", who,
+                     n.p.kv_lora_rank);
+            PG_CHECK(n.p.head_dim_rope <= 64, "{}: unsupported head_dim_rope: {} (<= 64)", who, n.p.head_dim_rope);
+            return;
+        case op_type::INDEXER_TOPK: act(0); act(1); act(2); state(3); need_batch(); return;
+        case op_type::MOE_ROUTE: {
+            act(0); wt(1, false); wt(2, true);
+            const int64_t E = g.out(n.src[1]).shape.at(0);
+            PG_CHECK(E <= 1024, "{}: unsupported expert count: {} (<= 1024)", who, E);
+            PG_CHECK(n.p.n_group <= 64, "{}: unsupported n_group: {} (<= 64)", who, n.p.n_group);
+            PG_CHECK(n.p.router == router_act::SIGMOID || n.p.router == router_act::SOFTMAX, "{}: unsupported router: {}",
+                     who, int(n.p.router));
+            return;
+        }
+        case op_type::MOE_EXPERTS: {
+            act(0); ids(1); act(2);
+            PG_CHECK(n.p.experts && !n.p.experts->empty(), "{}: no experts", who);
+            PG_CHECK(n.p.act == glu_act::SILU || n.p.act == glu_act::SITU, "{}: unsupported activation: {}", who,
+                     int(n.p.act));
+            const auto & ex = *n.p.experts;
+            for (size_t e = 0; e < ex.size(); ++e)
+                PG_CHECK(ex[e].gate.out == ex[0].gate.out && ex[e].down.out == ex[0].down.out,
+                         "{}: unsupported expert shapes: expert {} differs from expert 0 (uniform d_ff required)", who, e);
+            return;
+        }
+        case op_type::ATTN_RES_MIX: {
+            const size_t nc = n.src.size() - 2;
+            PG_CHECK(n.src.size() >= 3, "{}: no candidates", who);
+            PG_CHECK(nc <= size_t(cuda::k_attn_res_max), "{}: unsupported candidate count: {} (<= {})", who, nc,
+                     cuda::k_attn_res_max);
+            for (size_t i = 0; i < nc; ++i) act(i);
+            wt(nc, false); wt(nc + 1, false);
+            return;
+        }
+        case op_type::COUNT: break;
+    }
+    PG_FAIL("{}: op not implemented on cuda", who);
+}
+
+// Paging invariants (the CPU's paging_check): every position written has a page in 0..n_pages-1.
+void paging_check(const batch & b, int64_t n_pages, const std::string & who) {
+    PG_CHECK(b.page_size > 0, "{}: batch.page_size is {}", who, b.page_size);
+    PG_CHECK(int(b.block_table.size()) == b.n_seq(), "{}: batch.block_table has {} rows for {} sequences", who,
+             b.block_table.size(), b.n_seq());
+    for (int s = 0; s < b.n_seq(); ++s) {
+        const int64_t last = int64_t(b.pos0[size_t(s)]) + b.seq_len(s) - 1;
+        const auto & bt = b.block_table[size_t(s)];
+        PG_CHECK(int64_t(bt.size()) * b.page_size > last, "{}: batch.block_table[{}] has {} pages, position {} needs more",
+                 who, s, bt.size(), last);
+        for (int64_t p = 0; p <= last / b.page_size; ++p)
+            PG_CHECK(bt[size_t(p)] >= 0 && bt[size_t(p)] < n_pages, "{}: batch.block_table[{}][{}] = {} outside {} pages",
+                     who, s, p, bt[size_t(p)], n_pages);
+    }
+}
+
+void slots_check(const batch & b, int64_t n_slots, const std::string & who) {
+    for (int s = 0; s < b.n_seq(); ++s)
+        PG_CHECK(b.slot[size_t(s)] >= 0 && b.slot[size_t(s)] < n_slots, "{}: batch.slot[{}] = {} outside {} slots", who, s,
+                 b.slot[size_t(s)], n_slots);
+}
+
+class cuda_backend final : public backend_cuda {
+public:
+    cuda_backend(int device, const cuda_options & opt) : dev_(device), opt_(opt) {
+        int n = 0;
+        PG_CUDA_CHECK(cudaGetDeviceCount(&n));
+        PG_CHECK(device >= 0 && device < n, "cuda device {} does not exist ({} devices)", device, n);
+        PG_CUDA_CHECK(cudaSetDevice(device));
+        cudaDeviceProp prop{};
+        PG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+        name_ = prop.name;
+        PG_CHECK(prop.major == 9, "cuda device {} ({}) is sm_{}{}; this build has sm_90a code only", device, name_,
+                 prop.major, prop.minor);
+        PG_CUDA_CHECK(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking));
+        cudaMemPool_t pool;
+        PG_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+        uint64_t thr = UINT64_MAX;
+        PG_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr));
+        PG_CUBLAS_CHECK(cublasLtCreate(&lt_));
+        PG_CUDA_CHECK(cudaMalloc(&lt_ws_, k_lt_ws));
+    }
+    ~cuda_backend() override {
+        cudaSetDevice(dev_);
+        free_outputs();
+        cudaStreamSynchronize(st_);
+        for (auto & [k, v] : weights_) cudaFree(v);
+        for (auto & [k, v] : states_) cudaFree(v);
+        for (auto & [k, v] : expert_tables_) cudaFree(v);
+        if (lt_ws_) cudaFree(lt_ws_);
+        if (lt_) cublasLtDestroy(lt_);
+        if (st_) cudaStreamDestroy(st_);
+    }
+
+    std::string name() const override { return "cuda"; }
+    std::string device_name() const override { return name_; }
+    size_t weight_bytes() const override { return weight_bytes_; }
+
+    void check_supported(const graph & g) const override {
+        for (int i = 0; i < int(g.nodes.size()); ++i) check_node(g, i);
+    }
+
+    void run(const graph & g, const node_callback & cb) override {
+        PG_CUDA_CHECK(cudaSetDevice(dev_));
+        free_outputs();
+        outs_.assign(g.nodes.size(), {});
+        err_slot_.assign(g.nodes.size(), -1);
+        int n_err = 0;
+        for (size_t i = 0; i < g.nodes.size(); ++i) {
+            const op_type o = g.nodes[i].op;
+            if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS) err_slot_[i] = n_err++;
+        }
+        err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
+        PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
+        if (g.b) upload_batch(*g.b);
+        for (int id = 0; id < int(g.nodes.size()); ++id) {
+            const node & n = g.nodes[size_t(id)];
+            check_node(g, id);
+            try {
+                run_node(g, id);
+                const cudaError_t e = cudaGetLastError();
+                PG_CHECK(e == cudaSuccess, "kernel launch failed: {}", cudaGetErrorString(e));
+                if (opt_.guard) guard_check(id);
+            } catch (const error & e) {
+                const std::string msg = e.what();
+                if (!n.name.empty() && msg.find(n.name) != std::string::npos) throw;
+                throw error(e.func(), e.file(), e.line(), fmt::format("node {} '{}' ({}): {}", id, n.name, op_name(n.op), msg));
+            }
+            if (cb) {
+                std::vector<tensor> host;
+                for (size_t o = 0; o < outs_[size_t(id)].size(); ++o) host.push_back(to_host(outs_[size_t(id)][o]));
+                cb(g, id, host);
+            }
+        }
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        if (n_err > 0) {
+            std::vector<int> flags(size_t(n_err) * cuda::ERR_COUNT);
+            PG_CUDA_CHECK(cudaMemcpy(flags.data(), err_, flags.size() * sizeof(int), cudaMemcpyDeviceToHost));
+            for (int id = 0; id < int(g.nodes.size()); ++id) {
+                if (err_slot_[size_t(id)] < 0) continue;
+                const int * f = flags.data() + err_slot_[size_t(id)] * cuda::ERR_COUNT;
+                const node & n = g.nodes[size_t(id)];
+                const std::string who = fmt::format("node {} '{}' ({})", id, n.name, op_name(n.op));
+                PG_CHECK(!f[cuda::ERR_ID_RANGE], "{}: an id is outside the table's rows", who);
+                PG_CHECK(!f[cuda::ERR_SEL_RANGE], "{}: a selected position is outside 0..pos, or a token selects none", who);
+                PG_CHECK(!f[cuda::ERR_EXPERT_ID], "{}: an expert id is outside the experts", who);
+            }
+        }
+    }
+
+    tensor read(node_ref r) const override {
+        PG_CHECK(r.node >= 0 && size_t(r.node) < outs_.size(), "read: node {} was not run", r.node);
+        const auto & o = outs_[size_t(r.node)];
+        PG_CHECK(r.out >= 0 && size_t(r.out) < o.size(), "read: node {} has no output {}", r.node, r.out);
+        return to_host(o[size_t(r.out)]);
+    }
+
+    void sync_state_to_host() override {
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        for (auto & [t, p] : states_) PG_CUDA_CHECK(cudaMemcpy(t->data, p, t->nbytes, cudaMemcpyDeviceToHost));
+    }
+    void state_reload() override {
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        free_outputs();   // leaves may point into the states
+        outs_.clear();
+        for (auto & [k, v] : states_) cudaFree(v);
+        states_.clear();
+    }
+    void guard_corrupt_next(int node, int out) override { corrupt_ = {node, out}; }
+
+private:
+    static constexpr size_t k_lt_ws = 32u << 20;
+
+    // ---- memory ----
+    void * alloc(size_t bytes) {
+        void * p = nullptr;
+        PG_CUDA_CHECK(cudaMallocAsync(&p, std::max<size_t>(bytes, 16), st_));
+        run_allocs_.push_back(p);
+        return p;
+    }
+    void free_outputs() {
+        for (void * p : run_allocs_) cudaFreeAsync(p, st_);
+        run_allocs_.clear();
+    }
+    dtensor new_out(dtype t, const shape_t & s) {
+        dtensor d;
+        d.type = t;
+        d.shape = s;
+        d.nbytes = dtype_bytes(t, shape_numel(s));
+        if (!opt_.guard) {
+            d.alloc = alloc(d.nbytes);
+            d.p = d.alloc;
+            return d;
+        }
+        const size_t words = (d.nbytes + 3) / 4;
+        d.alloc = alloc(2 * k_guard_bytes + words * 4);
+        d.p = static_cast<char *>(d.alloc) + k_guard_bytes;
+        PG_CUDA_CHECK(cuda::launch_fill_u32(static_cast<uint32_t *>(d.alloc), int64_t(k_guard_bytes / 4), k_guard_word, st_));
+        PG_CUDA_CHECK(cuda::launch_fill_u32(static_cast<uint32_t *>(d.p), int64_t(words), k_poison_word, st_));
+        PG_CUDA_CHECK(cuda::launch_fill_u32(reinterpret_cast<uint32_t *>(static_cast<char *>(d.p) + words * 4),
+                                            int64_t(k_guard_bytes / 4), k_guard_word, st_));
+        return d;
+    }
+    void guard_check(int id) {
+        auto & outs = outs_[size_t(id)];
+        for (size_t o = 0; o < outs.size(); ++o) {
+            const dtensor & d = outs[o];
+            if (!d.alloc) continue;   // leaves
+            const size_t words = (d.nbytes + 3) / 4;
+            char * after = static_cast<char *>(d.p) + words * 4;
+            if (corrupt_.first == id && corrupt_.second == int(o)) {
+                const uint8_t bad = 0;
+                PG_CUDA_CHECK(cudaMemcpyAsync(after + 7, &bad, 1, cudaMemcpyHostToDevice, st_));
+                corrupt_ = {-1, -1};
+            }
+            std::vector<uint32_t> before(k_guard_bytes / 4), aft(k_guard_bytes / 4);
+            PG_CUDA_CHECK(cudaMemcpyAsync(before.data(), d.alloc, k_guard_bytes, cudaMemcpyDeviceToHost, st_));
+            PG_CUDA_CHECK(cudaMemcpyAsync(aft.data(), after, k_guard_bytes, cudaMemcpyDeviceToHost, st_));
+            PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+            for (size_t i = 0; i < before.size(); ++i) {
+                PG_CHECK(before[i] == k_guard_word, "output {}: sentinel word {} before the output was overwritten", o, i);
+                PG_CHECK(aft[i] == k_guard_word, "output {}: sentinel word {} after the output was overwritten", o, i);
+            }
+        }
+    }
+
+    tensor to_host(const dtensor & d) const {
+        tensor t = tensor_new(d.type, d.shape);
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        if (t.nbytes) PG_CUDA_CHECK(cudaMemcpy(t.data, d.p, t.nbytes, cudaMemcpyDeviceToHost));
+        return t;
+    }
+
+    const void * weight_dev(const tensor & t) {
+        auto it = weights_.find(t.data);
+        if (it != weights_.end()) return it->second;
+        void * p = nullptr;
+        PG_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes, 16)));
+        if (t.nbytes) PG_CUDA_CHECK(cudaMemcpy(p, t.data, t.nbytes, cudaMemcpyHostToDevice));
+        weights_[t.data] = p;
+        weight_bytes_ += t.nbytes;
+        return p;
+    }
+    float * state_dev(tensor & t) {
+        auto it = states_.find(&t);
+        if (it != states_.end()) return static_cast<float *>(it->second);
+        void * p = nullptr;
+        PG_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes, 16)));
+        if (t.nbytes) PG_CUDA_CHECK(cudaMemcpy(p, t.data, t.nbytes, cudaMemcpyHostToDevice));
+        states_[&t] = p;
+        return static_cast<float *>(p);
+    }
+
+    void upload_batch(const batch & b) {
+        const int n_seq = b.n_seq(), T = b.n_tokens();
+        int max_pages = 0, max_pos = 0;
+        for (const auto & bt : b.block_table) max_pages = std::max(max_pages, int(bt.size()));
+        std::vector<int32_t> tok_seq(size_t(T), 0);
+        PG_CHECK(int(b.seq_start.size()) == n_seq + 1 || n_seq == 0, "batch: seq_start has {} entries", b.seq_start.size());
+        PG_CHECK(b.pos0.size() >= size_t(n_seq) && b.slot.size() >= size_t(n_seq), "batch: pos0/slot shorter than {} sequences",
+                 n_seq);
+        for (int s = 0; s < n_seq; ++s) {
+            PG_CHECK(b.seq_start[size_t(s)] <= b.seq_start[size_t(s) + 1] && b.seq_start[size_t(s) + 1] <= T,
+                     "batch: seq_start[{}] is not monotone within {} tokens", s, T);
+            for (int t = b.seq_start[size_t(s)]; t < b.seq_start[size_t(s) + 1]; ++t) tok_seq[size_t(t)] = s;
+            max_pos = std::max(max_pos, b.pos0[size_t(s)] + b.seq_len(s));
+        }
+        std::vector<int32_t> h;
+        auto put = [&](const int32_t * p, size_t n) {
+            const size_t off = h.size();
+            h.insert(h.end(), p, p + n);
+            return off;
+        };
+        const size_t o_ss = put(b.seq_start.data(), b.seq_start.size());
+        const size_t o_p0 = put(b.pos0.data(), size_t(n_seq));
+        const size_t o_sl = put(b.slot.data(), size_t(n_seq));
+        const size_t o_bt = h.size();
+        for (int s = 0; s < n_seq; ++s) {
+            std::vector<int32_t> row(size_t(max_pages), -1);
+            if (size_t(s) < b.block_table.size())
+                std::copy(b.block_table[size_t(s)].begin(), b.block_table[size_t(s)].end(), row.begin());
+            put(row.data(), row.size());
+        }
+        const size_t o_ts = put(tok_seq.data(), tok_seq.size());
+        const size_t o_ids = put(b.ids.data(), b.ids.size());
+        auto * d = static_cast<int32_t *>(alloc(std::max<size_t>(h.size(), 1) * 4));
+        PG_CUDA_CHECK(cudaMemcpyAsync(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice, st_));
+        host_batch_ = std::move(h);   // the async copy reads it: keep it alive until the next run
+        db_ = {};
+        db_.n_seq = n_seq;
+        db_.n_tok = T;
+        db_.page_size = b.page_size;
+        db_.max_pages = max_pages;
+        db_.seq_start = d + o_ss;
+        db_.pos0 = d + o_p0;
+        db_.slot = d + o_sl;
+        db_.block_table = d + o_bt;
+        db_.tok_seq = d + o_ts;
+        db_.max_pos = max_pos;
+        ids_dev_ = d + o_ids;
+    }
+
+    // ---- node inputs ----
+    const dtensor & in(const node & n, size_t i) const {
+        const node_ref r = n.src.at(i);
+        return outs_.at(size_t(r.node)).at(size_t(r.out));
+    }
+    const float * f32_in(const node & n, size_t i) const { return static_cast<const float *>(in(n, i).p); }
+    const int32_t * i32_in(const node & n, size_t i) const { return static_cast<const int32_t *>(in(n, i).p); }
+    dweight w_in(const node & n, size_t i) const {
+        if (i >= n.src.size() || !n.src[i].valid()) return {};
+        const dtensor & d = in(n, i);
+        return {d.p, wtype_of(d.type, n.name)};
+    }
+    float * state_in(const graph & g, const node & n, size_t i) {
+        return static_cast<float *>(outs_.at(size_t(n.src.at(i).node)).at(0).p);
+        (void)g;
+    }
+    const tensor & state_host(const graph & g, const node & n, size_t i) const { return *g.at(n.src.at(i)).state; }
+
+    // ---- dispatch ----
+    void run_node(const graph & g, int id) {
+        const node & n = g.nodes[size_t(id)];
+        auto & out = outs_[size_t(id)];
+        switch (n.op) {
+            case op_type::IDS: {
+                PG_CHECK(int64_t(g.b->ids.size()) == shape_numel(n.outs.at(0).shape), "batch has {} ids, node wants {}",
+                         g.b->ids.size(), shape_numel(n.outs.at(0).shape));
+                dtensor d;
+                d.p = const_cast<int32_t *>(ids_dev_);
+                d.type = dtype::I32;
+                d.shape = n.outs.at(0).shape;
+                d.nbytes = dtype_bytes(dtype::I32, shape_numel(d.shape));
+                out.push_back(d);
+                return;
+            }
+            case op_type::WEIGHT: {
+                dtensor d;
+                d.p = const_cast<void *>(weight_dev(*n.leaf));
+                d.type = n.leaf->type;
+                d.shape = n.leaf->shape;
+                d.nbytes = n.leaf->nbytes;
+                out.push_back(d);
+                return;
+            }
+            case op_type::STATE: {
+                dtensor d;
+                d.p = state_dev(*n.state);
+                d.type = n.state->type;
+                d.shape = n.state->shape;
+                d.nbytes = n.state->nbytes;
+                out.push_back(d);
+                return;
+            }
+            default: break;
+        }
+        for (const auto & o : n.outs) out.push_back(new_out(o.type, o.shape));
+        float * y = static_cast<float *>(out.at(0).p);
+        int * err = err_slot_[size_t(id)] >= 0 ? err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT : nullptr;
+        const dtensor & x = in(n, 0);
+        const int64_t xn = shape_numel(x.shape);
+        switch (n.op) {
+            case op_type::IDS:
+            case op_type::WEIGHT:
+            case op_type::STATE: break;
+            case op_type::GET_ROWS: {
+                const dtensor & tab = in(n, 0);
+                PG_CUDA_CHECK(cuda::launch_get_rows(w_in(n, 0), tab.shape.at(0), tab.shape.at(1), i32_in(n, 1),
+                                                    shape_numel(in(n, 1).shape), y, err, st_));
+                break;
+            }
+            case op_type::RMS_NORM:
+            case op_type::LAYER_NORM:
+            case op_type::L2_NORM:
+            case op_type::GATED_RMS_NORM: {
+                const int64_t N = n.p.n;
+                PG_CHECK(N > 0 && xn % N == 0, "width {} does not divide {} values", N, xn);
+                const int64_t R = xn / N;
+                if (n.op == op_type::RMS_NORM) PG_CUDA_CHECK(cuda::launch_rms_norm(f32_in(n, 0), R, N, w_in(n, 1), n.p.eps, y, st_));
+                if (n.op == op_type::LAYER_NORM)
+                    PG_CUDA_CHECK(cuda::launch_layer_norm(f32_in(n, 0), R, N, w_in(n, 1), w_in(n, 2), n.p.eps, y, st_));
+                if (n.op == op_type::L2_NORM) PG_CUDA_CHECK(cuda::launch_l2_norm(f32_in(n, 0), R, N, n.p.eps, y, st_));
+                if (n.op == op_type::GATED_RMS_NORM)
+                    PG_CUDA_CHECK(cuda::launch_gated_rms_norm(f32_in(n, 0), f32_in(n, 1), R, N, w_in(n, 2), n.p.eps, y, st_));
+                break;
+            }
+            case op_type::LINEAR: run_linear(n, y); break;
+            case op_type::ADD:
+            case op_type::MUL:
+            case op_type::SCALE:
+            case op_type::SIGMOID:
+            case op_type::SILU_MUL:
+            case op_type::SITU_MUL: {
+                const bool two = n.op == op_type::ADD || n.op == op_type::MUL || n.op == op_type::SILU_MUL ||
+                                 n.op == op_type::SITU_MUL;
+                if (two) PG_CHECK(shape_numel(in(n, 1).shape) == xn, "inputs have {} and {} values", xn, shape_numel(in(n, 1).shape));
+                if (n.op == op_type::SITU_MUL) PG_CHECK(n.p.situ_beta > 0.0f, "situ_mul: beta must be positive, got {}", n.p.situ_beta);
+                const cuda::ew_op op = n.op == op_type::ADD       ? cuda::ew_op::ADD
+                                       : n.op == op_type::MUL     ? cuda::ew_op::MUL
+                                       : n.op == op_type::SCALE   ? cuda::ew_op::SCALE
+                                       : n.op == op_type::SIGMOID ? cuda::ew_op::SIGMOID
+                                       : n.op == op_type::SILU_MUL ? cuda::ew_op::SILU_MUL
+                                                                   : cuda::ew_op::SITU_MUL;
+                cuda::ew_params p;
+                p.scale = n.p.scale;
+                p.beta = n.p.situ_beta;
+                p.lin_beta = n.p.situ_linear_beta;
+                PG_CUDA_CHECK(cuda::launch_elementwise(op, f32_in(n, 0), two ? f32_in(n, 1) : nullptr, xn, p, y, st_));
+                break;
+            }
+            case op_type::COLS: {
+                const int64_t C = x.shape.at(1);
+                PG_CHECK(n.p.c0 >= 0 && n.p.n >= 0 && n.p.c0 + n.p.n <= C, "cols: [{}, {}) outside {} columns", n.p.c0,
+                         n.p.c0 + n.p.n, C);
+                PG_CUDA_CHECK(cuda::launch_cols(f32_in(n, 0), x.shape.at(0), C, n.p.c0, n.p.n, y, st_));
+                break;
+            }
+            case op_type::SHORT_CONV: {
+                const dtensor & w = in(n, 1);
+                const tensor & sth = state_host(g, n, 2);
+                const int64_t C = x.shape.at(1);
+                PG_CHECK(w.shape.size() == 3 && w.shape[0] == C, "conv weight {} for {} channels", shape_str(w.shape), C);
+                PG_CHECK(sth.shape.size() == 3 && sth.shape[1] == C && sth.shape[2] == w.shape[2] - 1,
+                         "conv state {} for weight {}", shape_str(sth.shape), shape_str(w.shape));
+                PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, input {}", g.b->n_tokens(), x.shape.at(0));
+                slots_check(*g.b, sth.shape[0], "short_conv");
+                PG_CUDA_CHECK(cuda::launch_short_conv(f32_in(n, 0), C, w_in(n, 1), w.shape[2], state_in(g, n, 2), db_, y, st_));
+                break;
+            }
+            case op_type::KDA_GATE: {
+                PG_CHECK(shape_numel(in(n, 1).shape) >= n.p.n_head, "A_log has {} values for {} heads",
+                         shape_numel(in(n, 1).shape), n.p.n_head);
+                PG_CHECK(shape_numel(in(n, 2).shape) == n.p.n_head * n.p.head_dim_k, "dt_bias has {} values for {} channels",
+                         shape_numel(in(n, 2).shape), n.p.n_head * n.p.head_dim_k);
+                PG_CUDA_CHECK(cuda::launch_kda_gate(f32_in(n, 0), x.shape.at(0), n.p.n_head, n.p.head_dim_k, w_in(n, 1),
+                                                    w_in(n, 2), n.p.gate_lower_bound, y, st_));
+                break;
+            }
+            case op_type::KDA_SCAN: {
+                const tensor & sth = state_host(g, n, 5);
+                PG_CHECK(sth.shape.size() == 4 && sth.shape[1] == n.p.n_head && sth.shape[2] == n.p.head_dim_k &&
+                             sth.shape[3] == n.p.head_dim_v,
+                         "state {} for {} heads x {} x {}", shape_str(sth.shape), n.p.n_head, n.p.head_dim_k, n.p.head_dim_v);
+                PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
+                slots_check(*g.b, sth.shape[0], "kda_scan");
+                // chunk_size 64 (prefill) runs the same recurrence: the chunked WY kernel is not written yet.
+                PG_CUDA_CHECK(cuda::launch_kda_scan_recurrent(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), f32_in(n, 3),
+                                                              f32_in(n, 4), n.p.n_head, n.p.head_dim_k, n.p.head_dim_v,
+                                                              n.p.scale, state_in(g, n, 5), db_, y, st_));
+                break;
+            }
+            case op_type::MLA_ATTN: {
+                const tensor & ch = state_host(g, n, 4);
+                const cuda::mla_shape d{n.p.n_head, n.p.head_dim_nope, n.p.head_dim_rope, n.p.head_dim_v, n.p.kv_lora_rank};
+                PG_CHECK(ch.shape.size() == 3 && ch.shape[1] == g.b->page_size && ch.shape[2] == d.kv_lora_rank + d.head_dim_rope,
+                         "cache {} for page size {} and width {}", shape_str(ch.shape), g.b->page_size,
+                         d.kv_lora_rank + d.head_dim_rope);
+                PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
+                paging_check(*g.b, ch.shape[0], "mla_attn");
+                const bool has_sel = n.src.size() > 5 && n.src[5].valid();
+                float * scratch = static_cast<float *>(alloc(size_t(cuda::mla_scratch_floats(x.shape.at(0), d)) * 4));
+                PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
+                                                    state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
+                                                    has_sel ? in(n, 5).shape.at(1) : 0, db_, scratch, y, err, st_));
+                break;
+            }
+            case op_type::INDEXER_TOPK: {
+                const tensor & kc = state_host(g, n, 3);
+                PG_CHECK(kc.shape.size() == 3 && kc.shape[1] == g.b->page_size && kc.shape[2] == n.p.head_dim_k,
+                         "key cache {} for page size {} and head dim {}", shape_str(kc.shape), g.b->page_size, n.p.head_dim_k);
+                PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
+                paging_check(*g.b, kc.shape[0], "indexer_topk");
+                float * scratch = static_cast<float *>(alloc(size_t(x.shape.at(0)) * size_t(std::max(1, db_.max_pos)) * 4));
+                PG_CUDA_CHECK(cuda::launch_indexer_topk(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), n.p.n_head, n.p.head_dim_k,
+                                                        n.p.topk, n.p.scale, state_in(g, n, 3), db_, scratch,
+                                                        static_cast<int32_t *>(out[0].p), st_));
+                break;
+            }
+            case op_type::MOE_ROUTE: {
+                const dtensor & gw = in(n, 1);
+                PG_CHECK(gw.shape.size() == 2 && gw.shape[1] == x.shape.at(1), "gate {} for input {}", shape_str(gw.shape),
+                         shape_str(x.shape));
+                const int64_t E = gw.shape[0];
+                const dweight bias = w_in(n, 2);
+                if (bias.data) PG_CHECK(shape_numel(in(n, 2).shape) == E, "bias {} for {} experts", shape_str(in(n, 2).shape), E);
+                PG_CHECK(n.p.topk >= 1 && n.p.topk <= E, "moe_route: top-{} of {} experts", n.p.topk, E);
+                PG_CHECK(n.p.n_group >= 1 && E % n.p.n_group == 0 && n.p.topk_group >= 1 && n.p.topk_group <= n.p.n_group,
+                         "moe_route: {} experts in {} groups, keeping {}", E, n.p.n_group, n.p.topk_group);
+                if (n.p.n_group > 1 && n.p.topk_group < n.p.n_group)
+                    PG_CHECK(n.p.topk_group * (E / n.p.n_group) >= n.p.topk, "moe_route: {} kept groups of {} cannot hold top-{}",
+                             n.p.topk_group, E / n.p.n_group, n.p.topk);
+                const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
+                                     n.p.router == router_act::SOFTMAX ? 1 : 0};
+                PG_CUDA_CHECK(cuda::launch_moe_route(f32_in(n, 0), x.shape.at(0), x.shape.at(1), w_in(n, 1), bias, c,
+                                                     static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p), st_));
+                break;
+            }
+            case op_type::MOE_EXPERTS: {
+                const dtensor & idt = in(n, 1);
+                PG_CHECK(in(n, 2).shape == idt.shape && idt.shape.size() == 2 && idt.shape[0] == x.shape.at(0),
+                         "ids {} / weights {} for {} tokens", shape_str(idt.shape), shape_str(in(n, 2).shape), x.shape.at(0));
+                const auto & ex = *n.p.experts;
+                const int64_t T = x.shape.at(0), Din = x.shape.at(1), k = idt.shape[1];
+                const int64_t F = ex[0].gate.out, Dout = n.outs.at(0).shape.at(1);
+                const cuda::dexpert * table = expert_table(n);
+                const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
+                float * scratch = static_cast<float *>(alloc(size_t(T * k * (F + Dout)) * 4));
+                PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,
+                                                       int64_t(ex.size()), c, scratch, y, err, st_));
+                break;
+            }
+            case op_type::ATTN_RES_MIX: {
+                const size_t nc = n.src.size() - 2;
+                cuda::cand_ptrs cp{};
+                for (size_t i = 0; i < nc; ++i) {
+                    PG_CHECK(in(n, i).shape == x.shape, "candidate {} {} differs from {}", i, shape_str(in(n, i).shape),
+                             shape_str(x.shape));
+                    cp.p[i] = f32_in(n, i);
+                }
+                const int64_t D = x.shape.back();
+                PG_CUDA_CHECK(cuda::launch_attn_res_mix(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps, y, st_));
+                break;
+            }
+            case op_type::COUNT: PG_FAIL("op COUNT is not an op");
+        }
+    }
+
+    void run_linear(const node & n, float * y) {
+        const dtensor & x = in(n, 0);
+        const dtensor & w = in(n, 1);
+        const int64_t T = x.shape.at(0), K = x.shape.at(1), O = w.shape.at(0);
+        PG_CHECK(w.shape.size() == 2 && w.shape[1] == K, "weight {} for input {}", shape_str(w.shape), shape_str(x.shape));
+        const dweight W = w_in(n, 1);
+        if (T <= opt_.gemv_max_tokens || W.type == wtype::F16) {
+            PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, K, W, O, y, st_));
+            return;
+        }
+        const void * b_ptr = x.p;
+        cudaDataType_t ab = CUDA_R_32F;
+        if (W.type == wtype::BF16) {   // activations rounded to bf16 for the tensor cores; fp32 accumulation
+            auto * xb = static_cast<uint16_t *>(alloc(size_t(T * K) * 2));
+            PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), T * K, xb, st_));
+            b_ptr = xb;
+            ab = CUDA_R_16BF;
+        }
+        lt_matmul(W.data, b_ptr, ab, y, O, T, K);
+    }
+
+    // D [N cols of M] (col-major, ld M) = A^T B: A = W [M rows of K] row-major, B = x [N rows of K] row-major.
+    void lt_matmul(const void * A, const void * B, cudaDataType_t ab, float * D, int64_t M, int64_t N, int64_t K) {
+        const auto key = std::make_tuple(M, N, K, int(ab));
+        auto it = plans_.find(key);
+        if (it == plans_.end()) {
+            plan p;
+            PG_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+            const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+            PG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+            PG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+            PG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, ab, uint64_t(K), uint64_t(M), K));
+            PG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, ab, uint64_t(K), uint64_t(N), K));
+            PG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_32F, uint64_t(M), uint64_t(N), M));
+            cublasLtMatmulPreference_t pref;
+            PG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+            const size_t ws = k_lt_ws;
+            PG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+            int found = 0;
+            PG_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &p.heur, &found));
+            cublasLtMatmulPreferenceDestroy(pref);
+            PG_CHECK(found > 0, "cuBLASLt has no algorithm for [{} x {}] x [{} x {}] ({})", N, K, K, M,
+                     ab == CUDA_R_16BF ? "bf16" : "f32");
+            it = plans_.emplace(key, p).first;
+        }
+        const float alpha = 1.0f, beta = 0.0f;
+        const plan & p = it->second;
+        PG_CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, A, p.a, B, p.b, &beta, D, p.d, D, p.d, &p.heur.algo, lt_ws_,
+                                       k_lt_ws, st_));
+    }
+
+    // The device table of one MOE_EXPERTS node's experts (uploaded once per experts vector).
+    const cuda::dexpert * expert_table(const node & n) {
+        const auto * key = n.p.experts.get();
+        auto it = expert_tables_.find(key);
+        if (it != expert_tables_.end()) return static_cast<const cuda::dexpert *>(it->second);
+        const auto & ex = *n.p.experts;
+        std::vector<cuda::dexpert> h(ex.size());
+        for (size_t e = 0; e < ex.size(); ++e) {
+            h[e].gate = expert_matrix_dev(ex[e].gate, fmt::format("{}: expert {} gate", n.name, e));
+            h[e].up = expert_matrix_dev(ex[e].up, fmt::format("{}: expert {} up", n.name, e));
+            h[e].down = expert_matrix_dev(ex[e].down, fmt::format("{}: expert {} down", n.name, e));
+            PG_CHECK(ex[e].up.out == ex[e].gate.out && ex[e].up.in == ex[e].gate.in && ex[e].down.in == ex[e].gate.out,
+                     "{}: expert {} shapes do not chain", n.name, e);
+        }
+        void * d = nullptr;
+        PG_CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(cuda::dexpert)));
+        PG_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice));
+        expert_tables_[key] = d;
+        return static_cast<const cuda::dexpert *>(d);
+    }
+    cuda::dexpert_matrix expert_matrix_dev(const expert_matrix & m, const std::string & what) {
+        cuda::dexpert_matrix d;
+        d.out = m.out;
+        d.in = m.in;
+        PG_CHECK(m.out > 0 && m.in > 0, "{}: empty shape [{}, {}]", what, m.out, m.in);
+        if (m.format == fp4_format::NONE) {
+            PG_CHECK(m.weight != nullptr, "{}: dense matrix without a weight", what);
+            PG_CHECK(is_wdtype(m.weight->type), "{}: unsupported expert weight dtype: {}", what, dtype_name(m.weight->type));
+            PG_CHECK(m.weight->numel() == m.out * m.in, "{}: weight {} for [{}, {}]", what, shape_str(m.weight->shape), m.out,
+                     m.in);
+            d.w = weight_dev(*m.weight);
+            d.type = wtype_of(m.weight->type, what);
+            return d;
+        }
+        const bool mx = m.format == fp4_format::MXFP4;
+        const int64_t blk = mx ? 32 : 16;
+        PG_CHECK(m.packed != nullptr && m.scale != nullptr, "{}: FP4 matrix without packed/scale", what);
+        PG_CHECK(m.in % blk == 0, "{}: unsupported {} input width: {} (multiple of {})", what, mx ? "MXFP4" : "NVFP4", m.in, blk);
+        PG_CHECK(m.packed->nbytes >= size_t(m.out * m.in / 2), "{}: packed {} for [{}, {}]", what, shape_str(m.packed->shape),
+                 m.out, m.in);
+        PG_CHECK(m.scale->nbytes >= size_t(m.out * (m.in / blk)), "{}: scale {} for [{}, {}]", what, shape_str(m.scale->shape),
+                 m.out, m.in);
+        const auto * sb = m.scale->as<uint8_t>();
+        for (int64_t i = 0; i < m.out * (m.in / blk); ++i) {
+            const bool nan = mx ? sb[i] == 0xFF : (sb[i] & 0x7F) == 0x7F;
+            PG_CHECK(!nan, "{}: NaN scale byte 0x{:02X} at row {} block {}", what, sb[i], i / (m.in / blk), i % (m.in / blk));
+        }
+        d.packed = static_cast<const uint8_t *>(weight_dev(*m.packed));
+        d.scale = static_cast<const uint8_t *>(weight_dev(*m.scale));
+        d.fmt = mx ? 1 : 2;
+        d.global_scale = m.global_scale;
+        return d;
+    }
+
+    struct plan {
+        cublasLtMatmulDesc_t desc{};
+        cublasLtMatrixLayout_t a{}, b{}, d{};
+        cublasLtMatmulHeuristicResult_t heur{};
+    };
+
+    int dev_;
+    cuda_options opt_;
+    std::string name_;
+    cudaStream_t st_ = nullptr;
+    cublasLtHandle_t lt_ = nullptr;
+    void * lt_ws_ = nullptr;
+    std::map<std::tuple<int64_t, int64_t, int64_t, int>, plan> plans_;
+    std::unordered_map<const void *, void *> weights_;          // host data pointer -> device copy
+    std::unordered_map<tensor *, void *> states_;               // host STATE tensor -> device-resident copy
+    std::unordered_map<const void *, void *> expert_tables_;    // experts vector -> device dexpert[E]
+    size_t weight_bytes_ = 0;
+    std::vector<std::vector<dtensor>> outs_;
+    std::vector<void *> run_allocs_;
+    std::vector<int> err_slot_;
+    int * err_ = nullptr;
+    std::vector<int32_t> host_batch_;
+    cuda::dbatch db_;
+    const int32_t * ids_dev_ = nullptr;
+    std::pair<int, int> corrupt_{-1, -1};
+};
+
+} // namespace
+
+std::unique_ptr<backend_cuda> backend_cuda_init(int device, const cuda_options & opt) {
+    return std::make_unique<cuda_backend>(device, opt);
+}
+
+} // namespace perigee

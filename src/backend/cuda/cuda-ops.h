@@ -1,0 +1,119 @@
+// The CUDA kernels' host launchers (private to backend/cuda and its tests).
+//
+// Plain C++ on raw device pointers, so the .cu files need none of the project's host headers (fmt does
+// not go through nvcc) and cuda-backend.cpp needs no CUDA compiler. Every launcher enqueues on `st` and
+// returns the launch's cudaError_t (cudaGetLastError after the launch); the backend turns a failure into
+// a perigee::error naming the node. Shapes are outermost first. Activations are F32 on the device;
+// weights keep the checkpoint dtype (wtype). Kernels are named k_<op>_<variant> (STYLE §3.5).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace perigee::cuda {
+
+enum class wtype : int { F32 = 0, BF16 = 1, F16 = 2 };
+// A read-only device weight of a float-like dtype; data == nullptr = none.
+struct dweight {
+    const void * data = nullptr;
+    wtype type = wtype::F32;
+};
+
+// The step's batch layout on the device (ir/batch.h), uploaded once per run.
+struct dbatch {
+    int n_seq = 0, n_tok = 0;
+    int page_size = 0, max_pages = 0;   // block_table is [n_seq, max_pages], -1 padded
+    const int32_t * seq_start = nullptr;  // [n_seq + 1]
+    const int32_t * pos0 = nullptr;       // [n_seq]
+    const int32_t * slot = nullptr;       // [n_seq]
+    const int32_t * block_table = nullptr;// [n_seq, max_pages]
+    const int32_t * tok_seq = nullptr;    // [n_tok] sequence of each packed token
+    int max_pos = 0;                      // largest position of any token + 1
+};
+
+// Device error flags (one int per kind; the backend reads them after a run and names the node).
+enum : int { ERR_ID_RANGE = 0, ERR_SEL_RANGE = 1, ERR_EXPERT_ID = 2, ERR_COUNT = 3 };
+
+// ---- norm.cu ----
+cudaError_t launch_rms_norm(const float * x, int64_t R, int64_t N, dweight w, float eps, float * y, cudaStream_t st);
+cudaError_t launch_layer_norm(const float * x, int64_t R, int64_t N, dweight w, dweight b, float eps, float * y,
+                              cudaStream_t st);
+cudaError_t launch_l2_norm(const float * x, int64_t R, int64_t N, float eps, float * y, cudaStream_t st);
+cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, int64_t N, dweight w, float eps, float * y,
+                                  cudaStream_t st);
+
+// ---- linear.cu ----
+// y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
+cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st);
+// x F32 [n] -> bf16 [n] (round to nearest even), for the cuBLASLt path.
+cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st);
+// table [V, D], ids [T] -> y [T, D]; an id outside 0..V-1 sets err[ERR_ID_RANGE] and writes zeros.
+cudaError_t launch_get_rows(dweight table, int64_t V, int64_t D, const int32_t * ids, int64_t T, float * y, int * err,
+                            cudaStream_t st);
+
+// ---- elementwise.cu ----
+enum class ew_op : int { ADD, MUL, SCALE, SIGMOID, SILU_MUL, SITU_MUL };
+struct ew_params { float scale = 1.0f, beta = 1.0f, lin_beta = 0.0f; };
+cudaError_t launch_elementwise(ew_op op, const float * a, const float * b, int64_t n, const ew_params & p, float * y,
+                               cudaStream_t st);
+cudaError_t launch_cols(const float * x, int64_t T, int64_t C, int64_t c0, int64_t n, float * y, cudaStream_t st);
+
+// ---- conv.cu ----
+// x [T, C], w [C, 1, W], state [n_slots, C, W-1] (in place) -> y [T, C]; W <= 16.
+cudaError_t launch_short_conv(const float * x, int64_t C, dweight w, int64_t W, float * state, const dbatch & b, float * y,
+                              cudaStream_t st);
+
+// ---- kda.cu ----
+cudaError_t launch_kda_gate(const float * f, int64_t T, int64_t H, int64_t K, dweight a_log, dweight dt_bias,
+                            float lower_bound, float * g, cudaStream_t st);
+// Token recurrence, fp32 state [n_slots, H, K, V] read and written once per launch; K <= 256.
+cudaError_t launch_kda_scan_recurrent(const float * q, const float * k, const float * v, const float * g,
+                                      const float * beta, int64_t H, int64_t K, int64_t V, float scale, float * state,
+                                      const dbatch & b, float * o, cudaStream_t st);
+
+// ---- mla.cu ----
+struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_lora_rank; };
+// Absorbed-form MLA over the paged latent cache. scratch: at least mla_scratch_floats(T, d) floats.
+int64_t mla_scratch_floats(int64_t T, const mla_shape & d);
+cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
+                            float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, float * scratch,
+                            float * o, int * err, cudaStream_t st);
+
+// ---- indexer.cu ----
+// scratch: at least T * b.max_pos floats.
+cudaError_t launch_indexer_topk(const float * qi, const float * ki, const float * wi, int64_t n_head, int64_t head_dim,
+                                int64_t topk, float scale, float * kcache, const dbatch & b, float * scratch, int32_t * sel,
+                                cudaStream_t st);
+
+// ---- moe.cu ----
+struct droute { int64_t n_expert, topk, n_group, topk_group; bool renormalize; float scale; int softmax; };
+// x [T, D], gate [E, D], bias [E] | none -> ids [T, topk], w [T, topk]; E <= 1024.
+cudaError_t launch_moe_route(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
+                             int32_t * ids, float * w, cudaStream_t st);
+// One expert matrix on the device: dense (F32/BF16/F16) or FP4 (fmt 1 = MXFP4, 2 = NVFP4).
+struct dexpert_matrix {
+    const void * w = nullptr;          // dense [out, in]
+    const uint8_t * packed = nullptr;  // [out, in/2]
+    const uint8_t * scale = nullptr;   // MXFP4 E8M0 [out, in/32]; NVFP4 E4M3 [out, in/16]
+    int fmt = 0;
+    wtype type = wtype::F32;
+    float global_scale = 1.0f;
+    int64_t out = 0, in = 0;
+};
+struct dexpert { dexpert_matrix gate, up, down; };
+struct dexperts_cfg { int act; float situ_beta, situ_linear_beta; int64_t d_ff, d_out; };   // act 0 SiLU, 1 SiTU
+// experts: device array [E]. scratch: T*k*(d_ff + d_out) floats.
+cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+                               const dexpert * experts, int64_t E, const dexperts_cfg & c, float * scratch, float * y,
+                               int * err, cudaStream_t st);
+
+// ---- attn-res.cu ----
+inline constexpr int k_attn_res_max = 32;
+struct cand_ptrs { const float * p[k_attn_res_max]; };
+cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w, dweight proj_w,
+                                float eps, float * y, cudaStream_t st);
+
+// ---- guard.cu (debug sentinels) ----
+cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st);
+
+} // namespace perigee::cuda

@@ -1,0 +1,153 @@
+// LINEAR (bandwidth GEMV for small T; cuBLASLt is driven from cuda-backend.cpp for larger T) and GET_ROWS.
+#include "backend/cuda/common.cuh"
+
+namespace perigee::cuda {
+
+namespace {
+
+// 8 consecutive weights of row `row` at column c (c % 8 == 0, 16-byte aligned for 16-bit types).
+template <wtype WT> struct wvec;
+template <> struct wvec<wtype::BF16> {
+    static constexpr int n = 8;
+    __device__ static void load(const void * base, int64_t i, float * o) {
+        const uint4 u = *reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i);
+        const uint32_t p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[2 * j] = __uint_as_float(p[j] << 16);
+            o[2 * j + 1] = __uint_as_float(p[j] & 0xffff0000u);
+        }
+    }
+};
+template <> struct wvec<wtype::F16> {
+    static constexpr int n = 8;
+    __device__ static void load(const void * base, int64_t i, float * o) {
+        const uint4 u = *reinterpret_cast<const uint4 *>(static_cast<const __half *>(base) + i);
+        const __half2 * h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(h[j]);
+            o[2 * j] = f.x;
+            o[2 * j + 1] = f.y;
+        }
+    }
+};
+template <> struct wvec<wtype::F32> {
+    static constexpr int n = 4;
+    __device__ static void load(const void * base, int64_t i, float * o) {
+        const float4 f = *reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i);
+        o[0] = f.x; o[1] = f.y; o[2] = f.z; o[3] = f.w;
+    }
+};
+
+constexpr int k_gemv_warps = 8;
+
+// One warp per output row, TT tokens per launch (TT <= 8). Vector path when in % VN == 0.
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv(const float * __restrict__ x, int64_t in, dweight W,
+                                                                   int64_t out, float * __restrict__ y, int64_t ldy) {
+    constexpr int VN = wvec<WT>::n;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = int64_t(blockIdx.x) * k_gemv_warps + (threadIdx.x >> 5);
+    if (row >= out) return;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+    const int64_t base = row * in;
+    if (in % VN == 0) {
+        for (int64_t c = int64_t(lane) * VN; c < in; c += 32 * VN) {
+            float wv[VN];
+            wvec<WT>::load(W.data, base + c, wv);
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+                const float * xt = x + t * in + c;
+#pragma unroll
+                for (int j = 0; j < VN; j += 4) {
+                    const float4 xv = *reinterpret_cast<const float4 *>(xt + j);
+                    acc[t] += wv[j] * xv.x + wv[j + 1] * xv.y + wv[j + 2] * xv.z + wv[j + 3] * xv.w;
+                }
+            }
+        }
+    } else {
+        for (int64_t c = lane; c < in; c += 32) {
+            const float wv = wload(W, base + c);
+#pragma unroll
+            for (int t = 0; t < TT; ++t) acc[t] += wv * x[t * in + c];
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0) y[t * ldy + row] = s;
+    }
+}
+
+template <wtype WT, int TT>
+void gemv_launch(const float * x, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st) {
+    k_linear_gemv<WT, TT><<<grid_for(out, k_gemv_warps), k_gemv_warps * 32, 0, st>>>(x, in, W, out, y, out);
+}
+
+template <wtype WT>
+void gemv_chunk(const float * x, int64_t tt, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st) {
+    switch (tt) {
+        case 1: gemv_launch<WT, 1>(x, in, W, out, y, st); break;
+        case 2: gemv_launch<WT, 2>(x, in, W, out, y, st); break;
+        case 3: gemv_launch<WT, 3>(x, in, W, out, y, st); break;
+        case 4: gemv_launch<WT, 4>(x, in, W, out, y, st); break;
+        case 5: gemv_launch<WT, 5>(x, in, W, out, y, st); break;
+        case 6: gemv_launch<WT, 6>(x, in, W, out, y, st); break;
+        case 7: gemv_launch<WT, 7>(x, in, W, out, y, st); break;
+        default: gemv_launch<WT, 8>(x, in, W, out, y, st); break;
+    }
+}
+
+__global__ void k_f32_to_bf16(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ y) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+        y[i] = *reinterpret_cast<const uint16_t *>(&h);
+    }
+}
+
+__global__ void k_get_rows(dweight table, int64_t V, int64_t D, const int32_t * __restrict__ ids, float * __restrict__ y,
+                           int * err) {
+    const int64_t t = blockIdx.y;
+    const int32_t id = ids[t];
+    const bool ok = id >= 0 && id < V;
+    if (!ok && threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err + ERR_ID_RANGE, 1);
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < D; i += int64_t(gridDim.x) * blockDim.x)
+        y[t * D + i] = ok ? wload(table, int64_t(id) * D + i) : 0.0f;
+}
+
+} // namespace
+
+cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st) {
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const int64_t tt = T - t0 < 8 ? T - t0 : 8;
+        // y rows t0.. are written with ldy = out by each chunk (y offset by t0 rows).
+        switch (W.type) {
+            case wtype::BF16: gemv_chunk<wtype::BF16>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
+            case wtype::F16: gemv_chunk<wtype::F16>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
+            default: gemv_chunk<wtype::F32>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
+        }
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st) {
+    if (n > 0) k_f32_to_bf16<<<grid_for(n, 256), 256, 0, st>>>(x, n, y);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_get_rows(dweight table, int64_t V, int64_t D, const int32_t * ids, int64_t T, float * y, int * err,
+                            cudaStream_t st) {
+    if (T > 0 && D > 0) {
+        const unsigned bx = unsigned(D >= 1024 ? 4 : 1);
+        k_get_rows<<<dim3(bx, unsigned(T)), 256, 0, st>>>(table, V, D, ids, y, err);
+    }
+    return cudaGetLastError();
+}
+
+} // namespace perigee::cuda
