@@ -5,7 +5,7 @@
 
 #include <algorithm>
 #include <limits>
-#include <queue>
+#include <functional>
 
 namespace perigee::tok {
 
@@ -115,48 +115,52 @@ void tokenizer::bpe_piece(std::string_view piece, std::vector<token_id> & out, b
         }
         return;
     }
-    // Heap form for long pieces: doubly linked parts, min-heap of (rank, start) with lazy
-    // invalidation by a per-part version. Same choice rule (lowest rank, leftmost on ties).
-    std::vector<uint32_t> start(n), next(n), prev(n), ver(n, 0), pair_rank(n, k_no_rank);
+    // Heap form for long pieces: doubly linked parts and a min-heap of packed (rank << 32 | start)
+    // keys with lazy invalidation: an entry is live iff its part is alive and still has that pair
+    // rank (a part's pair rank never returns to an old value: the part only grows). Same choice
+    // rule as above: lowest rank, leftmost on ties.
+    std::vector<uint32_t> next(n), prev(n), pair_rank(n, k_no_rank);
     std::vector<uint8_t> alive(n, 1);
     for (size_t i = 0; i < n; ++i) {
-        start[i] = static_cast<uint32_t>(i);
-        next[i] = static_cast<uint32_t>(i + 1);  // n = end
+        next[i] = static_cast<uint32_t>(i + 1);  // n = end; a part starts at its own index
         prev[i] = static_cast<uint32_t>(i == 0 ? k_no_rank : i - 1);
     }
-    struct entry { uint32_t rank, pos, ver; };
-    const auto cmp = [](const entry & a, const entry & b) { return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos; };
-    std::priority_queue<entry, std::vector<entry>, decltype(cmp)> heap(cmp);
-    const auto end_of = [&](uint32_t i) { return next[i] >= n ? n : start[next[i]]; };
+    std::vector<uint64_t> heap;
+    heap.reserve(2 * n);
+    const auto push = [&](uint32_t rank, uint32_t pos) {
+        heap.push_back((uint64_t(rank) << 32) | pos);
+        std::push_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
+    };
+    const auto end_of = [&](uint32_t i) { return next[i]; };
     const auto pair_at = [&](uint32_t i) -> uint32_t {
         if (next[i] >= n) return k_no_rank;
-        return rank_or_none(start[i], end_of(next[i]));
+        return rank_or_none(i, end_of(next[i]));
     };
     for (uint32_t i = 0; i + 1 < n; ++i) {
         pair_rank[i] = pair_at(i);
-        if (pair_rank[i] != k_no_rank) heap.push({pair_rank[i], i, 0});
+        if (pair_rank[i] != k_no_rank) heap.push_back((uint64_t(pair_rank[i]) << 32) | i);
     }
+    std::make_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
     while (!heap.empty()) {
-        const entry e = heap.top();
-        heap.pop();
-        if (!alive[e.pos] || e.ver != ver[e.pos] || pair_rank[e.pos] != e.rank) continue;
-        const uint32_t i = e.pos, j = next[i];
-        // merge j into i
-        alive[j] = 0;
+        std::pop_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
+        const uint64_t e = heap.back();
+        heap.pop_back();
+        const uint32_t i = static_cast<uint32_t>(e & 0xFFFFFFFFu), rank = static_cast<uint32_t>(e >> 32);
+        if (!alive[i] || pair_rank[i] != rank) continue;
+        const uint32_t j = next[i];
+        alive[j] = 0;  // merge j into i
         next[i] = next[j];
         if (next[j] < n) prev[next[j]] = i;
-        ++ver[i];
         pair_rank[i] = pair_at(i);
-        if (pair_rank[i] != k_no_rank) heap.push({pair_rank[i], i, ver[i]});
+        if (pair_rank[i] != k_no_rank) push(pair_rank[i], i);
         if (prev[i] != k_no_rank) {
             const uint32_t p = prev[i];
-            ++ver[p];
             pair_rank[p] = pair_at(p);
-            if (pair_rank[p] != k_no_rank) heap.push({pair_rank[p], p, ver[p]});
+            if (pair_rank[p] != k_no_rank) push(pair_rank[p], p);
         }
     }
     for (uint32_t i = 0; i < n; i = next[i]) {
-        const uint32_t r = rank_or_none(start[i], end_of(i));
+        const uint32_t r = rank_or_none(i, end_of(i));
         PG_ASSERT(r != k_no_rank);
         out.push_back(static_cast<token_id>(r));
     }
