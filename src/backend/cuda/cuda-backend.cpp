@@ -98,6 +98,7 @@ void check_node(const graph & g, int id) {
         case op_type::SCALE:
         case op_type::SIGMOID:
         case op_type::COLS: act(0); return;
+        case op_type::SELECT_ROWS: act(0); need_batch(); return;
         case op_type::SHORT_CONV: {
             act(0); wt(1, false); state(2); need_batch();
             const int64_t W = g.out(n.src[1]).shape.back();
@@ -530,6 +531,20 @@ private:
                 PG_CHECK(n.p.c0 >= 0 && n.p.n >= 0 && n.p.c0 + n.p.n <= C, "cols: [{}, {}) outside {} columns", n.p.c0,
                          n.p.c0 + n.p.n, C);
                 PG_CUDA_CHECK(cuda::launch_cols(f32_in(n, 0), x.shape.at(0), C, n.p.c0, n.p.n, y, st_));
+                break;
+            }
+            case op_type::SELECT_ROWS: {   // rows are host-known: one device copy per row
+                const auto & rows = g.b->logits_rows;
+                const int64_t C = x.shape.at(1);
+                if (rows.empty()) {
+                    PG_CUDA_CHECK(cudaMemcpyAsync(y, x.p, size_t(xn) * 4, cudaMemcpyDeviceToDevice, st_));
+                    break;
+                }
+                for (size_t r = 0; r < rows.size(); ++r) {
+                    PG_CHECK(rows[r] >= 0 && rows[r] < x.shape.at(0), "logits row {} outside 0..{}", rows[r], x.shape.at(0) - 1);
+                    PG_CUDA_CHECK(cudaMemcpyAsync(y + int64_t(r) * C, f32_in(n, 0) + rows[r] * C, size_t(C) * 4,
+                                                  cudaMemcpyDeviceToDevice, st_));
+                }
                 break;
             }
             case op_type::SHORT_CONV: {

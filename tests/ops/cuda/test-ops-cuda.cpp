@@ -1,0 +1,471 @@
+// CUDA backend vs CPU reference backend, op by op (STYLE §3.7; llama.cpp test-backend-ops shape).
+//
+// Each case builds a one- or few-op graph with fixed, printed seeds, runs it on the CPU backend (the reference,
+// fp32 with fp64 reductions) and on the CUDA backend (guard mode: every output poisoned with NaN and framed by
+// sentinel words that are checked after each node), and compares every output and every STATE buffer: NaN/Inf
+// placement first, then the metric, "measured <= threshold" printed on success too. State rows that the step must
+// not touch (other slots, pages outside the block tables) must be bitwise equal. Every family has controls that
+// must FAIL: a 10x-threshold perturbation, a negative threshold, a flipped sentinel byte, a skipped state
+// write-back, swapped expert ids. The run ends with "N passed, N failed".
+#include "backend/cpu/cpu-ops.h"
+#include "backend/cuda/backend-cuda.h"
+#include "harness.h"
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <set>
+
+namespace perigee::test {
+namespace {
+
+// ---- tolerances (STYLE §3.7 starting table; measured values are printed on every line) ----
+constexpr double k_tol_f32 = 1e-7;      // NMSE: f32 elementwise, norms, routing math, f32-accumulated GEMV
+constexpr double k_tol_bf16_gemm = 5e-4;  // NMSE: cuBLASLt path rounds activations to bf16 (llama.cpp test_mul_mat)
+constexpr double k_tol_kda = 5e-3;      // RMS ratio: KDA o and final state (fla test_kda.py)
+constexpr double k_tol_mla_abs = 8e-4;  // max abs: MLA output (FlashMLA dense decode)
+
+int g_passed = 0, g_failed = 0;
+void tally(bool ok) { (ok ? g_passed : g_failed)++; }
+
+bool have_gpu() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define NEED_GPU() \
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA parity runner needs the GPU machine"
+
+struct out_check { node_ref r; metric m; double thr; bool exact_i32 = false; };
+struct state_check { tensor * t; metric m; double thr; std::set<int64_t> touched; };   // touched dim-0 rows
+
+std::vector<float> host_f32(const tensor & t) {
+    std::vector<float> v(size_t(t.numel()));
+    if (!v.empty()) std::memcpy(v.data(), t.data, v.size() * 4);
+    return v;
+}
+
+// Runs g on both backends from the same initial states and compares. Returns true when every check passed.
+bool parity(const std::string & name, graph & g, const std::vector<out_check> & outs, std::vector<state_check> states,
+            const cuda_options & opt = {true, 8}) {
+    std::vector<tensor> init;
+    for (auto & s : states) init.push_back(tensor_new(s.t->type, s.t->shape)), std::memcpy(init.back().data, s.t->data, s.t->nbytes);
+    auto cpu = backend_cpu_init();
+    cpu->check_supported(g);
+    cpu->run(g);
+    std::vector<tensor> cpu_out, cpu_state;
+    for (auto & o : outs) cpu_out.push_back(cpu->read(o.r));
+    for (size_t i = 0; i < states.size(); ++i) {
+        cpu_state.push_back(tensor_new(states[i].t->type, states[i].t->shape));
+        std::memcpy(cpu_state.back().data, states[i].t->data, states[i].t->nbytes);
+        std::memcpy(states[i].t->data, init[i].data, init[i].nbytes);   // the CUDA run starts from the same state
+    }
+    auto gpu = backend_cuda_init(0, opt);
+    gpu->check_supported(g);
+    gpu->run(g);
+    gpu->sync_state_to_host();
+    bool all = true;
+    for (size_t i = 0; i < outs.size(); ++i) {
+        const tensor c = gpu->read(outs[i].r);
+        const std::string nm = name + "/" + g.at(outs[i].r).name + (outs[i].r.out ? "#" + std::to_string(outs[i].r.out) : "");
+        bool ok;
+        if (outs[i].exact_i32) {
+            std::vector<int32_t> a(size_t(c.numel())), b(size_t(c.numel()));
+            std::memcpy(a.data(), cpu_out[i].data, a.size() * 4);
+            std::memcpy(b.data(), c.data, b.size() * 4);
+            ok = check_exact_i32(nm, a, b);
+        } else {
+            ok = check(nm, to_f64(host_f32(cpu_out[i])), host_f32(c), outs[i].m, outs[i].thr);
+        }
+        tally(ok);
+        all &= ok;
+    }
+    for (size_t i = 0; i < states.size(); ++i) {
+        const auto & s = states[i];
+        const std::string nm = name + "/state:" + std::to_string(i);
+        const bool ok = check(nm, to_f64(host_f32(cpu_state[i])), host_f32(*s.t), s.m, s.thr);
+        tally(ok);
+        all &= ok;
+        // untouched rows: bitwise equal to the initial state on the device side
+        const int64_t rows = s.t->shape.at(0), row_bytes = int64_t(s.t->nbytes) / std::max<int64_t>(rows, 1);
+        size_t bad = 0;
+        for (int64_t r = 0; r < rows; ++r)
+            if (!s.touched.count(r))
+                bad += std::memcmp(static_cast<char *>(s.t->data) + r * row_bytes, static_cast<char *>(init[i].data) + r * row_bytes,
+                                   size_t(row_bytes)) != 0;
+        std::printf("[%s] untouched rows changed: %zu <= 0\n", (nm + "/untouched").c_str(), bad);
+        tally(bad == 0);
+        all &= bad == 0;
+    }
+    return all;
+}
+
+// Comparator controls for one family, on a real candidate: a 10x perturbation and a negative threshold must fail.
+void controls(const std::string & name, const std::vector<float> & ref, const std::vector<float> & cand, metric m, double thr) {
+    const auto r = to_f64(ref);
+    const bool pert = check(name + "/control(perturbed 10x)", r, perturb(r, cand, m, thr), m, thr);
+    const bool neg = compare(r, cand, m, -1.0).ok;
+    std::printf("[%s/control] perturbed %s, negative threshold %s (both must FAIL)\n", name.c_str(), pert ? "PASSED" : "FAILED",
+                neg ? "PASSED" : "FAILED");
+    EXPECT_FALSE(pert);
+    EXPECT_FALSE(neg);
+    tally(!pert && !neg);
+}
+
+std::shared_ptr<batch> batch_seqs(const std::vector<int> & lens, const std::vector<int> & pos0, const std::vector<int> & slots,
+                                  int page_size = 0, int pages_per_seq = 0) {
+    auto b = std::make_shared<batch>();
+    b->seq_start = {0};
+    for (size_t s = 0; s < lens.size(); ++s) {
+        b->seq_start.push_back(b->seq_start.back() + lens[s]);
+        b->pos0.push_back(pos0[s]);
+        b->slot.push_back(slots[s]);
+        if (page_size) {
+            std::vector<int32_t> bt;
+            for (int p = 0; p < pages_per_seq; ++p) bt.push_back(int32_t(s * pages_per_seq + (pages_per_seq - 1 - p)));   // reversed pages
+            b->block_table.push_back(bt);
+        }
+    }
+    b->ids.assign(size_t(b->seq_start.back()), 0);
+    b->page_size = page_size;
+    return b;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(cuda_ops, elementwise_norms_with_nan_inf_placement) {
+    NEED_GPU();
+    for (int T : {1, 5, 33}) {
+        rng r(1000 + uint32_t(T));
+        arena a;
+        const int D = 96;
+        auto b = batch_simple(T);
+        builder bd(b);
+        auto xa = r.vec(size_t(T * D), -3, 3), xb = r.vec(size_t(T * D), -3, 3);
+        xa[3] = NAN;
+        xa[size_t(T * D - 1)] = INFINITY;   // NaN/Inf placement must match
+        auto wv = r.vec(size_t(D), 0.5f, 1.5f), bv = r.vec(size_t(D), -0.2f, 0.2f);
+        const node_ref x = bd.weight(a.f32({T, D}, xa), "xa_leaf");
+        const node_ref y = bd.weight(a.f32({T, D}, xb), "xb_leaf");
+        const node_ref X = bd.name(bd.scale(x, 1.0f), "x"), Y = bd.name(bd.scale(y, 0.5f), "y");
+        const node_ref w = bd.weight(a.bf16({D}, wv), "w_bf16");
+        const node_ref bias = bd.weight(a.f32({D}, bv), "b_f32");
+        std::vector<out_check> oc;
+        auto add = [&](node_ref n, const char * nm) { oc.push_back({bd.name(n, nm), metric::NMSE, k_tol_f32}); };
+        add(bd.add(X, Y), "add");
+        add(bd.mul(X, Y), "mul");
+        add(bd.sigmoid(Y), "sigmoid");
+        add(bd.silu_mul(X, Y), "silu_mul");
+        add(bd.situ_mul(X, Y, 2.0f, 3.0f), "situ_mul");
+        add(bd.situ_mul(X, Y, 1.5f, 0.0f), "situ_mul_nolin");
+        add(bd.cols(Y, 10, 40), "cols");
+        add(bd.rms_norm(Y, w, 1e-6f), "rms_norm");
+        add(bd.rms_norm(Y, {}, 1e-6f, 16), "rms_norm_noweight_per16");
+        add(bd.layer_norm(Y, w, bias, 1e-5f), "layer_norm");
+        add(bd.l2_norm(Y, 1e-6f, 32), "l2_norm_per32");
+        add(bd.gated_rms_norm(Y, X, bd.weight(a.f32({32}, wv = r.vec(32, 0.5f, 1.5f)), "gw"), 1e-5f, 32), "gated_rms_norm");
+        add(bd.rms_norm(X, w, 1e-6f), "rms_norm_nan_rows");
+        graph g = bd.finish(oc.back().r);
+        EXPECT_TRUE(parity("ew/T" + std::to_string(T), g, oc, {}));
+        if (T == 5) {
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            auto gpu = backend_cuda_init(0, {true, 8});
+            gpu->run(g);
+            controls("ew/rms_norm", read_f32(*cpu, oc[7].r), read_f32(*gpu, oc[7].r), metric::NMSE, k_tol_f32);
+            // sentinel control: one flipped sentinel byte after the add output must fail the run, naming the node
+            gpu->guard_corrupt_next(oc[0].r.node, 0);
+            bool threw = false;
+            try {
+                gpu->run(g);
+            } catch (const error & e) {
+                threw = std::string(e.what()).find("'add'") != std::string::npos;
+                std::printf("[ew/control(sentinel)] FAILED as it must: %s\n", e.what());
+            }
+            EXPECT_TRUE(threw);
+            tally(threw);
+        }
+    }
+}
+
+TEST(cuda_ops, get_rows_and_linear) {
+    NEED_GPU();
+    for (dtype wt : {dtype::BF16, dtype::F32, dtype::F16}) {
+        for (int T : {1, 3, 8, 9, 64}) {
+            for (auto [in, out] : std::vector<std::pair<int, int>>{{256, 300}, {100, 37}}) {
+                rng r(2000 + uint32_t(T) * 7 + uint32_t(in) + uint32_t(wt) * 1000);
+                arena a;
+                auto b = batch_simple(T);
+                for (int t = 0; t < T; ++t) b->ids[size_t(t)] = r.randint(0, 49);
+                builder bd(b);
+                auto tab = r.vec(size_t(50 * in));
+                auto wv = r.vec(size_t(out * in), -0.1f, 0.1f);
+                const node_ref x = bd.name(bd.get_rows(bd.weight(a.typed(wt, {50, in}, tab), "embed"), bd.ids()), "get_rows");
+                const node_ref y = bd.name(bd.linear(x, bd.weight(a.typed(wt, {out, in}, wv), "W")), "linear");
+                graph g = bd.finish(y);
+                // T > 8 with BF16 weights takes cuBLASLt with bf16-rounded activations
+                const double thr = (T > 8 && wt == dtype::BF16) ? k_tol_bf16_gemm : k_tol_f32;
+                const std::string nm = fmt::format("linear/{}/T{}/{}x{}", dtype_name(wt), T, out, in);
+                EXPECT_TRUE(parity(nm, g, {{x, metric::NMSE, k_tol_f32}, {y, metric::NMSE, thr}}, {})) << nm;
+                if (T == 64 && in == 256 && wt == dtype::BF16) {
+                    auto cpu = backend_cpu_init();
+                    cpu->run(g);
+                    auto gpu = backend_cuda_init(0, {true, 8});
+                    gpu->run(g);
+                    controls(nm, read_f32(*cpu, y), read_f32(*gpu, y), metric::NMSE, thr);
+                }
+            }
+        }
+    }
+}
+
+TEST(cuda_ops, get_rows_id_out_of_range_names_the_node) {
+    NEED_GPU();
+    arena a;
+    auto b = batch_simple(2);
+    b->ids = {1, 7};
+    builder bd(b);
+    std::vector<float> tab(4 * 8, 1.0f);
+    const node_ref x = bd.name(bd.get_rows(bd.weight(a.f32({4, 8}, tab), "embed"), bd.ids()), "tok_embd");
+    graph g = bd.finish(x);
+    auto gpu = backend_cuda_init(0);
+    bool named = false;
+    try {
+        gpu->run(g);
+    } catch (const error & e) {
+        named = std::string(e.what()).find("tok_embd") != std::string::npos;
+        std::printf("[get_rows/id_range] error: %s\n", e.what());
+    }
+    EXPECT_TRUE(named);
+    tally(named);
+}
+
+// SHORT_CONV + KDA_GATE + L2 + KDA_SCAN over packed sequences with history, both scan forms on the CPU side.
+TEST(cuda_ops, kda_block_recurrent_and_chunked_reference) {
+    NEED_GPU();
+    for (int chunk : {0, 64}) {
+        for (auto lens : std::vector<std::vector<int>>{{1}, {1, 1, 1}, {7, 70}}) {
+            const int H = 3, K = 32, V = 48, W = 4, n_slots = 5;
+            rng r(3000 + uint32_t(chunk) + uint32_t(lens.size() * 10 + lens.back()));
+            arena a;
+            std::vector<int> slots, pos0;
+            for (size_t s = 0; s < lens.size(); ++s) slots.push_back(int(4 - s)), pos0.push_back(lens[s] == 1 ? 5 : 0);
+            auto b = batch_seqs(lens, pos0, slots);
+            const int T = b->n_tokens();
+            builder bd(b);
+            auto xv = r.vec(size_t(T * H * K));
+            auto vv = r.vec(size_t(T * H * V));
+            auto fv = r.vec(size_t(T * H * K), -2, 2);
+            auto bv = r.vec(size_t(T * H), -2, 2);
+            auto cw = r.vec(size_t(H * K * W), -0.5f, 0.5f);
+            auto alog = r.vec(size_t(H), -1, 1), dtb = r.vec(size_t(H * K), -0.5f, 0.5f);
+            auto conv_s = r.vec(size_t(n_slots * H * K * (W - 1)));
+            auto kda_s = r.vec(size_t(n_slots * H * K * V), -0.3f, 0.3f);
+            tensor & cst = a.f32({n_slots, H * K, W - 1}, conv_s);
+            tensor & kst = a.f32({n_slots, H, K, V}, kda_s);
+            const node_ref x = bd.scale(bd.weight(a.f32({T, H * K}, xv), "x"), 1.0f);
+            const node_ref q = bd.name(bd.short_conv(x, bd.weight(a.bf16({H * K, 1, W}, cw), "conv_w"), bd.state(cst, "conv_state")), "q_conv");
+            const node_ref qn = bd.name(bd.l2_norm(q, 1e-6f, K), "q_l2");
+            const node_ref kn = bd.name(bd.l2_norm(bd.scale(q, -0.7f), 1e-6f, K), "k_l2");
+            const node_ref g1 = bd.name(bd.kda_gate(bd.scale(bd.weight(a.f32({T, H * K}, fv), "f"), 1.0f),
+                                                    bd.weight(a.f32({H}, alog), "A_log"), bd.weight(a.f32({H * K}, dtb), "dt_bias"),
+                                                    H, K, chunk ? -5.0f : 0.0f),
+                                        "gate");
+            const node_ref beta = bd.sigmoid(bd.scale(bd.weight(a.f32({T, H}, bv), "b"), 1.0f));
+            const node_ref vn = bd.scale(bd.weight(a.f32({T, H * V}, vv), "v"), 1.0f);
+            const node_ref o = bd.name(bd.kda_scan(qn, kn, vn, g1, beta, bd.state(kst, "kda_state"), {H, K, V, 0.17f, chunk}), "kda_scan");
+            const node_ref on = bd.name(bd.gated_rms_norm(o, vn, bd.weight(a.f32({V}, dtb), "onorm"), 1e-5f, V), "o_norm");
+            graph g = bd.finish(on);
+            std::set<int64_t> touched(slots.begin(), slots.end());
+            const std::string nm = fmt::format("kda/chunk{}/seqs{}/T{}", chunk, lens.size(), T);
+            const bool ok = parity(nm, g,
+                                   {{q, metric::NMSE, k_tol_f32}, {g1, metric::NMSE, k_tol_f32}, {o, metric::RMS_RATIO, k_tol_kda},
+                                    {on, metric::RMS_RATIO, k_tol_kda}},
+                                   {{&cst, metric::NMSE, k_tol_f32, touched}, {&kst, metric::RMS_RATIO, k_tol_kda, touched}});
+            EXPECT_TRUE(ok) << nm;
+            if (chunk == 0 && lens.size() == 3) {   // control: a skipped state write-back must fail the state check
+                const auto init = kda_s;
+                auto cpu = backend_cpu_init();
+                std::memcpy(kst.data, init.data(), init.size() * 4);
+                cpu->run(g);
+                const auto after = host_f32(kst);
+                const bool pass = check(nm + "/control(skipped write-back)", to_f64(after), init, metric::RMS_RATIO, k_tol_kda);
+                EXPECT_FALSE(pass);
+                tally(!pass);
+                controls(nm + "/o", after, after, metric::RMS_RATIO, k_tol_kda);
+            }
+        }
+    }
+}
+
+TEST(cuda_ops, mla_paged_causal_and_selected_with_indexer) {
+    NEED_GPU();
+    for (bool with_sel : {false, true}) {
+        for (auto lens : std::vector<std::vector<int>>{{1}, {1, 1}, {20, 3}}) {
+            const int H = 4, dn = 16, dr = 8, dv = 16, L = 64, ps = 8, pages_per = 6, I = 2, di = 16, topk = 5;
+            rng r(4000 + uint32_t(with_sel) * 100 + uint32_t(lens.size() * 10 + lens[0]));
+            arena a;
+            std::vector<int> pos0, slots;
+            for (size_t s = 0; s < lens.size(); ++s) pos0.push_back(lens[s] == 1 ? 17 + int(s) : 2), slots.push_back(int(s));
+            auto b = batch_seqs(lens, pos0, slots, ps, pages_per);
+            const int T = b->n_tokens();
+            const int n_pages = int(lens.size()) * pages_per + 2;   // 2 pages nobody owns: must stay untouched
+            builder bd(b);
+            auto qv = r.vec(size_t(T * H * (dn + dr))), cv = r.vec(size_t(T * L)), krv = r.vec(size_t(T * dr));
+            auto kvb = r.vec(size_t(H * (dn + dv) * L), -0.2f, 0.2f);
+            auto cache0 = r.vec(size_t(n_pages * ps * (L + dr)));
+            tensor & cache = a.f32({n_pages, ps, L + dr}, cache0);
+            node_ref sel{};
+            std::vector<out_check> oc;
+            std::vector<state_check> sc;
+            std::set<int64_t> touched;
+            for (auto & bt : b->block_table) touched.insert(bt.begin(), bt.end());
+            tensor * kc = nullptr;
+            if (with_sel) {
+                auto qi = r.vec(size_t(T * I * di)), ki = r.vec(size_t(T * di)), wi = r.vec(size_t(T * I));
+                auto kc0 = r.vec(size_t(n_pages * ps * di));
+                kc = &a.f32({n_pages, ps, di}, kc0);
+                sel = bd.name(bd.indexer_topk(bd.scale(bd.weight(a.f32({T, I * di}, qi), "qi"), 1.0f),
+                                              bd.scale(bd.weight(a.f32({T, di}, ki), "ki"), 1.0f),
+                                              bd.scale(bd.weight(a.f32({T, I}, wi), "wi"), 1.0f), bd.state(*kc, "index_keys"),
+                                              {I, di, topk, 0.25f}),
+                              "indexer_topk");
+                oc.push_back({sel, metric::NMSE, 0, true});
+            }
+            const node_ref o = bd.name(bd.mla_attn(bd.scale(bd.weight(a.f32({T, H * (dn + dr)}, qv), "q"), 1.0f),
+                                                   bd.scale(bd.weight(a.f32({T, L}, cv), "c"), 1.0f),
+                                                   bd.scale(bd.weight(a.f32({T, dr}, krv), "kr"), 1.0f),
+                                                   bd.weight(a.bf16({H * (dn + dv), L}, kvb), "kv_b"), bd.state(cache, "mla_cache"), sel,
+                                                   {H, dn, dr, dv, L, 0.2f}),
+                                       "mla_attn");
+            oc.push_back({o, metric::MAX_ABS, k_tol_mla_abs});
+            oc.push_back({o, metric::NMSE, k_tol_f32});
+            sc.push_back({&cache, metric::NMSE, 0.0, touched});
+            if (kc) sc.push_back({kc, metric::NMSE, 0.0, touched});
+            graph g = bd.finish(o);
+            const std::string nm = fmt::format("mla/{}/seqs{}/T{}", with_sel ? "sel" : "causal", lens.size(), T);
+            EXPECT_TRUE(parity(nm, g, oc, sc)) << nm;
+        }
+    }
+}
+
+TEST(cuda_ops, moe_route_and_experts_dense_mxfp4_nvfp4) {
+    NEED_GPU();
+    for (int fmt_i : {0, 1, 2}) {
+        for (int T : {1, 4, 19}) {
+            const int D = 64, F = 32, E = 16, k = 4;
+            rng r(5000 + uint32_t(fmt_i) * 100 + uint32_t(T));
+            arena a;
+            auto b = batch_simple(T);
+            builder bd(b);
+            auto xv = r.vec(size_t(T * D)), gw = r.vec(size_t(E * D), -0.3f, 0.3f), bias = r.vec(size_t(E), -0.1f, 0.1f);
+            auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+            auto mk = [&](int out, int in) {
+                expert_matrix m;
+                m.out = out;
+                m.in = in;
+                if (fmt_i == 0) {
+                    auto v = r.vec(size_t(out * in), -0.2f, 0.2f);
+                    m.weight = &a.bf16({out, in}, v);
+                    return m;
+                }
+                const int blk = fmt_i == 1 ? 32 : 16;
+                tensor & p = a.raw(dtype::U8, {out, in / 2});
+                tensor & s = a.raw(fmt_i == 1 ? dtype::U8 : dtype::F8_E4M3, {out, in / blk});
+                for (int64_t i = 0; i < p.numel(); ++i) p.as<uint8_t>()[i] = uint8_t(r.randint(0, 255));
+                for (int64_t i = 0; i < s.numel(); ++i) s.as<uint8_t>()[i] = uint8_t(fmt_i == 1 ? r.randint(118, 126) : r.randint(0x20, 0x48));
+                m.packed = &p;
+                m.scale = &s;
+                m.format = fmt_i == 1 ? fp4_format::MXFP4 : fp4_format::NVFP4;
+                m.global_scale = fmt_i == 1 ? 1.0f : 0.37f;
+                return m;
+            };
+            for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+            const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f), "x");
+            auto [ids, w] = bd.moe_route(x, bd.weight(a.bf16({E, D}, gw), "gate"), bd.weight(a.f32({E}, bias), "bias"),
+                                         {k, 4, 2, true, 2.5f, router_act::SIGMOID});
+            bd.name(ids, "route");
+            const node_ref y = bd.name(bd.moe_experts(x, ids, w, {fmt_i == 2 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}),
+                                       "experts");
+            graph g = bd.finish(y);
+            const std::string nm = fmt::format("moe/{}/T{}", fmt_i == 0 ? "bf16" : fmt_i == 1 ? "mxfp4" : "nvfp4", T);
+            EXPECT_TRUE(parity(nm, g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32}, {y, metric::NMSE, k_tol_f32}}, {}))
+                << nm;
+            if (T == 4 && fmt_i == 1) {   // control: two swapped expert ids must fail the exact check
+                auto gpu = backend_cuda_init(0);
+                gpu->run(g);
+                auto cid = read_i32(*gpu, ids);
+                auto sw = cid;
+                std::swap(sw[0], sw[1]);
+                const bool pass = check_exact_i32(nm + "/control(swapped ids)", cid, sw);
+                EXPECT_FALSE(pass);
+                tally(!pass);
+                auto cpu = backend_cpu_init();
+                cpu->run(g);
+                controls(nm + "/experts", read_f32(*cpu, y), read_f32(*gpu, y), metric::NMSE, k_tol_f32);
+            }
+        }
+    }
+    // softmax router, ungrouped, no bias
+    {
+        const int T = 6, D = 48, E = 24, k = 3;
+        rng r(5999);
+        arena a;
+        builder bd(batch_simple(T));
+        auto xv = r.vec(size_t(T * D)), gw = r.vec(size_t(E * D), -0.3f, 0.3f);
+        const node_ref x = bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f);
+        auto [ids, w] = bd.moe_route(x, bd.weight(a.f32({E, D}, gw), "gate"), {}, {k, 1, 1, false, 1.0f, router_act::SOFTMAX});
+        graph g = bd.finish(w);
+        EXPECT_TRUE(parity("moe/route_softmax", g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32}}, {}));
+    }
+}
+
+TEST(cuda_ops, attn_res_mix) {
+    NEED_GPU();
+    for (int n : {1, 3, 9}) {
+        rng r(6000 + uint32_t(n));
+        arena a;
+        const int T = 5, D = 80;
+        builder bd(batch_simple(T));
+        std::vector<node_ref> c;
+        for (int i = 0; i < n; ++i) {
+            auto v = r.vec(size_t(T * D), -2, 2);
+            c.push_back(bd.scale(bd.weight(a.f32({T, D}, v), "cand" + std::to_string(i)), 1.0f));
+        }
+        auto nw = r.vec(size_t(D), 0.5f, 1.5f), pw = r.vec(size_t(D), -1, 1);
+        const node_ref y = bd.name(bd.attn_res_mix(c, bd.weight(a.bf16({D}, nw), "nw"), bd.weight(a.f32({1, D}, pw), "pw"), 1e-6f),
+                                   "attn_res");
+        graph g = bd.finish(y);
+        EXPECT_TRUE(parity("attn_res/n" + std::to_string(n), g, {{y, metric::NMSE, k_tol_f32}}, {}));
+    }
+}
+
+TEST(cuda_ops, unsupported_is_an_error_naming_the_node) {
+    NEED_GPU();
+    arena a;
+    builder bd(batch_simple(2));
+    std::vector<float> v(2 * 4, 1.0f);
+    tensor & st = a.f32({1, 4, 20}, v = std::vector<float>(80, 0.0f));
+    std::vector<float> xw(8, 1.0f), cw(4 * 21, 0.1f);
+    const node_ref x = bd.scale(bd.weight(a.f32({2, 4}, xw), "x"), 1.0f);
+    const node_ref y = bd.name(bd.short_conv(x, bd.weight(a.f32({4, 1, 21}, cw), "wide_conv"), bd.state(st, "s")), "too_wide");
+    graph g = bd.finish(y);
+    auto gpu = backend_cuda_init(0);
+    bool named = false;
+    try {
+        gpu->check_supported(g);
+    } catch (const error & e) {
+        named = std::string(e.what()).find("too_wide") != std::string::npos && std::string(e.what()).find("SHORT_CONV") != std::string::npos;
+        std::printf("[unsupported] %s\n", e.what());
+    }
+    EXPECT_TRUE(named);
+    tally(named);
+}
+
+class summary : public ::testing::Environment {
+public:
+    void TearDown() override { std::printf("%d passed, %d failed\n", g_passed, g_failed); }
+};
+const auto * g_env = ::testing::AddGlobalTestEnvironment(new summary);
+
+} // namespace
+} // namespace perigee::test
