@@ -190,30 +190,25 @@ bool pretokenizer::next_match(std::string_view text, size_t pos, size_t & start,
     auto & h = thread_jit();
     auto * code = static_cast<pcre2_code *>(code_);
     const auto * subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-    int rc;
-    if (jit_) {
-        rc = pcre2_jit_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, h.md, h.mctx);
-    } else {
-        rc = pcre2_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, h.md, h.mctx);
+    while (pos <= text.size()) {
+        const int rc = jit_ ? pcre2_jit_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, h.md, h.mctx)
+                            : pcre2_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, h.md, h.mctx);
+        if (rc == PCRE2_ERROR_NOMATCH) return false;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[256];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            PG_FAIL("pre-tokenizer match failed at byte {}: {}", pos, reinterpret_cast<const char *>(msg));
+        }
+        const PCRE2_SIZE * ov = pcre2_get_ovector_pointer(h.md);
+        start = ov[0];
+        end = ov[1];
+        if (end > start) return true;
+        // An empty match cannot come from the supported patterns; step over one code point so the
+        // scan always terminates.
+        pos = start + 1;
+        while (pos < text.size() && (static_cast<uint8_t>(text[pos]) & 0xC0) == 0x80) ++pos;
     }
-    if (rc == PCRE2_ERROR_NOMATCH) return false;
-    if (rc < 0) {
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(rc, msg, sizeof msg);
-        PG_FAIL("pre-tokenizer match failed at byte {}: {}", pos, reinterpret_cast<const char *>(msg));
-    }
-    const PCRE2_SIZE * ov = pcre2_get_ovector_pointer(h.md);
-    start = ov[0];
-    end = ov[1];
-    if (end == start) {
-        // An empty match cannot come from the supported patterns; step over one code point so
-        // the scan always terminates.
-        end = start + 1;
-        while (end < text.size() && (static_cast<uint8_t>(text[end]) & 0xC0) == 0x80) ++end;
-        start = end;
-        return next_match(text, end, start, end);
-    }
-    return true;
+    return false;
 }
 
 std::vector<std::string> pretokenizer::split(std::string_view text) const {

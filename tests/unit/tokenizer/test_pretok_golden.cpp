@@ -98,3 +98,20 @@ TEST(tokenizer_golden, gpt_tokenizer_testplans) {
     EXPECT_EQ(n_cl100k, 64u);
     EXPECT_EQ(bad, 0u);
 }
+
+TEST(tokenizer_pretok, pattern_translation) {
+    EXPECT_EQ(translate_tiktoken_pattern("[\\p{Han}]+"), "[\\p{sc:Han}]+");
+    EXPECT_EQ(translate_tiktoken_pattern("[\\p{L}&&[^\\p{Han}]]*"), "(?:(?![\\p{sc:Han}])[\\p{L}])*");
+    const std::string ws = translate_tiktoken_pattern("\\s");
+    EXPECT_NE(ws.find("\\x{3000}"), std::string::npos);
+    EXPECT_EQ(ws.find("180E"), std::string::npos);  // PCRE2's \s would add U+180E
+    EXPECT_THROW(translate_tiktoken_pattern("\\d+"), perigee::error);
+    EXPECT_THROW(translate_tiktoken_pattern("[^a&&[^b]]"), perigee::error);
+    EXPECT_THROW(translate_tiktoken_pattern("[a&&[b]]"), perigee::error);
+    EXPECT_THROW(pretokenizer("(unclosed"), perigee::error);
+    // Script, not Script_Extensions: "。" and "、「" are Common and must split from Han runs
+    const pretokenizer pre(k_pat_kimi);
+    EXPECT_EQ(pre.split("你好。世界、「引用」〆切"),
+              (std::vector<std::string>{"你好", "。", "世界", "、「", "引用", "」〆", "切"}));
+    EXPECT_EQ(pre.split("x\u180Ey"), (std::vector<std::string>{"x", "\u180Ey"}));  // U+180E is not \s
+}
