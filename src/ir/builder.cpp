@@ -187,6 +187,17 @@ node_ref builder::cols(node_ref x, int64_t c0, int64_t nn) {
     return push(std::move(n));
 }
 
+node_ref builder::select_rows(node_ref x) {
+    const auto & xs = out(x).shape;
+    PG_CHECK(xs.size() == 2, "select_rows: x must be 2-D, got {}", shape_str(xs));
+    const auto & rows = g_.b->logits_rows;
+    node n;
+    n.op = op_type::SELECT_ROWS;
+    n.src = {x};
+    n.outs = {f32_out({rows.empty() ? xs[0] : int64_t(rows.size()), xs[1]})};
+    return push(std::move(n));
+}
+
 node_ref builder::short_conv(node_ref x, node_ref w, node_ref st) {
     const auto & xs = out(x).shape;
     const auto & ws = out(w).shape;

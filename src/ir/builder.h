@@ -31,6 +31,8 @@ public:
     node_ref situ_mul(node_ref g, node_ref u, float beta, float linear_beta);
     // Keep columns [c0, c0+n) of a 2-D [T, C] input (a copy; used to split fused projections).
     node_ref cols(node_ref x, int64_t c0, int64_t n);
+    // Keep the rows batch::logits_rows lists ([R, C]); identity-shaped when the list is empty.
+    node_ref select_rows(node_ref x);
 
     node_ref short_conv(node_ref x, node_ref w, node_ref st);
     node_ref kda_gate(node_ref f, node_ref a_log, node_ref dt_bias, int64_t n_head, int64_t head_dim,

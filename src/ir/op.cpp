@@ -19,6 +19,7 @@ std::string_view op_name(op_type op) {
         case op_type::SILU_MUL: return "SILU_MUL";
         case op_type::SITU_MUL: return "SITU_MUL";
         case op_type::COLS: return "COLS";
+        case op_type::SELECT_ROWS: return "SELECT_ROWS";
         case op_type::SHORT_CONV: return "SHORT_CONV";
         case op_type::KDA_GATE: return "KDA_GATE";
         case op_type::KDA_SCAN: return "KDA_SCAN";

@@ -31,6 +31,8 @@ enum class op_type : uint8_t {
     SITU_MUL,       // (g [T, N], u [T, N]) -> [beta*tanh(g/beta)*sigmoid(g)] * [lin_beta*tanh(u/lin_beta)]
                     //  (SiTU-GLU, ARCHITECTURE §3.0); p.situ_linear_beta <= 0 means "absent": up factor = u
     COLS,           // (x [T, C]) -> [T, p.n] = x[:, p.c0 : p.c0 + p.n] (splits a fused projection)
+    SELECT_ROWS,    // (x [T, C]) -> [R, C] = the rows batch::logits_rows lists, in that order (so the
+                    //  final norm and lm_head run only for the tokens whose logits are sampled)
 
     // --- model-family ops ---
     SHORT_CONV,     // (x [T, C], w [C, 1, W] F32|BF16, state [n_slots, C, W-1]) -> [T, C]

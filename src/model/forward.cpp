@@ -192,6 +192,7 @@ graph forward_build(const kimi_config & c, const model_weights & w, model_state 
         else cur = b.name(b.add(cur, f), "l_out", il);
     }
     node_ref out = attn_res ? mix(w.output_attn_res_norm, w.output_attn_res_proj, "output_res_mix", -1) : cur;
+    if (!bt->logits_rows.empty()) out = b.name(b.select_rows(out), "logits_rows");
     node_ref hn = b.name(b.rms_norm(out, x.W(w.norm, "norm"), c.rms_norm_eps), "output_norm");
     node_ref logits = b.name(b.linear(hn, x.W(w.lm_head, "lm_head")), "logits");
     return b.finish(logits);

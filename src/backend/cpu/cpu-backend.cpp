@@ -68,6 +68,7 @@ std::vector<slot_rule> input_rules(const node & n) {
         case op_type::SCALE:
         case op_type::SIGMOID:
         case op_type::COLS: return {{0, K::ACT}};
+        case op_type::SELECT_ROWS: return {{0, K::ACT}};
         case op_type::SHORT_CONV: return {{0, K::ACT}, {1, K::W_F32_BF16}, {2, K::STATE_F32}};
         case op_type::KDA_GATE: return {{0, K::ACT}, {1, K::W_F32_BF16}, {2, K::W_F32_BF16}};
         case op_type::KDA_SCAN:
@@ -236,6 +237,7 @@ private:
             case op_type::SILU_MUL:
             case op_type::SITU_MUL:
             case op_type::COLS: run_elementwise(io); break;
+            case op_type::SELECT_ROWS: run_elementwise(io); break;
             case op_type::SHORT_CONV: run_short_conv(io); break;
             case op_type::KDA_GATE: run_kda_gate(io); break;
             case op_type::KDA_SCAN: run_kda_scan(io); break;

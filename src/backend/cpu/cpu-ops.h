@@ -147,7 +147,7 @@ struct cpu_node_io {
 void run_norm(const cpu_node_io & io);        // RMS_NORM, LAYER_NORM, L2_NORM, GATED_RMS_NORM
 void run_linear(const cpu_node_io & io);      // LINEAR
 void run_get_rows(const cpu_node_io & io);    // GET_ROWS
-void run_elementwise(const cpu_node_io & io); // ADD, MUL, SCALE, SIGMOID, SILU_MUL, SITU_MUL, COLS
+void run_elementwise(const cpu_node_io & io); // ADD, MUL, SCALE, SIGMOID, SILU_MUL, SITU_MUL, COLS, SELECT_ROWS
 void run_short_conv(const cpu_node_io & io);
 void run_kda_gate(const cpu_node_io & io);
 void run_kda_scan(const cpu_node_io & io);

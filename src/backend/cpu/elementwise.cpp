@@ -1,4 +1,5 @@
 // ADD, MUL, SCALE, SIGMOID, SILU_MUL, SITU_MUL, COLS.
+#include <algorithm>
 #include "backend/cpu/cpu-ops.h"
 
 namespace perigee {
@@ -58,6 +59,19 @@ void run_elementwise(const cpu_node_io & io) {
             situ_mul_ref(io.f32_in(0), io.f32_in(1), cnt, n.p.situ_beta, n.p.situ_linear_beta, y);
             break;
         case op_type::COLS: cols_ref(io.f32_in(0), x.dim(0), x.dim(1), n.p.c0, n.p.n, y); break;
+        case op_type::SELECT_ROWS: {
+            const auto & rows = io.g.b->logits_rows;
+            const int64_t C = x.dim(1);
+            if (rows.empty()) {
+                std::copy(io.f32_in(0), io.f32_in(0) + cnt, y);
+                break;
+            }
+            for (size_t r = 0; r < rows.size(); ++r) {
+                PG_CHECK(rows[r] >= 0 && rows[r] < x.dim(0), "{}: logits row {} outside 0..{}", n.name, rows[r], x.dim(0) - 1);
+                std::copy(io.f32_in(0) + rows[r] * C, io.f32_in(0) + (rows[r] + 1) * C, y + int64_t(r) * C);
+            }
+            break;
+        }
         default: PG_FAIL("{}: run_elementwise cannot run {}", n.name, op_name(n.op));
     }
 }

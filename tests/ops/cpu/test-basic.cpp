@@ -196,6 +196,28 @@ TEST(cpu_ops, elementwise_add_mul_scale_sigmoid_silu_mul_cols) {
     expect_control_fails("silu_mul", r_silu, read_f32(*be, y_silu), metric::NMSE, k_nmse_f32);
 }
 
+// SELECT_ROWS keeps the rows batch::logits_rows lists, in that order (the final norm and lm_head run
+// only on them).
+TEST(cpu_ops, select_rows_follows_logits_rows) {
+    rng r(107);
+    const int T = 6, N = 9;
+    arena a;
+    auto av = r.vec(T * N, -4, 4);
+    tensor & A = a.f32({T, N}, av);
+    auto b = std::make_shared<batch>(*batch_simple(T));
+    b->logits_rows = {5, 0, 3};
+    builder bd(b);
+    node_ref y = bd.select_rows(bd.weight(A, "a"));
+    graph g = bd.finish(y);
+    auto be = backend_cpu_init();
+    be->run(g);
+    std::vector<double> ref;
+    for (int row : b->logits_rows)
+        for (int j = 0; j < N; ++j) ref.push_back(av[size_t(row * N + j)]);
+    EXPECT_TRUE(check("select_rows", ref, read_f32(*be, y), metric::NMSE, 0.0));
+    expect_control_fails("select_rows", ref, read_f32(*be, y), metric::NMSE, k_nmse_f32);
+}
+
 double naive_situ(double a, double b, double beta, double lam) {
     const double gate = beta * std::tanh(a / beta) * sigmoid_d(a);
     return gate * (lam > 0 ? lam * std::tanh(b / lam) : b);
