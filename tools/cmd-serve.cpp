@@ -1,0 +1,135 @@
+// perigee serve: the OpenAI-compatible HTTP server (src/server) on the engine (src/runtime).
+#include "chat/chat.h"
+#include "command.h"
+#include "core/error.h"
+#include "server/server.h"
+#include "tokenizer/tiktoken_dir.h"
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <pthread.h>
+#include <thread>
+
+namespace perigee::cli {
+namespace {
+
+struct serve_args {
+    std::string model = default_model_dir();
+    server::server_options so;
+    std::string api_key_file;
+    bool mock = false;
+    double mock_decode_s = 0.0, mock_prefill_s = 0.0;
+    int max_num_batched_tokens = 512;
+};
+
+int run_serve(serve_args & a) {
+    if (a.so.api_key.empty() && !a.api_key_file.empty()) {
+        FILE * f = std::fopen(a.api_key_file.c_str(), "rb");
+        PG_CHECK(f, "--api-key-file {}: cannot open", a.api_key_file);
+        char buf[4096];
+        const size_t n = std::fread(buf, 1, sizeof buf, f);
+        std::fclose(f);
+        a.so.api_key.assign(buf, n);
+        while (!a.so.api_key.empty() && (a.so.api_key.back() == '\n' || a.so.api_key.back() == '\r')) a.so.api_key.pop_back();
+        PG_CHECK(!a.so.api_key.empty(), "--api-key-file {}: the file is empty", a.api_key_file);
+    }
+    if (a.so.served_model_name.empty() || a.so.served_model_name == "default") {
+        std::string m = a.model;
+        while (m.size() > 1 && m.back() == '/') m.pop_back();
+        a.so.served_model_name = m.substr(m.find_last_of('/') + 1);
+    }
+    // SIGINT / SIGTERM are taken by a watcher thread (blocked here, before any thread starts)
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+    const tok::tiktoken_dir td = tok::load_tiktoken_dir(a.model);
+    const auto ct = chat::chat_template::detect(*td.tok, a.model);
+    std::unique_ptr<server::gen_engine> eng;
+#ifdef PERIGEE_HAVE_ENGINE
+    std::unique_ptr<model_runner> runner;
+    std::unique_ptr<engine> real;
+#endif
+    if (a.mock) {
+        server::mock_options mo;
+        mo.vocab = int(td.tok->n_vocab());
+        mo.max_num_seqs = a.so.max_num_seqs;
+        mo.max_queue = a.so.max_queue;
+        mo.max_model_len = a.so.max_model_len;
+        mo.decode_s_per_token = a.mock_decode_s;
+        mo.prefill_s_per_token = a.mock_prefill_s;
+        mo.eos_ids = ct.stop_ids();
+        mo.gen_lo = 0;   // ranks 0..93 are the printable ASCII bytes in every Kimi-style rank file
+        mo.gen_hi = 94;
+        eng = server::make_mock_engine(mo);
+        std::fprintf(stderr, "perigee serve: MOCK engine (deterministic pseudo-random tokens; for HTTP-layer tests)\n");
+    } else {
+#ifdef PERIGEE_HAVE_ENGINE
+        runner_options ro;
+        ro.n_slots = a.so.max_num_seqs;
+        ro.max_tokens = a.so.max_model_len;
+        runner = std::make_unique<model_runner>(a.model, ro);
+        engine_options eo;
+        eo.max_num_seqs = a.so.max_num_seqs;
+        eo.max_model_len = a.so.max_model_len;
+        eo.max_queue = a.so.max_queue;
+        eo.max_num_batched_tokens = a.max_num_batched_tokens;
+        real = std::make_unique<engine>(*runner, eo);
+        eng = server::wrap_engine(*real);
+        if (size_t(eng->vocab_size()) < td.tok->n_vocab())
+            std::fprintf(stderr, "perigee serve: warning: the model's vocabulary (%d) is smaller than the tokenizer's (%zu); "
+                                 "ids beyond it are refused\n", eng->vocab_size(), td.tok->n_vocab());
+#else
+        PG_FAIL("serve: this build has no engine (src/runtime/engine.cpp); use --mock-engine for HTTP tests");
+#endif
+    }
+    server::http_server srv(a.so, *eng, *td.tok, ct);
+    const int port = srv.bind();
+    std::thread watcher([&srv, sigs] {
+        int sig = 0;
+        sigwait(&sigs, &sig);
+        std::fprintf(stderr, "perigee serve: signal %d, stopping\n", sig);
+        srv.stop();
+    });
+    std::fprintf(stderr, "perigee serve: model %s (%s chat format), max_model_len %d, max_num_seqs %d\n",
+                 a.so.served_model_name.c_str(), chat::chat_format_name(ct.format()), a.so.max_model_len, a.so.max_num_seqs);
+    std::fprintf(stderr, "Listening on http://%s:%d (OpenAI API at /v1)\n", a.so.host.c_str(), port);
+    std::fflush(stderr);
+    srv.listen();
+    srv.stop();
+    pthread_kill(watcher.native_handle(), SIGTERM);
+    watcher.join();
+    return 0;
+}
+
+command_registrar reg{{"serve", "OpenAI-compatible HTTP server (chat, completions, streaming, tools, metrics)",
+    [](CLI::App & sub) {
+        auto a = std::make_shared<serve_args>();
+        sub.add_option("--model,-m", a->model, "model directory (weights + tiktoken.model + tokenizer_config.json)")->capture_default_str();
+        sub.add_option("--host", a->so.host, "address to listen on")->capture_default_str();
+        sub.add_option("--port", a->so.port, "port (0 = any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
+        sub.add_option("--api-key", a->so.api_key, "require 'Authorization: Bearer KEY' (env PERIGEE_API_KEY)")->envname("PERIGEE_API_KEY");
+        sub.add_option("--api-key-file", a->api_key_file, "read the API key from a file");
+        sub.add_option("--max-num-seqs", a->so.max_num_seqs, "concurrent sequences")->capture_default_str()->check(CLI::Range(1, 4096));
+        sub.add_option("--max-model-len,-c", a->so.max_model_len, "prompt + generated tokens per sequence")->capture_default_str()->check(CLI::Range(2, 1 << 24));
+        sub.add_option("--max-queue", a->so.max_queue, "waiting requests before 503")->capture_default_str()->check(CLI::Range(1, 1 << 16));
+        sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "per-step token budget")->capture_default_str();
+        sub.add_option("--served-model-name,--alias", a->so.served_model_name, "model id in the API (default: the directory name)");
+        sub.add_option("--sse-ping-interval", a->so.ping_interval_s, "seconds between ': ping' comments on an idle stream")->capture_default_str();
+        sub.add_option("--max-body-size", a->so.max_body_bytes, "largest request body in bytes (413 beyond)")->capture_default_str();
+        sub.add_option("--timeout", a->so.read_timeout_s, "socket read timeout in seconds")->capture_default_str();
+        sub.add_option("--http-threads", a->so.http_threads, "HTTP worker threads (0 = max-num-seqs + max-queue + 8)")->capture_default_str();
+        sub.add_flag("--no-webui", [a](int64_t) { a->so.webui = false; }, "do not serve the chat page at /");
+        sub.add_flag("--no-thinking", [a](int64_t) { a->so.default_thinking = false; }, "chat: thinking off unless a request turns it on");
+        sub.add_flag("--mock-engine", a->mock, "serve a deterministic mock engine (HTTP-layer tests; needs only the tokenizer files)")->group("");
+        sub.add_option("--mock-decode-s", a->mock_decode_s, "mock engine: seconds per decoded token")->group("");
+        sub.add_option("--mock-prefill-s", a->mock_prefill_s, "mock engine: seconds per prompt token")->group("");
+        return std::function<int()>([a] { return run_serve(*a); });
+    }}};
+
+} // namespace
+} // namespace perigee::cli
