@@ -35,8 +35,10 @@ struct geometry {
 geometry preset_geometry(const std::string & p) {
     // Tiny presets keep the real structure: >= 2 AttnRes blocks, 3:1 KDA:MLA with MLA last, >= 2 MLA
     // layers, >= 8 experts; widths multiples of 32 so the MXFP4 blocks tile the expert matrices.
-    if (p == "k3-tiny" || p == "k31-tiny") {
+    if (p == "k3-tiny" || p == "k31-tiny" || p == "k3-tiny-v512") {
         geometry g{"kimi_k3", 256, 64, 8, 96, 2, 16, 2, 32, 32, 16, 8, 16, 8, 2, 2, 32, 32, 1, 1, 3};
+        // k3-tiny-v512: room for a 256-byte tokenizer plus its 256 special ids (server tests)
+        if (p == "k3-tiny-v512") g.vocab = 512;
         if (p == "k31-tiny") {
             g.wrapper = "kimi_k31";
             g.index_heads = 2;
@@ -55,7 +57,7 @@ geometry preset_geometry(const std::string & p) {
         g.n_shards = 8;
         return g;
     }
-    PG_FAIL("unknown synth preset '{}' (known: k3-tiny, k31-tiny, kimi-linear-tiny, k3-layers-4)", p);
+    PG_FAIL("unknown synth preset '{}' (known: k3-tiny, k3-tiny-v512, k31-tiny, kimi-linear-tiny, k3-layers-4)", p);
 }
 
 json text_config(const geometry & g) {
@@ -162,7 +164,7 @@ tensor make_tensor(const weight_decl & d, const kimi_config & c, std::mt19937_64
 
 } // namespace
 
-std::vector<std::string> synth_presets() { return {"kimi-linear-tiny", "k3-tiny", "k31-tiny", "k3-layers-4"}; }
+std::vector<std::string> synth_presets() { return {"kimi-linear-tiny", "k3-tiny", "k3-tiny-v512", "k31-tiny", "k3-layers-4"}; }
 
 std::string synth_config_json(const std::string & preset) { return config_json(preset_geometry(preset)).dump(2); }
 
