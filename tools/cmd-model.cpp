@@ -130,7 +130,13 @@ command_registrar reg_inspect{{"inspect", "print a model directory's config summ
             const reconcile_report rep = weights_reconcile(c, ck);
             std::printf("checkpoint: %zu tensors, %.1f MB\n%s", ck.names().size(), double(ck.total_bytes()) / 1e6,
                         rep.str().c_str());
-            return rep.ok() ? 0 : 2;
+            if (!rep.ok()) return 2;
+            // Value-level checks that loading defers (every MXFP4 scale byte; A_log tails).
+            const auto w = weights_load(c, checkpoint::open(*dir));
+            const auto bad = weights_verify_fp4(*w);
+            for (const auto & b : bad) std::printf("fp4: %s\n", b.c_str());
+            std::printf("fp4 scales: %s\n", bad.empty() ? "ok" : "INVALID");
+            return bad.empty() ? 0 : 2;
         });
     }}};
 

@@ -94,7 +94,10 @@ struct model_weights {
 };
 
 // Reconciles (throws with the full report when any bucket is non-empty), checks value-level rules
-// (A_log tail exactly zero; no 0xFF E8M0 scale), and binds the typed views. Nothing is copied.
+// (A_log tail exactly zero), and binds the typed views. Nothing is copied.
 std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck);
+// Reads every MXFP4 scale byte and lists the 0xFF (E8M0 NaN) ones, by layer and expert. Loading does
+// not do this (a routed expert is not read until it is used); perigee inspect does.
+std::vector<std::string> weights_verify_fp4(const model_weights & w);
 
 } // namespace perigee
