@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: (build) -> CUDA op parity -> compute-sanitizer -> compare-backends -> benchmark.
+# Logs go under $OUT. Usage (from the repo root, on the GPU machine):
+#   tools/gpu/run.sh                 # uses prebuilt binaries in .gpu-carry/ when present (see tools/gpu/README.md)
+# Steps can be skipped with SKIP="sanitizer racecheck compare bench".
+set -uo pipefail
+OUT=${OUT:-$PWD/out-gpu}
+mkdir -p "$OUT"
+SKIP=${SKIP:-}
+log() { echo "== $*" | tee -a "$OUT/summary.log"; }
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
+
+if [[ -x .gpu-carry/bin/perigee ]]; then
+  BIN=.gpu-carry/bin
+  export LD_LIBRARY_PATH=$PWD/.gpu-carry/lib:${LD_LIBRARY_PATH:-}
+else
+  # Build here (needs the Debian deps of scripts/install-deps.sh, which the stock GPU image lacks).
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPERIGEE_CUDA=ON >"$OUT/configure.log" 2>&1 &&
+    ninja -C build-gpu perigee test-ops-cuda bench-cuda-kernels >"$OUT/build.log" 2>&1 || { log "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+  mkdir -p build-gpu/bin && cp build-gpu/tools/perigee build-gpu/tests/ops/cuda/test-ops-cuda build-gpu/tests/ops/cuda/bench-cuda-kernels build-gpu/bin/
+  BIN=build-gpu/bin
+fi
+# cuBLASLt / cudart: the toolkit's, else the pip wheels' copies next to PyTorch.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]); print(" ".join(os.path.join(r) for r,_,f in os.walk(p) if any(x.startswith(("libcublasLt.so","libcudart.so")) for x in f)))' 2>/dev/null); do
+  [[ -d $d ]] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/summary.log"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/summary.log"
+status=0
+
+log "1. CUDA op parity (test-ops-cuda)"
+$BIN/test-ops-cuda >"$OUT/ops.log" 2>&1 || status=1
+grep -E "passed, .* failed|FAILED|PASSED" "$OUT/ops.log" | tail -12 | tee -a "$OUT/summary.log"
+
+if ! skip sanitizer && command -v compute-sanitizer >/dev/null; then
+  log "2. compute-sanitizer memcheck on the op tests"
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN/test-ops-cuda \
+    --gtest_filter='-*get_rows_and_linear*' >"$OUT/memcheck.log" 2>&1; rc=$?
+  grep -E "ERROR SUMMARY|passed, .* failed" "$OUT/memcheck.log" | tail -3 | tee -a "$OUT/summary.log"; echo "memcheck rc=$rc" | tee -a "$OUT/summary.log"
+  [[ $rc == 0 ]] || status=1
+fi
+if ! skip racecheck && command -v compute-sanitizer >/dev/null; then
+  log "3. compute-sanitizer racecheck (shared-memory kernels: MLA, indexer, attn-res, norms)"
+  timeout 180 compute-sanitizer --tool racecheck --error-exitcode 9 $BIN/test-ops-cuda \
+    --gtest_filter='*mla*:*attn_res*:*elementwise*' >"$OUT/racecheck.log" 2>&1; rc=$?
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed, .* failed" "$OUT/racecheck.log" | tail -3 | tee -a "$OUT/summary.log"; echo "racecheck rc=$rc" | tee -a "$OUT/summary.log"
+  [[ $rc == 0 ]] || status=1
+fi
+
+if ! skip compare; then
+  log "4. compare-backends (CPU vs CUDA node by node; greedy tokens)"
+  IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(70)))')
+  mkdir -p /tmp/pg-models
+  for p in k3-tiny k31-tiny kimi-linear-tiny; do
+    [[ -d /tmp/pg-models/$p ]] || $BIN/perigee synth --preset $p --out /tmp/pg-models/$p >>"$OUT/synth.log" 2>&1
+  done
+  for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/; do
+    for ids in "$IDS" "5,9,200"; do
+      $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 >>"$OUT/compare.log" 2>&1 || status=1
+      echo "$m ($(echo "$ids" | tr ',' '\n' | wc -l) prompt tokens): $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
+    done
+  done
+fi
+
+if ! skip bench; then
+  log "5. benchmark (ceilings and decode kernels)"
+  $BIN/bench-cuda-kernels 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.log" || status=1
+fi
+log "status $status"
+exit $status
