@@ -35,14 +35,14 @@ grep -E "passed, .* failed|FAILED|PASSED" "$OUT/ops.log" | tail -12 | tee -a "$O
 
 if ! skip sanitizer && command -v compute-sanitizer >/dev/null; then
   log "2. compute-sanitizer memcheck on the op tests"
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN/test-ops-cuda \
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN/test-ops-cuda \
     --gtest_filter='-*get_rows_and_linear*' >"$OUT/memcheck.log" 2>&1; rc=$?
   grep -E "ERROR SUMMARY|passed, .* failed" "$OUT/memcheck.log" | tail -3 | tee -a "$OUT/summary.log"; echo "memcheck rc=$rc" | tee -a "$OUT/summary.log"
   [[ $rc == 0 ]] || status=1
 fi
 if ! skip racecheck && command -v compute-sanitizer >/dev/null; then
   log "3. compute-sanitizer racecheck (shared-memory kernels: MLA, indexer, attn-res, norms)"
-  timeout 180 compute-sanitizer --tool racecheck --error-exitcode 9 $BIN/test-ops-cuda \
+  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 $BIN/test-ops-cuda \
     --gtest_filter='*mla*:*attn_res*:*elementwise*' >"$OUT/racecheck.log" 2>&1; rc=$?
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed, .* failed" "$OUT/racecheck.log" | tail -3 | tee -a "$OUT/summary.log"; echo "racecheck rc=$rc" | tee -a "$OUT/summary.log"
   [[ $rc == 0 ]] || status=1
