@@ -2,8 +2,9 @@
 #include "command.h"
 #include "core/error.h"
 #include "model/weights.h"
-#include "runtime/model-runner.h"
+#include "runtime/engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -32,15 +33,6 @@ std::vector<int32_t> parse_ids(const std::string & s) {
 
 void check_ids(const std::vector<int32_t> & ids, const kimi_config & c) {
     for (int32_t id : ids) PG_CHECK(id < c.vocab_size, "--ids: token id {} is outside the vocabulary of {}", id, c.vocab_size);
-}
-
-int32_t argmax_row(const tensor & logits, int64_t row) {
-    const int64_t V = logits.shape[1];
-    const float * p = logits.as<float>() + row * V;
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-        if (p[i] > p[best]) best = i;   // ties to the lower id
-    return int32_t(best);
 }
 
 command_registrar reg_logits{{"logits", "print the logits of a whole-sequence prefill as JSON",
@@ -74,47 +66,75 @@ command_registrar reg_logits{{"logits", "print the logits of a whole-sequence pr
         });
     }}};
 
-command_registrar reg_generate{{"generate", "generate tokens (greedy by default) after a prompt",
+command_registrar reg_generate{{"generate", "generate tokens (greedy by default) after a prompt, through the engine",
     [](CLI::App & sub) {
         struct opts {
             std::string model = default_model_dir(), ids;
             int n = 16;
-            bool print_ids = false;
+            bool print_ids = false, ignore_eos = false;
+            float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
+            int top_k = 0;
+            int64_t seed = -1;
         };
         auto o = std::make_shared<opts>();
         sub.add_option("--model", o->model, "model directory")->capture_default_str();
         sub.add_option("--ids", o->ids, "comma-separated prompt token ids")->required();
         sub.add_option("-n", o->n, "tokens to generate")->capture_default_str()->check(CLI::Range(1, 1 << 20));
-        sub.add_flag("--print-ids", o->print_ids, "print the generated ids");
+        sub.add_flag("--print-ids", o->print_ids, "print the generated ids (the default output)");
+        sub.add_flag("--ignore-eos", o->ignore_eos, "do not stop at the model's eos ids");
+        sub.add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
+        sub.add_option("--top-k", o->top_k, "0 = off")->capture_default_str();
+        sub.add_option("--top-p", o->top_p, "nucleus mass")->capture_default_str();
+        sub.add_option("--min-p", o->min_p, "min-p floor")->capture_default_str();
+        sub.add_option("--seed", o->seed, "sampling seed (default: random)");
         return std::function<int()>([o] {
             auto prompt = parse_ids(o->ids);
             runner_options opt;
             opt.max_tokens = int(prompt.size()) + o->n;
             model_runner r(o->model, opt);
             check_ids(prompt, r.config());
-            single_sequence seq(r);
-            const auto t0 = std::chrono::steady_clock::now();
-            tensor lg = seq.feed(prompt);
+            engine_options eo;
+            eo.max_num_seqs = 1;
+            eo.max_model_len = opt.max_tokens;
+            eo.max_num_batched_tokens = std::max(512, int(prompt.size()));
+            eo.page_size = opt.page_size;
+            engine e(r, eo);
+            request q;
+            q.prompt = prompt;
+            q.sp.max_tokens = o->n;
+            q.sp.temperature = o->temperature;
+            q.sp.top_k = o->top_k;
+            q.sp.top_p = o->top_p;
+            q.sp.min_p = o->min_p;
+            if (o->seed >= 0) q.sp.seed = uint64_t(o->seed);
+            q.ignore_eos = o->ignore_eos;
             std::vector<int32_t> out;
-            int32_t next = argmax_row(lg, lg.shape[0] - 1);
-            const auto t1 = std::chrono::steady_clock::now();
-            for (int i = 0; i < o->n; ++i) {
-                out.push_back(next);
-                const auto & eos = r.config().eos_token_ids;
-                if (std::find(eos.begin(), eos.end(), next) != eos.end()) break;
-                if (i + 1 == o->n) break;
-                lg = seq.feed({next});
-                next = argmax_row(lg, 0);
-            }
+            std::string err;
+            finish_reason why = finish_reason::NONE;
+            std::chrono::steady_clock::time_point t_first;
+            const auto t0 = std::chrono::steady_clock::now();
+            e.submit(q, [&](const token_event & ev) {   // engine thread; wait_idle orders the reads below
+                if (ev.token >= 0) {
+                    if (out.empty()) t_first = std::chrono::steady_clock::now();
+                    out.push_back(ev.token);
+                }
+                if (ev.finished != finish_reason::NONE) {
+                    why = ev.finished;
+                    err = ev.error;
+                }
+            });
+            e.wait_idle();
             const auto t2 = std::chrono::steady_clock::now();
+            PG_CHECK(why != finish_reason::ERROR, "generate failed: {}", err);
             std::string s;
             for (size_t i = 0; i < out.size(); ++i) s += (i ? "," : "") + std::to_string(out[i]);
             std::printf("%s\n", s.c_str());
-            const double pf = std::chrono::duration<double>(t1 - t0).count();
-            const double dc = std::chrono::duration<double>(t2 - t1).count();
-            std::fprintf(stderr, "prefill %zu tokens in %.3f s; decode %zu tokens in %.3f s (%.1f tok/s)\n", prompt.size(), pf,
-                         out.size() > 0 ? out.size() - 1 : 0, dc, out.size() > 1 ? double(out.size() - 1) / dc : 0.0);
-            (void)o->print_ids;
+            std::fflush(stdout);
+            const double pf = out.empty() ? 0.0 : std::chrono::duration<double>(t_first - t0).count();
+            const double dc = out.empty() ? 0.0 : std::chrono::duration<double>(t2 - t_first).count();
+            std::fprintf(stderr, "prefill %zu tokens in %.3f s; decode %zu tokens in %.3f s (%.1f tok/s); finish: %s\n",
+                         prompt.size(), pf, out.size() > 0 ? out.size() - 1 : 0, dc,
+                         out.size() > 1 && dc > 0 ? double(out.size() - 1) / dc : 0.0, std::string(finish_reason_name(why)).c_str());
             return 0;
         });
     }}};
