@@ -67,8 +67,8 @@ bench_result run_batch(model_runner & r, int B, int P, int N, int budget) {
             std::lock_guard lk(mu);
             if (++have_first == B) {
                 t_prefilled = std::chrono::steady_clock::now();
-                const engine_stats s = e.stats();   // published after the previous step: add this one
-                steps_prefilled = s.steps + 1;
+                const engine_stats s = e.stats();   // steps already counts the step being sampled
+                steps_prefilled = s.steps;
                 batched_prefilled = s.batched_tokens;
             }
         });
@@ -130,6 +130,7 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
                         o->prompt_len, o->decode, o->budget);
             std::printf("%6s %12s %10s %14s %14s %12s %16s\n", "batch", "prefill_s", "pf_steps", "decode_ms/step",
                         "decode_tok/s", "tok/step", "total_tok/s");
+            (void)run_batch(r, 1, 2, 2, o->budget);   // warm-up: page in the weights
             for (int B : batches) {
                 const bench_result res = run_batch(r, B, o->prompt_len, o->decode, o->budget);
                 const double ms = res.decode_steps ? 1e3 * res.decode_s / double(res.decode_steps) : 0.0;
