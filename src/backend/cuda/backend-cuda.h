@@ -20,6 +20,11 @@ struct cuda_options {
     bool guard = false;
     // LINEAR with more than this many tokens goes to cuBLASLt (BF16/F32 weights); at most, the GEMV path.
     int gemv_max_tokens = 8;
+    // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
+    // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
+    // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
+    // random models, measured on k3-tiny 2026-11-29).
+    bool linear_split_bf16 = true;
 };
 
 class backend_cuda : public backend {

@@ -667,19 +667,24 @@ private:
             PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, K, W, O, y, st_));
             return;
         }
-        const void * b_ptr = x.p;
-        cudaDataType_t ab = CUDA_R_32F;
-        if (W.type == wtype::BF16) {   // activations rounded to bf16 for the tensor cores; fp32 accumulation
-            auto * xb = static_cast<uint16_t *>(alloc(size_t(T * K) * 2));
-            PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), T * K, xb, st_));
-            b_ptr = xb;
-            ab = CUDA_R_16BF;
+        if (W.type != wtype::BF16) {   // F32 weights: fp32 GEMM
+            lt_matmul(W.data, x.p, CUDA_R_32F, y, O, T, K, 0.0f);
+            return;
         }
-        lt_matmul(W.data, b_ptr, ab, y, O, T, K);
+        // BF16 weights: activations to bf16 for the tensor cores, fp32 accumulation; optionally hi + lo split.
+        auto * xb = static_cast<uint16_t *>(alloc(size_t(T * K) * 2 * (opt_.linear_split_bf16 ? 2 : 1)));
+        if (!opt_.linear_split_bf16) {
+            PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), T * K, xb, st_));
+            lt_matmul(W.data, xb, CUDA_R_16BF, y, O, T, K, 0.0f);
+            return;
+        }
+        PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(f32_in(n, 0), T * K, xb, xb + T * K, st_));
+        lt_matmul(W.data, xb, CUDA_R_16BF, y, O, T, K, 0.0f);
+        lt_matmul(W.data, xb + T * K, CUDA_R_16BF, y, O, T, K, 1.0f);
     }
 
     // D [N cols of M] (col-major, ld M) = A^T B: A = W [M rows of K] row-major, B = x [N rows of K] row-major.
-    void lt_matmul(const void * A, const void * B, cudaDataType_t ab, float * D, int64_t M, int64_t N, int64_t K) {
+    void lt_matmul(const void * A, const void * B, cudaDataType_t ab, float * D, int64_t M, int64_t N, int64_t K, float beta) {
         const auto key = std::make_tuple(M, N, K, int(ab));
         auto it = plans_.find(key);
         if (it == plans_.end()) {
@@ -702,7 +707,7 @@ private:
                      ab == CUDA_R_16BF ? "bf16" : "f32");
             it = plans_.emplace(key, p).first;
         }
-        const float alpha = 1.0f, beta = 0.0f;
+        const float alpha = 1.0f;
         const plan & p = it->second;
         PG_CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, A, p.a, B, p.b, &beta, D, p.d, D, p.d, &p.heur.algo, lt_ws_,
                                        k_lt_ws, st_));

@@ -47,6 +47,8 @@ cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, i
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st);
 // x F32 [n] -> bf16 [n] (round to nearest even), for the cuBLASLt path.
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st);
+// x F32 [n] -> hi = bf16(x), lo = bf16(x - hi): x is hi + lo to ~16 mantissa bits (the split-bf16 GEMM path).
+cudaError_t launch_f32_to_bf16_split(const float * x, int64_t n, uint16_t * hi, uint16_t * lo, cudaStream_t st);
 // table [V, D], ids [T] -> y [T, D]; an id outside 0..V-1 sets err[ERR_ID_RANGE] and writes zeros.
 cudaError_t launch_get_rows(dweight table, int64_t V, int64_t D, const int32_t * ids, int64_t T, float * y, int * err,
                             cudaStream_t st);

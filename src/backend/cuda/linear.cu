@@ -109,6 +109,17 @@ __global__ void k_f32_to_bf16(const float * __restrict__ x, int64_t n, uint16_t 
     }
 }
 
+__global__ void k_f32_to_bf16_split(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ hi,
+                                    uint16_t * __restrict__ lo) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+        const __nv_bfloat16 l = __float2bfloat16_rn(x[i] - __bfloat162float(h));
+        hi[i] = *reinterpret_cast<const uint16_t *>(&h);
+        lo[i] = *reinterpret_cast<const uint16_t *>(&l);
+    }
+}
+
 __global__ void k_get_rows(dweight table, int64_t V, int64_t D, const int32_t * __restrict__ ids, float * __restrict__ y,
                            int * err) {
     const int64_t t = blockIdx.y;
@@ -138,6 +149,11 @@ cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W
 
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st) {
     if (n > 0) k_f32_to_bf16<<<grid_for(n, 256), 256, 0, st>>>(x, n, y);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_f32_to_bf16_split(const float * x, int64_t n, uint16_t * hi, uint16_t * lo, cudaStream_t st) {
+    if (n > 0) k_f32_to_bf16_split<<<grid_for(n, 256), 256, 0, st>>>(x, n, hi, lo);
     return cudaGetLastError();
 }
 

@@ -203,15 +203,23 @@ TEST(cuda_ops, get_rows_and_linear) {
                 const node_ref y = bd.name(bd.linear(x, bd.weight(a.typed(wt, {out, in}, wv), "W")), "linear");
                 graph g = bd.finish(y);
                 // T > 8 with BF16 weights takes cuBLASLt with bf16-rounded activations
-                const double thr = (T > 8 && wt == dtype::BF16) ? k_tol_bf16_gemm : k_tol_f32;
+                // T > 8 with BF16 weights takes cuBLASLt: split-bf16 activations by default (f32-level error), or
+                // plain bf16-rounded activations (linear_split_bf16 = false: the bf16-linear row of the table)
+                const double thr = k_tol_f32;
                 const std::string nm = fmt::format("linear/{}/T{}/{}x{}", dtype_name(wt), T, out, in);
                 EXPECT_TRUE(parity(nm, g, {{x, metric::NMSE, k_tol_f32}, {y, metric::NMSE, thr}}, {})) << nm;
+                if (T > 8 && wt == dtype::BF16) {
+                    EXPECT_TRUE(parity(nm + "/bf16-act", g, {{y, metric::NMSE, k_tol_bf16_gemm}}, {}, {true, 8, false})) << nm;
+                }
                 if (T == 64 && in == 256 && wt == dtype::BF16) {
                     auto cpu = backend_cpu_init();
                     cpu->run(g);
                     auto gpu = backend_cuda_init(0, {true, 8});
                     gpu->run(g);
                     controls(nm, read_f32(*cpu, y), read_f32(*gpu, y), metric::NMSE, thr);
+                    auto gpu2 = backend_cuda_init(0, {true, 8, false});
+                    gpu2->run(g);
+                    controls(nm + "/bf16-act", read_f32(*cpu, y), read_f32(*gpu2, y), metric::NMSE, k_tol_bf16_gemm);
                 }
             }
         }
@@ -273,7 +281,8 @@ TEST(cuda_ops, kda_block_recurrent_and_chunked_reference) {
             const node_ref beta = bd.sigmoid(bd.scale(bd.weight(a.f32({T, H}, bv), "b"), 1.0f));
             const node_ref vn = bd.scale(bd.weight(a.f32({T, H * V}, vv), "v"), 1.0f);
             const node_ref o = bd.name(bd.kda_scan(qn, kn, vn, g1, beta, bd.state(kst, "kda_state"), {H, K, V, 0.17f, chunk}), "kda_scan");
-            const node_ref on = bd.name(bd.gated_rms_norm(o, vn, bd.weight(a.f32({V}, dtb), "onorm"), 1e-5f, V), "o_norm");
+            auto onw = r.vec(size_t(V), 0.5f, 1.5f);
+            const node_ref on = bd.name(bd.gated_rms_norm(o, vn, bd.weight(a.f32({V}, onw), "onorm"), 1e-5f, V), "o_norm");
             graph g = bd.finish(on);
             std::set<int64_t> touched(slots.begin(), slots.end());
             const std::string nm = fmt::format("kda/chunk{}/seqs{}/T{}", chunk, lens.size(), T);
