@@ -431,7 +431,7 @@ kimi_config config_parse(const std::string & text, const std::string & where) {
     json j;
     try {
         j = json::parse(text);
-    } catch (const json::parse_error & e) {
+    } catch (const json::exception & e) {  // parse_error, and out_of_range 406 (number overflow, e.g. 1e3092)
         PG_FAIL("{}: not valid JSON: {}", where, e.what());
     }
     PG_CHECK(j.is_object(), "{}: the top level must be a JSON object", where);
@@ -506,7 +506,7 @@ kimi_config config_load(const std::string & dir) {
         json gj;
         try {
             gj = json::parse(gs.str());
-        } catch (const json::parse_error & e) {
+        } catch (const json::exception & e) {  // parse_error, and out_of_range 406 (number overflow, e.g. 1e3092)
             PG_FAIL("{}/generation_config.json: not valid JSON: {}", dir, e.what());
         }
         if (gj.contains("eos_token_id") && !gj["eos_token_id"].is_null()) {
