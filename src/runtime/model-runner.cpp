@@ -3,7 +3,6 @@
 #include "core/error.h"
 #include "runtime/block-manager.h"
 
-#include <cstring>
 
 namespace perigee {
 
@@ -27,17 +26,10 @@ tensor model_runner::step(std::shared_ptr<const batch> b, const backend::node_ca
 
 tensor model_runner::step_rows(std::shared_ptr<const batch> b) {
     PG_CHECK(!b->logits_rows.empty(), "step_rows: batch.logits_rows is empty");
-    tensor lg = step(b);
-    const int64_t R = int64_t(b->logits_rows.size()), V = lg.dim(1);
-    tensor rows;
-    if (lg.dim(0) == R && R != b->n_tokens()) {
-        rows = lg;   // the forward computed only the requested rows
-    } else {
-        PG_CHECK(lg.dim(0) == b->n_tokens(), "step_rows: forward returned {} logits rows for {} tokens", lg.dim(0), b->n_tokens());
-        rows = tensor_new(dtype::F32, {R, V});
-        for (int64_t r = 0; r < R; ++r)
-            std::memcpy(rows.f32() + r * V, lg.f32() + int64_t(b->logits_rows[size_t(r)]) * V, size_t(V) * sizeof(float));
-    }
+    // The forward honours batch.logits_rows (SELECT_ROWS before the final norm and lm_head).
+    tensor rows = step(b);
+    PG_CHECK(rows.dim(0) == int64_t(b->logits_rows.size()), "step_rows: forward returned {} logits rows for {} requested",
+             rows.dim(0), b->logits_rows.size());
     if (logits_hook) logits_hook(*b, rows);
     return rows;
 }
