@@ -2,6 +2,7 @@
 #include "chat/chat.h"
 #include "command.h"
 #include "core/error.h"
+#include "server/mock_script.h"
 #include "server/server.h"
 #include "tokenizer/tiktoken_dir.h"
 
@@ -65,6 +66,7 @@ int run_serve(serve_args & a) {
         mo.eos_ids = ct.stop_ids();
         mo.gen_lo = 0;   // ranks 0..93 are the printable ASCII bytes in every Kimi-style rank file
         mo.gen_hi = 94;
+        mo.script = server::make_mock_script(*td.tok, ct);
         eng = server::make_mock_engine(mo);
         std::fprintf(stderr, "perigee serve: MOCK engine (deterministic pseudo-random tokens; for HTTP-layer tests)\n");
     } else {

@@ -41,8 +41,12 @@ std::string dump(const json & j) { return j.dump(-1, ' ', false, json::error_han
 
 std::string random_id(const char * prefix) {
     static std::atomic<uint64_t> counter{0};
-    static const uint64_t salt = std::random_device{}();
-    const uint64_t x = salt ^ (++counter * 0x9e3779b97f4a7c15ull);
+    static const uint64_t salt = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}() ^
+                                 uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    uint64_t x = salt + (++counter * 0x9e3779b97f4a7c15ull);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    x ^= x >> 31;
     return fmt::format("{}{:016x}", prefix, x);
 }
 
@@ -202,7 +206,10 @@ private:
     void add(const chat::chat_delta & d, piece & p) {
         p.content += d.content;
         p.reasoning += d.reasoning_content;
-        for (const auto & c : d.tool_calls) p.calls.push_back(c);
+        for (auto c : d.tool_calls) {
+            if (c.id.rfind("call_", 0) == 0) c.id = random_id("call_");   // K3: positional, make ids unique
+            p.calls.push_back(std::move(c));
+        }
         n_calls_ += int(d.tool_calls.size());
     }
     void finish(piece & p, const char * reason) {
