@@ -3,6 +3,7 @@
 // A prefill of --ids then --decode greedy steps; each backend has its own state pools (the CUDA ones stay
 // on the device); every F32 output is compared by NMSE, every I32 output (routing ids, indexer selections)
 // exactly. Greedy tokens must be identical. Exit code 1 on any difference.
+#include "cli-util.h"
 #include "command.h"
 #include "core/error.h"
 #include "model/forward.h"
@@ -21,24 +22,6 @@
 namespace perigee::cli {
 namespace {
 
-std::vector<int32_t> parse_id_list(const std::string & s) {
-    std::vector<int32_t> ids;
-    std::stringstream ss(s);
-    std::string tok;
-    while (std::getline(ss, tok, ',')) {
-        size_t pos = 0;
-        long v = -1;
-        try {
-            v = std::stol(tok, &pos);
-        } catch (const std::exception &) {
-            PG_FAIL("--ids: '{}' is not an integer", tok);
-        }
-        PG_CHECK(pos == tok.size() && v >= 0 && v <= INT32_MAX, "--ids: '{}' is not a token id", tok);
-        ids.push_back(int32_t(v));
-    }
-    PG_CHECK(!ids.empty(), "--ids: no token ids given");
-    return ids;
-}
 
 struct opts {
     std::string model;

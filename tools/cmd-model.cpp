@@ -1,35 +1,22 @@
 // perigee logits / generate / inspect: the stable model interfaces (DESIGN "Interfaces that stay stable").
+#include "cli-util.h"
 #include "command.h"
 #include "core/error.h"
 #include "model/weights.h"
+#include "chat/chat.h"
 #include "runtime/engine.h"
+#include "tokenizer/stream_decoder.h"
+#include "tokenizer/tiktoken_dir.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 
 namespace perigee::cli {
 namespace {
 
-std::vector<int32_t> parse_ids(const std::string & s) {
-    std::vector<int32_t> ids;
-    std::stringstream ss(s);
-    std::string tok;
-    while (std::getline(ss, tok, ',')) {
-        size_t pos = 0;
-        long v = 0;
-        try {
-            v = std::stol(tok, &pos);
-        } catch (const std::exception &) {
-            PG_FAIL("--ids: '{}' is not an integer", tok);
-        }
-        PG_CHECK(pos == tok.size() && v >= 0 && v <= INT32_MAX, "--ids: '{}' is not a token id", tok);
-        ids.push_back(int32_t(v));
-    }
-    PG_CHECK(!ids.empty(), "--ids: no token ids given");
-    return ids;
-}
 
 void check_ids(const std::vector<int32_t> & ids, const kimi_config & c) {
     for (int32_t id : ids) PG_CHECK(id < c.vocab_size, "--ids: token id {} is outside the vocabulary of {}", id, c.vocab_size);
@@ -43,7 +30,7 @@ command_registrar reg_logits{{"logits", "print the logits of a whole-sequence pr
         sub.add_option("--ids", *ids, "comma-separated token ids")->required();
         return std::function<int()>([model, ids] {
             runner_options opt;
-            auto tok = parse_ids(*ids);
+            auto tok = parse_id_list(*ids);
             opt.max_tokens = int(tok.size());
             model_runner r(*model, opt);
             check_ids(tok, r.config());
@@ -69,16 +56,20 @@ command_registrar reg_logits{{"logits", "print the logits of a whole-sequence pr
 command_registrar reg_generate{{"generate", "generate tokens (greedy by default) after a prompt, through the engine",
     [](CLI::App & sub) {
         struct opts {
-            std::string model = default_model_dir(), ids;
+            std::string model = default_model_dir(), ids, prompt;
             int n = 16;
-            bool print_ids = false, ignore_eos = false;
+            bool print_ids = false, ignore_eos = false, raw = false;
             float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
             int top_k = 0;
             int64_t seed = -1;
         };
         auto o = std::make_shared<opts>();
         sub.add_option("--model", o->model, "model directory")->capture_default_str();
-        sub.add_option("--ids", o->ids, "comma-separated prompt token ids")->required();
+        auto * ids_opt = sub.add_option("--ids", o->ids, "comma-separated prompt token ids");
+        auto * prompt_opt = sub.add_option("--prompt", o->prompt, "prompt text (rendered with the model's chat template "
+                                                                "as one user message, unless --raw)");
+        ids_opt->excludes(prompt_opt);
+        sub.add_flag("--raw", o->raw, "with --prompt: plain completion of the text, no chat template");
         sub.add_option("-n", o->n, "tokens to generate")->capture_default_str()->check(CLI::Range(1, 1 << 20));
         sub.add_flag("--print-ids", o->print_ids, "print the generated ids (the default output)");
         sub.add_flag("--ignore-eos", o->ignore_eos, "do not stop at the model's eos ids");
@@ -88,7 +79,26 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
         sub.add_option("--min-p", o->min_p, "min-p floor")->capture_default_str();
         sub.add_option("--seed", o->seed, "sampling seed (default: random)");
         return std::function<int()>([o] {
-            auto prompt = parse_ids(o->ids);
+            PG_CHECK(!o->ids.empty() || !o->prompt.empty(), "generate: give --ids or --prompt");
+            // Text in and out go through the model's own tokenizer and chat format (src/tokenizer,
+            // src/chat); a model without tokenizer files can only be driven with --ids.
+            std::optional<tok::tiktoken_dir> td;
+            std::optional<chat::chat_template> ct;
+            std::vector<int32_t> prompt, extra_stops;
+            if (!o->prompt.empty()) {
+                td = tok::load_tiktoken_dir(o->model);
+                if (o->raw) {
+                    prompt = td->tok->encode_ordinary(o->prompt);
+                } else {
+                    ct = chat::chat_template::detect(*td->tok, o->model);
+                    const chat::json msgs = chat::json::array({chat::json{{"role", "user"}, {"content", o->prompt}}});
+                    prompt = ct->encode(ct->render(msgs, nullptr, chat::render_options{}));
+                    for (auto id : ct->stop_ids()) extra_stops.push_back(id);
+                }
+                PG_CHECK(!prompt.empty(), "generate: the prompt encodes to no tokens");
+            } else {
+                prompt = parse_id_list(o->ids);
+            }
             runner_options opt;
             opt.max_tokens = int(prompt.size()) + o->n;
             model_runner r(o->model, opt);
@@ -108,6 +118,10 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
             q.sp.min_p = o->min_p;
             if (o->seed >= 0) q.sp.seed = uint64_t(o->seed);
             q.ignore_eos = o->ignore_eos;
+            q.stop_token_ids = extra_stops;
+            const bool text_out = td.has_value() && !o->print_ids;
+            std::optional<tok::stream_decoder> sd;
+            if (text_out) sd.emplace(*td->tok);
             std::vector<int32_t> out;
             std::string err;
             finish_reason why = finish_reason::NONE;
@@ -117,6 +131,11 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
                 if (ev.token >= 0) {
                     if (out.empty()) t_first = std::chrono::steady_clock::now();
                     out.push_back(ev.token);
+                    if (text_out && !td->tok->is_special(ev.token)) {   // stream text as it comes
+                        const std::string piece = sd->push(ev.token);
+                        std::fwrite(piece.data(), 1, piece.size(), stdout);
+                        std::fflush(stdout);
+                    }
                 }
                 if (ev.finished != finish_reason::NONE) {
                     why = ev.finished;
@@ -126,9 +145,17 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
             e.wait_idle();
             const auto t2 = std::chrono::steady_clock::now();
             PG_CHECK(why != finish_reason::ERROR, "generate failed: {}", err);
-            std::string s;
-            for (size_t i = 0; i < out.size(); ++i) s += (i ? "," : "") + std::to_string(out[i]);
-            std::printf("%s\n", s.c_str());
+            if (text_out) {
+                const std::string tail = sd->finish();
+                std::printf("%s\n", tail.c_str());
+            } else {
+                std::string s;
+                for (size_t i = 0; i < out.size(); ++i) {
+                    if (i) s += ",";
+                    s += std::to_string(out[i]);
+                }
+                std::printf("%s\n", s.c_str());
+            }
             std::fflush(stdout);
             const double pf = out.empty() ? 0.0 : std::chrono::duration<double>(t_first - t0).count();
             const double dc = out.empty() ? 0.0 : std::chrono::duration<double>(t2 - t_first).count();
