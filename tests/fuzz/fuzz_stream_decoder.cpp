@@ -1,6 +1,6 @@
 // F-5: the streaming detokenizer on arbitrary id sequences (RELIABILITY §B4 K-08). Input: byte 0 = flags,
 // then little-endian u16 pairs mapped onto [0, n_vocab] where n_vocab itself stands for an out-of-range id
-// (alternately -1, n_vocab, 2^31-1). Properties: out-of-range ids throw perigee::error; every delta is valid
+// (alternately -1, n_vocab, 2^31-1). Properties: out-of-range ids and unassigned special slots throw perigee::error; every delta is valid
 // UTF-8; the deltas concatenate to utf8_replace_invalid(decode(ids)) whether ids are pushed one by one or
 // in spans; held_bytes() stays below 4.
 #include "fuzz_util.h"
@@ -20,9 +20,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     for (size_t i = 1; i + 1 < size; i += 2) {
         const uint32_t v = uint32_t(data[i]) | (uint32_t(data[i + 1]) << 8);
         tok::token_id id = static_cast<tok::token_id>(v % uint32_t(n_vocab + 1));
-        if (id == n_vocab) {
-            id = out_of_range[ids.size() % 3] == 0 ? n_vocab : out_of_range[ids.size() % 3];
-            if (bad < 0) bad = static_cast<int>(ids.size());
+        if (id == n_vocab) id = out_of_range[ids.size() % 3] == 0 ? n_vocab : out_of_range[ids.size() % 3];
+        if (bad < 0) {   // an unassigned special slot (a gap in the special table) is invalid too
+            try { (void)t.token_bytes(id); } catch (const perigee::error &) { bad = static_cast<int>(ids.size()); }
         }
         ids.push_back(id);
     }
