@@ -32,31 +32,82 @@ std::string slot_pool::refusal() const {
     return fmt::format("no free KDA state slot ({} of {} in use)", n_used(), n_);
 }
 
-page_pool::page_pool(int n_pages, int page_size) : n_(n_pages), page_size_(page_size), used_(size_t(std::max(n_pages, 0)), false) {
+page_pool::page_pool(int n_pages, int page_size)
+    : n_(n_pages), page_size_(page_size), lru_pos_(size_t(std::max(n_pages, 0))), refs_(size_t(std::max(n_pages, 0)), 0),
+      cached_(size_t(std::max(n_pages, 0)), false) {
     PG_CHECK(n_pages > 0, "page_pool: {} pages; need at least one", n_pages);
     PG_CHECK(page_size > 0 && (page_size & (page_size - 1)) == 0, "page_pool: page size {} is not a power of two", page_size);
     for (int i = 0; i < n_pages; ++i) free_.push_back(i);
+}
+
+void page_pool::check_page(int32_t p, const char * what) const {
+    PG_CHECK(p >= 0 && p < n_, "page_pool: {} of page {} outside the pool of {}", what, p, n_);
+}
+
+int page_pool::refs(int32_t page) const {
+    check_page(page, "refs");
+    return refs_[size_t(page)];
+}
+
+bool page_pool::is_cached(int32_t page) const {
+    check_page(page, "is_cached");
+    return cached_[size_t(page)];
 }
 
 void page_pool::alloc(int n, std::vector<int32_t> & pages) {
     PG_CHECK(n >= 0, "page_pool: alloc of {} pages", n);
     PG_CHECK(can_alloc(n), "page_pool: {}", refusal(n));
     for (int i = 0; i < n; ++i) {
-        const int32_t p = free_.front();
-        free_.pop_front();
-        used_[size_t(p)] = true;
+        int32_t p;
+        if (!free_.empty()) {
+            p = free_.front();
+            free_.pop_front();
+        } else {
+            p = lru_.front();
+            lru_.pop_front();
+            cached_[size_t(p)] = false;
+            if (on_evict) on_evict(p);
+        }
+        refs_[size_t(p)] = 1;
+        n_refs_++;
         pages.push_back(p);
     }
 }
 
 void page_pool::free(std::vector<int32_t> & pages) {
     for (int32_t p : pages) {
-        PG_CHECK(p >= 0 && p < n_, "page_pool: page {} outside the pool of {}", p, n_);
-        PG_CHECK(used_[size_t(p)], "page_pool: page {} freed twice", p);
-        used_[size_t(p)] = false;
-        free_.push_back(p);
+        check_page(p, "free");
+        PG_CHECK(refs_[size_t(p)] > 0, "page_pool: page {} freed twice", p);
+        n_refs_--;
+        if (--refs_[size_t(p)] > 0) continue;
+        if (cached_[size_t(p)]) lru_pos_[size_t(p)] = lru_.insert(lru_.end(), p);
+        else free_.push_back(p);
     }
     pages.clear();
+}
+
+void page_pool::share(int32_t page) {
+    check_page(page, "share");
+    if (refs_[size_t(page)] == 0) {
+        PG_CHECK(cached_[size_t(page)], "page_pool: page {} is free and not cached; it cannot be shared", page);
+        lru_.erase(lru_pos_[size_t(page)]);
+    }
+    refs_[size_t(page)]++;
+    n_refs_++;
+}
+
+void page_pool::set_cached(int32_t page, bool cached) {
+    check_page(page, "set_cached");
+    if (cached_[size_t(page)] == cached) return;
+    cached_[size_t(page)] = cached;
+    if (refs_[size_t(page)] > 0) return;   // in use: the flag decides where it goes when freed
+    if (cached) {
+        free_.erase(std::find(free_.begin(), free_.end(), page));
+        lru_pos_[size_t(page)] = lru_.insert(lru_.end(), page);
+    } else {
+        lru_.erase(lru_pos_[size_t(page)]);
+        free_.push_back(page);
+    }
 }
 
 std::string page_pool::refusal(int n) const {

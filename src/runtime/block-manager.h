@@ -10,6 +10,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,25 +36,49 @@ private:
     std::vector<bool> used_;
 };
 
+// Pages are reference-counted: a page is in use while at least one sequence's block table holds it
+// (prefix caching shares full prompt pages between sequences). A page whose last reference is
+// dropped goes back to a free list: the plain list when nothing indexes it, or the CACHED list (LRU
+// order, least recently freed first) when the prefix cache indexes it, so a later request can take
+// it back with share(). Both lists count as free; alloc() takes plain pages first and evicts the
+// least recently used cached page only when none is left (calling on_evict first, so the prefix
+// cache drops its entry before the page is overwritten).
 class page_pool {
 public:
     page_pool(int n_pages, int page_size);
     int capacity() const { return n_; }
     int page_size() const { return page_size_; }
-    int n_free() const { return int(free_.size()); }
-    int n_used() const { return n_ - n_free(); }
+    int n_free() const { return int(free_.size() + lru_.size()); }   // unreferenced (plain + cached)
+    int n_used() const { return n_ - n_free(); }                      // referenced by some sequence
+    int n_cached_free() const { return int(lru_.size()); }            // unreferenced but indexed
+    int64_t n_refs() const { return n_refs_; }                        // sum of reference counts
+    int refs(int32_t page) const;
     // Pages needed to hold positions 0..n_tokens-1.
     int pages_for(int64_t n_tokens) const { return int((n_tokens + page_size_ - 1) / page_size_); }
     bool can_alloc(int n) const { return n <= n_free(); }
-    // Appends n pages to `pages`; throws (naming the shortfall) when fewer than n are free.
+    // Appends n fresh pages (one reference each) to `pages`; throws (naming the shortfall) when
+    // fewer than n are free.
     void alloc(int n, std::vector<int32_t> & pages);
-    void free(std::vector<int32_t> & pages);   // frees and clears; throws on a page not in use
+    // Drops one reference per page and clears `pages`; throws on a page not in use.
+    void free(std::vector<int32_t> & pages);
+    // One more reference to a page in use, or revives an unreferenced CACHED page (out of the LRU
+    // list). Throws for a plain free page (its contents are not meaningful).
+    void share(int32_t page);
+    // The prefix cache marks the pages it indexes (cached) and unmarks the ones it drops.
+    void set_cached(int32_t page, bool cached);
+    bool is_cached(int32_t page) const;
+    std::function<void(int32_t page)> on_evict;   // alloc() is about to reuse this cached page
     std::string refusal(int n) const;          // why alloc(n) would fail ("" when it would not)
 
 private:
+    void check_page(int32_t p, const char * what) const;
     int n_, page_size_;
-    std::deque<int32_t> free_;
-    std::vector<bool> used_;
+    std::deque<int32_t> free_;                 // plain free pages
+    std::list<int32_t> lru_;                   // unreferenced cached pages, least recently freed first
+    std::vector<std::list<int32_t>::iterator> lru_pos_;
+    std::vector<int32_t> refs_;
+    std::vector<bool> cached_;
+    int64_t n_refs_ = 0;
 };
 
 // Pool sizes from a byte budget: max_num_seqs KDA slots first (each state_slot_bytes), the rest

@@ -7,6 +7,7 @@
 #include "runtime/block-manager.h"
 #include "runtime/sampler.h"
 #include "runtime/scheduler.h"
+#include "runtime/step.h"
 
 #include <algorithm>
 #include <chrono>
@@ -44,6 +45,8 @@ struct engine::impl {
     // --- engine thread only ---
     slot_pool slots;
     page_pool pages;
+    std::unique_ptr<prefix_cache> cache;       // null when prefix caching is off
+    std::unique_ptr<snapshot_store> snaps;
     scheduler sched;
     struct live_req {
         std::unique_ptr<sequence> seq;
@@ -54,12 +57,23 @@ struct engine::impl {
 
     impl(model_runner & r, const engine_options & o, int n_pages)
         : runner(r), opt(o), cfg(r.config()), slots(o.max_num_seqs), pages(n_pages, o.page_size),
-          sched({.max_num_batched_tokens = o.max_num_batched_tokens, .max_prefill_chunk = o.max_prefill_chunk}, slots, pages) {
+          cache(o.enable_prefix_caching ? std::make_unique<prefix_cache>(pages, n_snapshots(o), cfg.n_kda_layers() > 0) : nullptr),
+          snaps(o.enable_prefix_caching ? std::make_unique<snapshot_store>(r.state(), n_snapshots(o)) : nullptr),
+          sched({.max_num_batched_tokens = o.max_num_batched_tokens,
+                 .max_prefill_chunk = o.max_prefill_chunk,
+                 .snapshot_interval_pages = o.prefix_snapshot_interval},
+                slots, pages, cache.get()) {
+        if (snaps)
+            PG_CHECK(snaps->bytes_per_snapshot() == state_slot_bytes(cfg),
+                     "prefix cache: a snapshot holds {} bytes but a KDA slot is {} bytes", snaps->bytes_per_snapshot(),
+                     state_slot_bytes(cfg));
         st.total_slots = slots.capacity();
         st.total_pages = pages.capacity();
         st.free_slots = slots.n_free();
         st.free_pages = pages.n_free();
     }
+
+    static int n_snapshots(const engine_options & o) { return o.prefix_snapshots > 0 ? o.prefix_snapshots : 4 * o.max_num_seqs; }
 
     void deliver(live_req & lr, const token_event & ev) {
         try {
@@ -101,25 +115,25 @@ struct engine::impl {
         st.free_slots = slots.n_free();
         st.free_pages = pages.n_free();
         st.preemptions = sched.n_preemptions();
+        st.page_refs = pages.n_refs();
+        if (cache) {
+            const prefix_cache_stats cs = cache->stats();
+            st.cached_pages = cs.entries;
+            st.snapshots_used = cs.snapshots_used;
+            st.total_snapshots = cs.snapshots_total;
+            st.snapshot_pins = cs.snapshot_pins;
+            st.prefix_hits = cs.hits;
+            st.prefix_hit_tokens = cs.hit_tokens;
+            st.snapshots_taken = cs.snapshots_taken;
+            st.snapshots_evicted = cs.snapshots_evicted;
+        }
         idle_cv.notify_all();
     }
 
     void step() {
         step_plan plan = sched.schedule();
         if (plan.empty()) return;
-        auto b = std::make_shared<batch>();
-        b->page_size = pages.page_size();
-        b->seq_start.push_back(0);
-        for (const auto & it : plan.items) {
-            const sequence & s = *it.seq;
-            if (it.fresh_slot) runner.zero_slot(s.slot);
-            b->ids.insert(b->ids.end(), s.tokens.begin() + it.pos0, s.tokens.begin() + it.pos0 + it.n_tokens);
-            b->seq_start.push_back(int32_t(b->ids.size()));
-            b->pos0.push_back(it.pos0);
-            b->slot.push_back(s.slot);
-            b->block_table.push_back(s.pages);
-            if (it.samples()) b->logits_rows.push_back(int32_t(b->ids.size()) - 1);
-        }
+        auto b = step_prepare(plan, runner, cache.get(), snaps.get());
         tensor rows;
         try {
             if (b->logits_rows.empty()) runner.step(b);
@@ -129,7 +143,7 @@ struct engine::impl {
             for (const auto & it : plan.items) end(it.seq->id, finish_reason::ERROR, msg);
             return;
         }
-        sched.commit(plan);
+        step_commit(plan, sched, runner, cache.get(), snaps.get());
         {
             std::lock_guard lk(mu);
             st.steps++;
@@ -236,7 +250,9 @@ engine::engine(model_runner & runner, const engine_options & opt) {
     PG_CHECK(opt.max_num_batched_tokens >= 1, "engine_options.max_num_batched_tokens {} must be >= 1", opt.max_num_batched_tokens);
     PG_CHECK(opt.max_queue >= 1, "engine_options.max_queue {} must be >= 1", opt.max_queue);
     PG_CHECK(opt.max_prefill_chunk >= 0, "engine_options.max_prefill_chunk {} must be >= 0", opt.max_prefill_chunk);
-    PG_CHECK(!opt.enable_prefix_caching, "engine_options.enable_prefix_caching: prefix caching is not implemented yet");
+    PG_CHECK(opt.prefix_snapshots >= 0, "engine_options.prefix_snapshots {} must be >= 0", opt.prefix_snapshots);
+    PG_CHECK(opt.prefix_snapshot_interval >= 0, "engine_options.prefix_snapshot_interval {} must be >= 0",
+             opt.prefix_snapshot_interval);
     const int per_seq = (opt.max_model_len + opt.page_size - 1) / opt.page_size;
     int n_pages = opt.n_pages > 0 ? opt.n_pages : std::min(ms.n_pages, per_seq * opt.max_num_seqs);
     PG_CHECK(n_pages <= ms.n_pages, "engine_options.n_pages {} exceeds the runner's {} MLA cache pages", n_pages, ms.n_pages);

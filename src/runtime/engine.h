@@ -54,9 +54,14 @@ struct engine_options {
     int page_size = 16;               // MLA cache page, tokens (power of two)
     int n_pages = 0;                  // 0 = enough for max_num_seqs * max_model_len
     int max_queue = 256;              // waiting requests beyond this are refused (server: 503)
-    bool enable_prefix_caching = false;
+    bool enable_prefix_caching = false;   // reuse cached prompt prefixes (MLA pages + KDA snapshots)
     // --- extensions (runtime) ---
     int max_prefill_chunk = 0;        // 0 = only the token budget caps a prefill chunk
+    // Prefix caching (runtime/prefix-cache.h has the design). KDA snapshots live in their own pool
+    // of prefix_snapshots entries, state_slot_bytes(cfg) each, outside the runner's state pools.
+    int prefix_snapshots = 0;         // 0 = 4 * max_num_seqs
+    int prefix_snapshot_interval = 0; // pages; > 0 also cuts prefills every this many pages
+                                      //  (finer hits for prompts that diverge early; more steps)
 };
 
 struct engine_stats {
@@ -69,6 +74,13 @@ struct engine_stats {
     uint64_t preemptions = 0;
     uint64_t finished = 0, cancelled = 0, errors = 0;   // requests by how they ended
     uint64_t nan_events = 0;          // requests failed for non-finite logits
+    // prefix caching (all 0 when off). free_pages counts cached pages no request holds.
+    int cached_pages = 0;             // pages indexed by the prefix cache
+    int snapshots_used = 0, total_snapshots = 0;
+    int snapshot_pins = 0;            // 0 between steps
+    int64_t page_refs = 0;            // references held on pages (0 when idle)
+    uint64_t prefix_hits = 0, prefix_hit_tokens = 0;   // admissions that reused a prefix; tokens reused
+    uint64_t snapshots_taken = 0, snapshots_evicted = 0;
 };
 
 class engine {

@@ -32,6 +32,13 @@ struct sequence {
     std::vector<int32_t> stop_ids;       // eos ids (unless ignore_eos) + the request's stop ids
     int32_t max_model_len = 0;           // prompt + generated never exceeds this
     int n_preemptions = 0;
+    // Prefix caching (runtime/prefix-cache.h): the chained hash of each leading full prompt page
+    // already indexed or taken from the cache; a snapshot pinned between admission and its restore
+    // into the slot; cache_blocked after a hash collision (the rest of this prompt is not indexed).
+    std::vector<uint64_t> page_hashes;
+    int32_t snapshot_pin = -1;
+    bool cache_blocked = false;
+    int32_t n_prefix_hit = 0;            // tokens taken from the cache at the last admission
 
     int32_t n_tokens() const { return int32_t(tokens.size()); }
     int32_t n_generated() const { return n_tokens() - n_prompt; }
