@@ -11,6 +11,7 @@
 #include "backend/backend.h"
 
 #include <memory>
+#include <vector>
 
 namespace perigee {
 
@@ -25,6 +26,12 @@ struct cuda_options {
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
     // random models, measured on k3-tiny 2026-11-29).
     bool linear_split_bf16 = true;
+    // MOE_EXPERTS: the grouped kernels (slots grouped by expert on the device, each selected expert's rows read once
+    // with 16-byte loads, FP4 dequantized in registers). false: the first per-slot kernels (compare mode).
+    bool moe_grouped = true;
+    // capture() also records a CUDA event after every node inside the graph, so node_ms() can split a replay's GPU
+    // time by node (benchmarks; the events add a little time of their own, so time with this off).
+    bool profile_nodes = false;
 };
 
 class backend_cuda : public backend {
@@ -39,6 +46,24 @@ public:
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;
+
+    // Device-resident weights without a host copy (GPU benchmarks of 70-100 GB synthetic models): allocates the
+    // device buffer of `t` under its weight-cache key (t.data, e.g. an address in a sparse mmapped file) and fills it
+    // on the device from a counter-based hash of `seed`: F32/BF16/F16 uniform in [lo, hi]; U8/F8 bytes, integers
+    // uniform in [lo, hi]. The host bytes are never read for this tensor (an FP4 scale tensor made this way is not
+    // scanned for NaN bytes: the range is the caller's promise). Error if the tensor is already on the device.
+    virtual void weight_generate(const tensor & t, uint64_t seed, float lo, float hi) = 0;
+
+    // One step as a CUDA graph: runs `g` once eagerly (uploads weights and states, creates cuBLASLt plans), then
+    // captures all its kernels into one CUDA graph whose outputs live in a persistent arena. The batch's device copy
+    // is taken at capture: every replay runs the same step layout (same positions and slots); a new layout needs a
+    // new capture (per batch-size bucket). `g` must outlive the replays. run() drops the captured graph.
+    virtual void capture(const graph & g) = 0;
+    // Launches the captured graph n times back to back, waits, and checks the device error flags (naming the node).
+    // read() then returns the outputs of the last replay.
+    virtual void replay(int n) = 0;
+    // With cuda_options::profile_nodes: GPU milliseconds of each node (graph order) in the last replay; else empty.
+    virtual std::vector<float> node_ms() const = 0;
 };
 
 std::unique_ptr<backend_cuda> backend_cuda_init(int device, const cuda_options & opt = {});

@@ -10,6 +10,7 @@
 #include <map>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #define PG_CUDA_CHECK(call)                                                                              \
     do {                                                                                                 \
@@ -205,6 +206,9 @@ public:
         for (auto & [k, v] : weights_) cudaFree(v);
         for (auto & [k, v] : states_) cudaFree(v);
         for (auto & [k, v] : expert_tables_) cudaFree(v);
+        drop_graph();
+        for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
+        if (arena_) cudaFree(arena_);
         if (lt_ws_) cudaFree(lt_ws_);
         if (lt_) cublasLtDestroy(lt_);
         if (st_) cudaStreamDestroy(st_);
@@ -220,15 +224,11 @@ public:
 
     void run(const graph & g, const node_callback & cb) override {
         PG_CUDA_CHECK(cudaSetDevice(dev_));
+        drop_graph();
         free_outputs();
-        outs_.assign(g.nodes.size(), {});
-        err_slot_.assign(g.nodes.size(), -1);
-        int n_err = 0;
-        for (size_t i = 0; i < g.nodes.size(); ++i) {
-            const op_type o = g.nodes[i].op;
-            if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS) err_slot_[i] = n_err++;
-        }
-        err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
+        arena_on_ = false;
+        run_bytes_ = 0;
+        const int n_err = prepare(g);
         PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
         if (g.b) upload_batch(*g.b);
         for (int id = 0; id < int(g.nodes.size()); ++id) {
@@ -251,6 +251,126 @@ public:
             }
         }
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        check_flags(g, n_err);
+    }
+
+    void capture(const graph & g) override {
+        PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
+        run(g, {});   // uploads weights and states, creates the cuBLASLt plans, sizes the arena
+        const size_t need = run_bytes_;
+        free_outputs();
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        if (arena_size_ < need) {
+            if (arena_) PG_CUDA_CHECK(cudaFree(arena_));
+            arena_ = nullptr;
+            arena_size_ = 0;
+            PG_CUDA_CHECK(cudaMalloc(&arena_, need));
+            arena_size_ = need;
+        }
+        arena_on_ = true;
+        arena_off_ = 0;
+        const int n_err = prepare(g);
+        if (g.b) upload_batch(*g.b);   // pageable host -> device: outside the capture
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
+        try {
+            PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
+            if (opt_.profile_nodes) {
+                while (events_.size() < g.nodes.size() + 1) {
+                    cudaEvent_t ev;
+                    PG_CUDA_CHECK(cudaEventCreate(&ev));
+                    events_.push_back(ev);
+                }
+                PG_CUDA_CHECK(cudaEventRecord(events_[0], st_));
+            }
+            for (int id = 0; id < int(g.nodes.size()); ++id) {
+                const node & n = g.nodes[size_t(id)];
+                try {
+                    run_node(g, id);
+                    if (opt_.profile_nodes) PG_CUDA_CHECK(cudaEventRecord(events_[size_t(id) + 1], st_));
+                } catch (const error & e) {
+                    throw error(e.func(), e.file(), e.line(),
+                                fmt::format("capture: node {} '{}' ({}): {}", id, n.name, op_name(n.op), e.what()));
+                }
+            }
+        } catch (...) {
+            cudaGraph_t junk = nullptr;
+            cudaStreamEndCapture(st_, &junk);
+            if (junk) cudaGraphDestroy(junk);
+            cudaGetLastError();
+            throw;
+        }
+        cudaGraph_t cg = nullptr;
+        PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
+        const cudaError_t ie = cudaGraphInstantiate(&exec_, cg, 0);
+        cudaGraphDestroy(cg);
+        PG_CHECK(ie == cudaSuccess, "capture: cudaGraphInstantiate failed: {}", cudaGetErrorString(ie));
+        cap_g_ = &g;
+        cap_n_err_ = n_err;
+    }
+
+    void replay(int n) override {
+        PG_CHECK(exec_ != nullptr && cap_g_ != nullptr, "replay: no captured graph (call capture first)");
+        for (int i = 0; i < n; ++i) PG_CUDA_CHECK(cudaGraphLaunch(exec_, st_));
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        check_flags(*cap_g_, cap_n_err_);
+    }
+
+    std::vector<float> node_ms() const override {
+        std::vector<float> v;
+        if (!opt_.profile_nodes || !cap_g_) return v;
+        for (size_t i = 0; i < cap_g_->nodes.size(); ++i) {
+            float ms = 0.0f;
+            PG_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+            v.push_back(ms);
+        }
+        return v;
+    }
+
+    void weight_generate(const tensor & t, uint64_t seed, float lo, float hi) override {
+        PG_CUDA_CHECK(cudaSetDevice(dev_));
+        PG_CHECK(t.data != nullptr || t.nbytes == 0, "weight_generate: tensor without a data address");
+        PG_CHECK(!weights_.count(t.data), "weight_generate: this tensor is already on the device");
+        int kind = -1;
+        switch (t.type) {
+            case dtype::F32: kind = 0; break;
+            case dtype::BF16: kind = 1; break;
+            case dtype::F16: kind = 2; break;
+            case dtype::U8:
+            case dtype::I8:
+            case dtype::F8_E4M3:
+            case dtype::F8_E8M0: kind = 3; break;
+            default: PG_FAIL("weight_generate: unsupported dtype {}", dtype_name(t.type));
+        }
+        void * p = nullptr;
+        PG_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes, 16)));
+        const int64_t n = kind == 3 ? int64_t(t.nbytes) : t.numel();
+        PG_CUDA_CHECK(cuda::launch_fill_random(p, n, kind, seed, lo, hi, st_));
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        weights_[t.data] = p;
+        generated_.insert(t.data);
+        weight_bytes_ += t.nbytes;
+    }
+
+private:
+    // Output bookkeeping for one run of g: error-flag slots; returns their count.
+    int prepare(const graph & g) {
+        outs_.assign(g.nodes.size(), {});
+        err_slot_.assign(g.nodes.size(), -1);
+        int n_err = 0;
+        for (size_t i = 0; i < g.nodes.size(); ++i) {
+            const op_type o = g.nodes[i].op;
+            if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS) err_slot_[i] = n_err++;
+        }
+        err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
+        return n_err;
+    }
+    void drop_graph() {
+        if (exec_) cudaGraphExecDestroy(exec_);
+        exec_ = nullptr;
+        cap_g_ = nullptr;
+    }
+    void check_flags(const graph & g, int n_err) {
         if (n_err > 0) {
             std::vector<int> flags(size_t(n_err) * cuda::ERR_COUNT);
             PG_CUDA_CHECK(cudaMemcpy(flags.data(), err_, flags.size() * sizeof(int), cudaMemcpyDeviceToHost));
@@ -265,6 +385,8 @@ public:
             }
         }
     }
+
+public:
 
     tensor read(node_ref r) const override {
         PG_CHECK(r.node >= 0 && size_t(r.node) < outs_.size(), "read: node {} was not run", r.node);
@@ -291,6 +413,15 @@ private:
 
     // ---- memory ----
     void * alloc(size_t bytes) {
+        const size_t sz = (std::max<size_t>(bytes, 16) + 255) & ~size_t(255);
+        run_bytes_ += sz;
+        if (arena_on_) {
+            PG_CHECK(arena_off_ + sz <= arena_size_, "capture: the step needs more than the {} arena bytes the eager run used",
+                     arena_size_);
+            void * p = static_cast<char *>(arena_) + arena_off_;
+            arena_off_ += sz;
+            return p;
+        }
         void * p = nullptr;
         PG_CUDA_CHECK(cudaMallocAsync(&p, std::max<size_t>(bytes, 16), st_));
         run_allocs_.push_back(p);
@@ -637,6 +768,13 @@ private:
                 const cuda::dexpert * table = expert_table(n);
                 const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
                 float * scratch = static_cast<float *>(alloc(size_t(T * k * (F + Dout)) * 4));
+                const int vfmt = opt_.moe_grouped ? expert_vfmt_.at(n.p.experts.get()) : 0;
+                if (vfmt > 0 && int64_t(ex.size()) <= 1024) {
+                    auto * gw = static_cast<int32_t *>(alloc(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
+                    PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
+                                                                   table, int64_t(ex.size()), c, scratch, gw, y, err, st_));
+                    break;
+                }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,
                                                        int64_t(ex.size()), c, scratch, y, err, st_));
                 break;
@@ -727,6 +865,22 @@ private:
             PG_CHECK(ex[e].up.out == ex[e].gate.out && ex[e].up.in == ex[e].gate.in && ex[e].down.in == ex[e].gate.out,
                      "{}: expert {} shapes do not chain", n.name, e);
         }
+        // The grouped kernels' format: one format for all experts, widths that tile 16-byte units.
+        int vfmt = 0;
+        {
+            auto fmt_of = [](const expert_matrix & m) {
+                if (m.format == fp4_format::MXFP4) return 2;
+                if (m.format == fp4_format::NVFP4) return 3;
+                return m.weight && m.weight->type == dtype::BF16 ? 1 : 0;
+            };
+            vfmt = fmt_of(ex[0].gate);
+            for (size_t e = 0; e < ex.size() && vfmt > 0; ++e)
+                for (const expert_matrix * m : {&ex[e].gate, &ex[e].up, &ex[e].down})
+                    if (fmt_of(*m) != vfmt) vfmt = 0;
+            const int64_t C = vfmt == 1 ? 8 : 32;
+            if (vfmt > 0 && (ex[0].gate.in % C != 0 || ex[0].gate.out % C != 0)) vfmt = 0;
+        }
+        expert_vfmt_[key] = vfmt;
         void * d = nullptr;
         PG_CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(cuda::dexpert)));
         PG_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice));
@@ -756,7 +910,7 @@ private:
         PG_CHECK(m.scale->nbytes >= size_t(m.out * (m.in / blk)), "{}: scale {} for [{}, {}]", what, shape_str(m.scale->shape),
                  m.out, m.in);
         const auto * sb = m.scale->as<uint8_t>();
-        for (int64_t i = 0; i < m.out * (m.in / blk); ++i) {
+        for (int64_t i = 0; !generated_.count(m.scale->data) && i < m.out * (m.in / blk); ++i) {
             const bool nan = mx ? sb[i] == 0xFF : (sb[i] & 0x7F) == 0x7F;
             PG_CHECK(!nan, "{}: NaN scale byte 0x{:02X} at row {} block {}", what, sb[i], i / (m.in / blk), i % (m.in / blk));
         }
@@ -784,6 +938,16 @@ private:
     std::unordered_map<tensor *, void *> states_;               // host STATE tensor -> device-resident copy
     std::unordered_map<const void *, void *> expert_tables_;    // experts vector -> device dexpert[E]
     size_t weight_bytes_ = 0;
+    std::unordered_set<const void *> generated_;                // weight_generate keys (host bytes never read)
+    std::unordered_map<const void *, int> expert_vfmt_;         // experts vector -> grouped kernel format (0: none)
+    // CUDA graph of one step (capture/replay) and the arena its outputs live in.
+    cudaGraphExec_t exec_ = nullptr;
+    const graph * cap_g_ = nullptr;
+    int cap_n_err_ = 0;
+    void * arena_ = nullptr;
+    size_t arena_size_ = 0, arena_off_ = 0, run_bytes_ = 0;
+    bool arena_on_ = false;
+    std::vector<cudaEvent_t> events_;   // profile_nodes: one before the first node and one after each node
     std::vector<std::vector<dtensor>> outs_;
     std::vector<void *> run_allocs_;
     std::vector<int> err_slot_;

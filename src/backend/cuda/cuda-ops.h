@@ -108,6 +108,14 @@ struct dexperts_cfg { int act; float situ_beta, situ_linear_beta; int64_t d_ff, 
 cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                const dexpert * experts, int64_t E, const dexperts_cfg & c, float * scratch, float * y,
                                int * err, cudaStream_t st);
+// The grouped decode path (cuda_options::moe_grouped): slots grouped by expert on the device, one block per (expert,
+// 8 output rows) over all selected experts, each selected expert's rows read once with 16-byte loads. vfmt: 1 = dense
+// BF16 (Din, d_ff multiples of 8), 2 = MXFP4, 3 = NVFP4 (multiples of 32); every expert in that format; E <= 1024.
+// scratch as above; gw: moe_group_ints(T, k, E) ints.
+int64_t moe_group_ints(int64_t T, int64_t k, int64_t E);
+cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
+                                       int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
+                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st);
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;
@@ -117,5 +125,10 @@ cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, i
 
 // ---- guard.cu (debug sentinels) ----
 cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st);
+
+// ---- fill.cu (device-generated weights for GPU benchmarks) ----
+// n elements of kind 0 = F32, 1 = BF16, 2 = F16 (uniform in [lo, hi]) or 3 = bytes (integers uniform in [lo, hi]),
+// from a counter-based hash of (seed, index): the same seed gives the same values on any launch geometry.
+cudaError_t launch_fill_random(void * p, int64_t n, int kind, uint64_t seed, float lo, float hi, cudaStream_t st);
 
 } // namespace perigee::cuda

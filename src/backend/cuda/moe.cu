@@ -199,3 +199,282 @@ cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const in
 }
 
 } // namespace perigee::cuda
+
+// ---- Grouped expert path (decode): the selected (token, slot) pairs are grouped by expert on the device, then one
+// launch per matrix stage runs one block per (expert, tile of 8 output rows) over ALL selected experts; each weight
+// row of a selected expert is read once per step (16-byte loads, MXFP4/NVFP4 dequantized in registers with the
+// block scale applied once per 32 columns) and applied to every token that selected it.
+namespace perigee::cuda {
+
+namespace {
+
+constexpr int k_grp_threads = 1024;
+
+// gw layout (ints): [0] n_active | [1, 1+A) active expert | [1+A, 2+2A) segment starts | [2+2A, 2+2A+S) slots by expert
+// | [2+2A+S, 2+2A+2S) position within the expert (scratch). A = min(E, S), S = T*k.
+__global__ void __launch_bounds__(k_grp_threads) k_moe_group(const int32_t * __restrict__ ids, int64_t S, int64_t E,
+                                                             int64_t A, int32_t * __restrict__ gw, int * err) {
+    __shared__ int cnt[1024], eidx[1024];
+    __shared__ int n_act, total;
+    int32_t * active = gw + 1;
+    int32_t * start = gw + 1 + A;
+    int32_t * slots = gw + 2 + 2 * A;
+    int32_t * pos = slots + S;
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    if (threadIdx.x == 0) n_act = total = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
+        const int32_t e = ids[i];
+        if (e < 0 || e >= E) {
+            atomicOr(err + ERR_EXPERT_ID, 1);
+            pos[i] = -1;
+        } else {
+            pos[i] = atomicAdd(&cnt[e], 1);
+        }
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        if (cnt[e] == 0) continue;
+        const int a = atomicAdd(&n_act, 1);
+        eidx[e] = a;
+        active[a] = int32_t(e);
+        start[a] = atomicAdd(&total, cnt[e]);
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < S; i += blockDim.x)
+        if (pos[i] >= 0) slots[start[eidx[ids[i]]] + pos[i]] = int32_t(i);
+    if (threadIdx.x == 0) {
+        gw[0] = n_act;
+        // segment a ends where the next one starts; starts were handed out in atomic order, so store the end
+        // of each segment explicitly after the starts (the reader uses start[a] and start[a] + cnt).
+    }
+    __syncthreads();
+    for (int a = threadIdx.x; a < n_act; a += blockDim.x) pos[a] = cnt[active[a]];   // pos reused: count per segment
+}
+
+// E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as bf16: high bytes and low bytes, 8 entries in two words each.
+constexpr uint32_t k_fp4_hi0 = 0x3F3F3F00u, k_fp4_hi1 = 0x40404040u;
+constexpr uint32_t k_fp4_lo0 = 0xC0800000u, k_fp4_lo1 = 0xC0804000u;
+
+// 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
+__device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t c = (q >> (16 * h)) & 0xFFFFu;          // 4 nibbles
+        const uint32_t sel = c & 0x7777u;
+        const uint32_t hi = __byte_perm(k_fp4_hi0, k_fp4_hi1, sel);
+        const uint32_t lo = __byte_perm(k_fp4_lo0, k_fp4_lo1, sel);
+        uint32_t p0 = __byte_perm(lo, hi, 0x5140u), p1 = __byte_perm(lo, hi, 0x7362u);
+        p0 |= ((c & 0x8u) << 12) | ((c & 0x80u) << 24);
+        p1 |= ((c & 0x800u) << 4) | ((c & 0x8000u) << 16);
+        o[4 * h + 0] = __uint_as_float(p0 << 16);
+        o[4 * h + 1] = __uint_as_float(p0 & 0xFFFF0000u);
+        o[4 * h + 2] = __uint_as_float(p1 << 16);
+        o[4 * h + 3] = __uint_as_float(p1 & 0xFFFF0000u);
+    }
+}
+
+__device__ __forceinline__ float e8m0_g(uint8_t b) { return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23); }
+__device__ __forceinline__ float e4m3_g(uint8_t b) {
+    const int sgn = b >> 7, ex = (b >> 3) & 15, mn = b & 7;
+    float v = ex == 0 ? ldexpf(float(mn), -9) : ldexpf(1.0f + float(mn) / 8.0f, ex - 7);
+    return sgn ? -v : v;
+}
+
+// One 16-byte unit of a weight row: FMT 1 = BF16 (8 columns), 2 = MXFP4 (32 columns, one E8M0 scale),
+// 3 = NVFP4 (32 columns, two E4M3 scales, global scale). dot() returns sum_c w[c] x[c] over the unit, scales applied.
+template <int FMT> struct wunit {
+    static constexpr int C = FMT == 1 ? 8 : 32;
+    float w[C];
+    float s0 = 1.0f, s1 = 1.0f;
+    __device__ __forceinline__ void load(const dexpert_matrix & m, int64_t r, int64_t u) {
+        if constexpr (FMT == 1) {
+            const uint4 q = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(m.w) + r * m.in) + u);
+            const uint32_t p[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                w[2 * j] = __uint_as_float(p[j] << 16);
+                w[2 * j + 1] = __uint_as_float(p[j] & 0xFFFF0000u);
+            }
+        } else {
+            const uint4 q = __ldg(reinterpret_cast<const uint4 *>(m.packed + r * (m.in / 2)) + u);
+            fp4x8(q.x, w);
+            fp4x8(q.y, w + 8);
+            fp4x8(q.z, w + 16);
+            fp4x8(q.w, w + 24);
+            if constexpr (FMT == 2) {
+                s0 = e8m0_g(m.scale[r * (m.in / 32) + u]);
+            } else {
+                const uint8_t * sc = m.scale + r * (m.in / 16) + 2 * u;
+                s0 = e4m3_g(sc[0]) * m.global_scale;
+                s1 = e4m3_g(sc[1]) * m.global_scale;
+            }
+        }
+    }
+    __device__ __forceinline__ float dot(const float * __restrict__ x) const {   // x: the unit's columns
+        float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+        for (int c = 0; c < C; c += 4) {
+            const float4 v = *reinterpret_cast<const float4 *>(x + c);
+            float & a = (FMT == 3 && c >= 16) ? a1 : a0;
+            a = fmaf(w[c], v.x, a);
+            a = fmaf(w[c + 1], v.y, a);
+            a = fmaf(w[c + 2], v.z, a);
+            a = fmaf(w[c + 3], v.w, a);
+        }
+        if constexpr (FMT == 1) return a0;
+        else if constexpr (FMT == 2) return a0 * s0;
+        else return a0 * s0 + a1 * s1;
+    }
+};
+
+constexpr int k_g_warps = 8;
+
+// hbuf [S, F] for every selected slot: grid (F / 8, A). TT tokens of the expert share each weight load.
+template <int FMT, int TT>
+__global__ void __launch_bounds__(k_g_warps * 32) k_moe_gate_up_g(const float * __restrict__ x, int64_t Din, int64_t k,
+                                                                  const dexpert * __restrict__ ex, int64_t A, int64_t S,
+                                                                  const int32_t * __restrict__ gw, dexperts_cfg c,
+                                                                  float * __restrict__ hbuf) {
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
+    if (r >= c.d_ff) return;
+    const int lane = threadIdx.x & 31;
+    const int e = gw[1 + a];
+    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
+    const int32_t * slots = gw + 2 + 2 * A;
+    const dexpert_matrix G = ex[e].gate, U = ex[e].up;
+    constexpr int C = wunit<FMT>::C;
+    const int64_t nu = Din / C;
+    for (int t0 = 0; t0 < n; t0 += TT) {
+        const int nt = min(TT, n - t0);
+        const float * xp[TT];
+#pragma unroll
+        for (int j = 0; j < TT; ++j) xp[j] = x + int64_t(slots[s0 + t0 + (j < nt ? j : 0)] / k) * Din;
+        float ag[TT], au[TT];
+#pragma unroll
+        for (int j = 0; j < TT; ++j) ag[j] = au[j] = 0.0f;
+#pragma unroll 2
+        for (int64_t u = lane; u < nu; u += 32) {
+            wunit<FMT> wg, wu;
+            wg.load(G, r, u);
+            wu.load(U, r, u);
+#pragma unroll
+            for (int j = 0; j < TT; ++j) {
+                if (j >= nt) break;
+                ag[j] += wg.dot(xp[j] + u * C);
+                au[j] += wu.dot(xp[j] + u * C);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+            if (j >= nt) break;
+            const float g = warp_sum(ag[j]), up = warp_sum(au[j]);
+            if (lane == 0)
+                hbuf[int64_t(slots[s0 + t0 + j]) * c.d_ff + r] =
+                    c.act == 1 ? situ_d(g, up, c.situ_beta, c.situ_linear_beta) : silu_d(g) * up;
+        }
+    }
+}
+
+// ybuf [S, Dout] = down h for every selected slot: grid (Dout / 8, A).
+template <int FMT, int TT>
+__global__ void __launch_bounds__(k_g_warps * 32) k_moe_down_g(const float * __restrict__ hbuf, const dexpert * __restrict__ ex,
+                                                               int64_t A, int64_t S, const int32_t * __restrict__ gw,
+                                                               dexperts_cfg c, float * __restrict__ ybuf) {
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
+    if (r >= c.d_out) return;
+    const int lane = threadIdx.x & 31;
+    const int e = gw[1 + a];
+    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
+    const int32_t * slots = gw + 2 + 2 * A;
+    const dexpert_matrix D = ex[e].down;
+    constexpr int C = wunit<FMT>::C;
+    const int64_t nu = c.d_ff / C;
+    for (int t0 = 0; t0 < n; t0 += TT) {
+        const int nt = min(TT, n - t0);
+        const float * hp[TT];
+#pragma unroll
+        for (int j = 0; j < TT; ++j) hp[j] = hbuf + int64_t(slots[s0 + t0 + (j < nt ? j : 0)]) * c.d_ff;
+        float acc[TT];
+#pragma unroll
+        for (int j = 0; j < TT; ++j) acc[j] = 0.0f;
+#pragma unroll 2
+        for (int64_t u = lane; u < nu; u += 32) {
+            wunit<FMT> wd;
+            wd.load(D, r, u);
+#pragma unroll
+            for (int j = 0; j < TT; ++j) {
+                if (j >= nt) break;
+                acc[j] += wd.dot(hp[j] + u * C);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+            if (j >= nt) break;
+            const float v = warp_sum(acc[j]);
+            if (lane == 0) ybuf[int64_t(slots[s0 + t0 + j]) * c.d_out + r] = v;
+        }
+    }
+}
+
+// y [T, Dout] = sum_j w[t, j] ybuf[t*k + j] in slot order; a slot with an invalid expert id contributes 0.
+__global__ void k_moe_combine_g(const float * __restrict__ ybuf, const float * __restrict__ w, const int32_t * __restrict__ ids,
+                                int64_t E, int64_t T, int64_t k, int64_t Dout, float * __restrict__ y) {
+    const int64_t n = T * Dout;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t t = i / Dout, r = i % Dout;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t e = ids[t * k + j];
+            const float v = (e >= 0 && e < E) ? ybuf[(t * k + j) * Dout + r] : 0.0f;
+            acc += w[t * k + j] * v;
+        }
+        y[i] = acc;
+    }
+}
+
+template <int FMT, int TT>
+void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                           const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st) {
+    k_moe_gate_up_g<FMT, TT><<<dim3(grid_for(c.d_ff, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st>>>(
+        x, Din, k, experts, A, S, gw, c, hbuf);
+    k_moe_down_g<FMT, TT><<<dim3(grid_for(c.d_out, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st>>>(hbuf, experts, A, S,
+                                                                                                     gw, c, ybuf);
+}
+
+} // namespace
+
+int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
+    const int64_t S = T * k, A = S < E ? S : E;
+    return 2 + 2 * A + 2 * S;
+}
+
+cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
+                                       int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
+                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st) {
+    const int64_t S = T * k;
+    if (S == 0) return cudaGetLastError();
+    if (E > 1024 || vfmt < 1 || vfmt > 3) return cudaErrorInvalidValue;
+    const int64_t A = S < E ? S : E;
+    const int C = vfmt == 1 ? 8 : 32;
+    if (Din % C != 0 || c.d_ff % C != 0) return cudaErrorInvalidValue;
+    float * hbuf = scratch;
+    float * ybuf = scratch + S * c.d_ff;
+    k_moe_group<<<1, k_grp_threads, 0, st>>>(ids, S, E, A, gw, err);
+    const bool one = T == 1;
+#define PG_GRP(F)                                                                                              \
+    if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);                     \
+    else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
+    if (vfmt == 1) { PG_GRP(1) } else if (vfmt == 2) { PG_GRP(2) } else { PG_GRP(3) }
+#undef PG_GRP
+    const int64_t n = T * c.d_out;
+    const int64_t bl = (n + 255) / 256;
+    k_moe_combine_g<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(ybuf, w, ids, E, T, k, c.d_out, y);
+    return cudaGetLastError();
+}
+
+} // namespace perigee::cuda

@@ -13,6 +13,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
 #include <functional>
 #include <set>
 
@@ -399,6 +403,11 @@ TEST(cuda_ops, moe_route_and_experts_dense_mxfp4_nvfp4) {
             const std::string nm = fmt::format("moe/{}/T{}", fmt_i == 0 ? "bf16" : fmt_i == 1 ? "mxfp4" : "nvfp4", T);
             EXPECT_TRUE(parity(nm, g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32}, {y, metric::NMSE, k_tol_f32}}, {}))
                 << nm;
+            {   // the first per-slot kernels stay selectable (cuda_options::moe_grouped = false): same tolerance
+                cuda_options o{true, 8};
+                o.moe_grouped = false;
+                EXPECT_TRUE(parity(nm + "/per-slot", g, {{y, metric::NMSE, k_tol_f32}}, {}, o)) << nm;
+            }
             if (T == 4 && fmt_i == 1) {   // control: two swapped expert ids must fail the exact check
                 auto gpu = backend_cuda_init(0);
                 gpu->run(g);
@@ -426,6 +435,100 @@ TEST(cuda_ops, moe_route_and_experts_dense_mxfp4_nvfp4) {
         graph g = bd.finish(w);
         EXPECT_TRUE(parity("moe/route_softmax", g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32}}, {}));
     }
+}
+
+// capture() + replay(): the CUDA graph of a step gives bitwise the eager run's outputs (no state in this graph), and a
+// step whose expert ids go out of range is still reported after a replay, naming the node.
+TEST(cuda_ops, capture_replay_equals_eager) {
+    NEED_GPU();
+    for (int T : {1, 3}) {
+        const int D = 64, F = 32, E = 16, k = 4;
+        rng r(7100 + uint32_t(T));
+        arena a;
+        builder bd(batch_simple(T));
+        auto xv = r.vec(size_t(T * D)), gw = r.vec(size_t(E * D), -0.3f, 0.3f), wl = r.vec(size_t(D * D), -0.2f, 0.2f);
+        auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+        auto mk = [&](int out, int in) {
+            expert_matrix m;
+            m.out = out;
+            m.in = in;
+            tensor & pk = a.raw(dtype::U8, {out, in / 2});
+            tensor & sc = a.raw(dtype::U8, {out, in / 32});
+            for (int64_t i = 0; i < pk.numel(); ++i) pk.as<uint8_t>()[i] = uint8_t(r.randint(0, 255));
+            for (int64_t i = 0; i < sc.numel(); ++i) sc.as<uint8_t>()[i] = uint8_t(r.randint(118, 126));
+            m.packed = &pk;
+            m.scale = &sc;
+            m.format = fp4_format::MXFP4;
+            return m;
+        };
+        for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+        const node_ref x = bd.linear(bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f), bd.weight(a.bf16({D, D}, wl), "wl"));
+        auto [ids, w] = bd.moe_route(x, bd.weight(a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, true, 1.0f, router_act::SIGMOID});
+        const node_ref y = bd.name(bd.rms_norm(bd.moe_experts(x, ids, w, {glu_act::SILU, 1.0f, 0.0f, D, ex}), {}, 1e-5f), "y");
+        graph g = bd.finish(y);
+        auto gpu = backend_cuda_init(0);
+        gpu->run(g);
+        const auto eager = read_f32(*gpu, y);
+        gpu->capture(g);
+        gpu->replay(3);
+        const auto rep = read_f32(*gpu, y);
+        const bool same = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
+        std::printf("[capture/T%d] replayed output bitwise equal to eager: %s\n", T, same ? "yes" : "NO");
+        EXPECT_TRUE(same);
+        tally(same);
+        auto bad = rep;   // control: one flipped value must be seen
+        bad[0] = bad[0] + 1.0f;
+        const bool ctl = std::memcmp(eager.data(), bad.data(), eager.size() * 4) == 0;
+        EXPECT_FALSE(ctl);
+        tally(!ctl);
+        gpu->run(g);   // eager again after a capture: the graph is dropped, outputs come back from the pool
+        const auto again = read_f32(*gpu, y);
+        EXPECT_EQ(std::memcmp(eager.data(), again.data(), eager.size() * 4), 0);
+        EXPECT_THROW(gpu->replay(1), error);   // run() dropped the graph
+    }
+}
+
+// weight_generate: device-made weights are deterministic per seed, inside [lo, hi], not constant, and their host
+// bytes are never read (the host address is an inaccessible mapping: any host read would fault).
+TEST(cuda_ops, weight_generate_device_resident) {
+    NEED_GPU();
+    const int V = 300, D = 40, T = 5;
+    void * res = mmap(nullptr, size_t(V * D * 2), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(res, MAP_FAILED);
+    const tensor t = tensor_view(dtype::BF16, {V, D}, res, nullptr);
+    auto b = batch_simple(T);
+    for (int i = 0; i < T; ++i) b->ids[size_t(i)] = (i * 71 + 3) % V;
+    builder bd(b);
+    const node_ref y = bd.get_rows(bd.weight(t, "table"), bd.ids());
+    graph g = bd.finish(y);
+    std::vector<float> v1, v2, v3;
+    {
+        auto gpu = backend_cuda_init(0);
+        gpu->weight_generate(t, 42, -0.5f, 0.25f);
+        EXPECT_THROW(gpu->weight_generate(t, 42, -0.5f, 0.25f), error);   // already on the device
+        gpu->run(g);
+        v1 = read_f32(*gpu, y);
+    }
+    {
+        auto gpu = backend_cuda_init(0);
+        gpu->weight_generate(t, 42, -0.5f, 0.25f);
+        gpu->run(g);
+        v2 = read_f32(*gpu, y);
+    }
+    {
+        auto gpu = backend_cuda_init(0);
+        gpu->weight_generate(t, 43, -0.5f, 0.25f);
+        gpu->run(g);
+        v3 = read_f32(*gpu, y);
+    }
+    munmap(res, size_t(V * D * 2));
+    float mn = 1e9f, mx = -1e9f;
+    for (float x : v1) mn = std::min(mn, x), mx = std::max(mx, x);
+    std::printf("[weight_generate] range [%g, %g] within [-0.5, 0.25]; same seed equal %d; other seed differs %d\n", mn, mx,
+                int(v1 == v2), int(v1 != v3));
+    const bool ok = mn >= -0.5f && mx <= 0.25f && mx - mn > 0.5f && v1 == v2 && v1 != v3;
+    EXPECT_TRUE(ok);
+    tally(ok);
 }
 
 TEST(cuda_ops, attn_res_mix) {

@@ -1,0 +1,494 @@
+// bench-decode: whole decode steps of a real-width model on the GPU, against the HBM floor measured in the same run.
+//
+// The model is built from src/model (config -> weights_declare -> weights_load -> forward_build), but its weights are
+// created directly on the device (backend_cuda::weight_generate): the checkpoint is a SPARSE safetensors file (header
+// only, holes for the data), so the host never holds the 70-100 GB, and its mapping addresses serve as the weight
+// cache keys. Presets: k3-layers-4 (synth preset: K3's true widths, 4 layers, MXFP4 experts) and kimi-linear-48b
+// (the Kimi-Linear-48B-A3B geometry of ARCHITECTURE §1.1, bf16 experts; defined here, not in synth).
+//
+// For each batch size B (B sequences, 1 token each, every sequence at position --ctx) it prints ms/step eager (host
+// launches every kernel) and as one replayed CUDA graph, tok/s, the bytes the step must read (weights touched incl.
+// only the experts actually selected in this step, KDA/conv state read+written, MLA latents read), achieved GB/s and
+// % of the bandwidth floor (bytes / measured copy bandwidth). Ceilings measured in the same run: 2 GiB D2D copy
+// (bytes read + written) and a cuBLASLt bf16 8192^3 GEMM. Per-op GPU time from an event-profiled replay follows.
+// Timings: host wall clock around N launches + one sync (graph) or N runs (eager), after warm-up; median of 3 reps.
+#include "backend/cuda/backend-cuda.h"
+#include "core/error.h"
+#include "loader/checkpoint.h"
+#include "model/config.h"
+#include "model/forward.h"
+#include "model/state.h"
+#include "model/synth.h"
+#include "model/weights.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+using namespace perigee;
+using json = nlohmann::json;
+
+#define CK(x) do { cudaError_t e_ = (x); PG_CHECK(e_ == cudaSuccess, "{}: {}", #x, cudaGetErrorString(e_)); } while (0)
+#define CB(x) do { cublasStatus_t s_ = (x); PG_CHECK(s_ == CUBLAS_STATUS_SUCCESS, "{}: status {}", #x, int(s_)); } while (0)
+
+namespace {
+
+double now_ms() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- ceilings ----
+double copy_gbs() {
+    const size_t n = size_t(2) << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 0x5A, n));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> v;
+    for (int i = 0; i < 13; ++i) {
+        CK(cudaEventRecord(e0));
+        CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 3) v.push_back(ms);
+    }
+    std::sort(v.begin(), v.end());
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    return 2.0 * double(n) / (v[v.size() / 2] * 1e-3) / 1e9;
+}
+
+double gemm_tflops() {
+    const int64_t M = 8192, N = 8192, K = 8192;
+    void *A, *B, *D, *ws;
+    CK(cudaMalloc(&A, size_t(M * K) * 2));
+    CK(cudaMalloc(&B, size_t(N * K) * 2));
+    CK(cudaMalloc(&D, size_t(M * N) * 4));
+    const size_t wsz = 32u << 20;
+    CK(cudaMalloc(&ws, wsz));
+    {   // random bf16 in [-1, 1) (never zeros: zeros run faster)
+        std::vector<uint16_t> h(size_t(M * K));
+        uint32_t x = 12345;
+        for (auto & v : h) {
+            x = x * 1664525u + 1013904223u;
+            const float f = float(x >> 8) / 16777216.0f * 2.0f - 1.0f;
+            uint32_t b;
+            std::memcpy(&b, &f, 4);
+            v = uint16_t(b >> 16);
+        }
+        CK(cudaMemcpy(A, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(B, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    }
+    cublasLtHandle_t lt;
+    CB(cublasLtCreate(&lt));
+    cublasLtMatmulDesc_t desc;
+    CB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    CB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    CB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    cublasLtMatrixLayout_t la, lb, ld;
+    CB(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, K, M, K));
+    CB(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, N, K));
+    CB(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, M, N, M));
+    cublasLtMatmulPreference_t pref;
+    CB(cublasLtMatmulPreferenceCreate(&pref));
+    CB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)));
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    CB(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, ld, ld, pref, 1, &heur, &found));
+    PG_CHECK(found > 0, "no cuBLASLt algorithm for the GEMM ceiling");
+    const float alpha = 1.0f, beta = 0.0f;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> v;
+    for (int i = 0; i < 13; ++i) {
+        CK(cudaEventRecord(e0));
+        CB(cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &heur.algo, ws, wsz, nullptr));
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 3) v.push_back(ms);
+    }
+    std::sort(v.begin(), v.end());
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(desc);
+    cublasLtDestroy(lt);
+    CK(cudaFree(A));
+    CK(cudaFree(B));
+    CK(cudaFree(D));
+    CK(cudaFree(ws));
+    return 2.0 * double(M) * N * K / (v[v.size() / 2] * 1e-3) / 1e12;
+}
+
+// ---- the model ----
+std::string config_text(const std::string & preset) {
+    if (preset != "kimi-linear-48b") return synth_config_json(preset);
+    // Kimi-Linear-48B-A3B (ARCHITECTURE §1.1, the released config's values), on the published-form template.
+    json t = json::parse(synth_config_json("kimi-linear-tiny"));
+    std::vector<int64_t> full = {4, 8, 12, 16, 20, 24, 27}, kda;
+    for (int64_t l = 1; l <= 27; ++l)
+        if (std::find(full.begin(), full.end(), l) == full.end()) kda.push_back(l);
+    t["vocab_size"] = 163840;
+    t["hidden_size"] = 2304;
+    t["intermediate_size"] = 9216;
+    t["num_hidden_layers"] = 27;
+    t["num_attention_heads"] = 32;
+    t["num_key_value_heads"] = 32;
+    t["q_lora_rank"] = nullptr;
+    t["kv_lora_rank"] = 512;
+    t["qk_nope_head_dim"] = 128;
+    t["qk_rope_head_dim"] = 64;
+    t["v_head_dim"] = 128;
+    t["rms_norm_eps"] = 1e-5;
+    t["num_experts"] = 256;
+    t["num_experts_per_token"] = 8;
+    t["num_shared_experts"] = 1;
+    t["moe_intermediate_size"] = 1024;
+    t["routed_scaling_factor"] = 2.446;
+    t["num_expert_group"] = 1;
+    t["topk_group"] = 1;
+    t["first_k_dense_replace"] = 1;
+    t["bos_token_id"] = 163584;
+    t["eos_token_id"] = 163586;
+    t["pad_token_id"] = 163839;
+    t["linear_attn_config"]["num_heads"] = 32;
+    t["linear_attn_config"]["head_dim"] = 128;
+    t["linear_attn_config"]["short_conv_kernel_size"] = 4;
+    t["linear_attn_config"]["kda_layers"] = kda;
+    t["linear_attn_config"]["full_attn_layers"] = full;
+    return t.dump(2);
+}
+
+// config.json + one sparse model.safetensors (header written, data left as a hole: no disk, no host memory).
+void write_sparse_model(const std::string & preset, const std::string & dir) {
+    std::filesystem::create_directories(dir);
+    const std::string cfg = config_text(preset);
+    std::ofstream(dir + "/config.json") << cfg;
+    const kimi_config c = config_parse(cfg, preset);
+    const checkpoint none{};
+    auto decls = weights_declare(c, none);
+    // F32 first, then 2-byte, then bytes: every tensor stays aligned to its element size without gaps.
+    std::stable_sort(decls.begin(), decls.end(), [](const weight_decl & a, const weight_decl & b) {
+        return dtype_bits(a.dtypes.at(0)) > dtype_bits(b.dtypes.at(0));
+    });
+    json h = json::object();
+    h["__metadata__"] = {{"format", "pt"}};
+    uint64_t off = 0;
+    for (const auto & d : decls) {
+        const dtype t = d.dtypes.at(0);
+        const shape_t & s = d.shapes.at(0);
+        const uint64_t nb = uint64_t(shape_numel(s)) * uint64_t(dtype_bits(t)) / 8;
+        h[d.name] = {{"dtype", std::string(dtype_name(t))}, {"shape", s}, {"data_offsets", {off, off + nb}}};
+        off += nb;
+    }
+    std::string hs = h.dump();
+    while (hs.size() % 8) hs.push_back(' ');
+    const std::string path = dir + "/model.safetensors";
+    const int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);
+    PG_CHECK(fd >= 0, "{}: cannot create", path);
+    const uint64_t n = hs.size();
+    bool ok = ::write(fd, &n, 8) == 8 && ::write(fd, hs.data(), hs.size()) == ssize_t(hs.size());
+    ok = ok && ::ftruncate(fd, off_t(8 + hs.size() + off)) == 0;
+    ::close(fd);
+    PG_CHECK(ok, "{}: write failed", path);
+    std::printf("%s: sparse checkpoint %.2f GB of tensor data (%zu tensors)\n", preset.c_str(), double(off) / 1e9, decls.size());
+}
+
+bool ends_with(const std::string & s, const std::string & suf) {
+    return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+// Ranges by role, matching the synth preset's distributions in mean and spread (uniform instead of normal).
+void generate(backend_cuda & be, const kimi_config & c, const model_weights & w) {
+    uint64_t seed = 1;
+    const float r3 = std::sqrt(3.0f);
+    for (const auto & [n, t] : w.tensors) {
+        float lo, hi;
+        if (ends_with(n, "A_log")) lo = 0.0f, hi = std::log(16.0f);
+        else if (ends_with(n, "dt_bias")) lo = -0.25f * r3, hi = 0.25f * r3;
+        else if (ends_with(n, "e_score_correction_bias") || ends_with(n, "k_norm.bias")) lo = -0.1f * r3, hi = 0.1f * r3;
+        else if (ends_with(n, "norm.weight") || ends_with(n, "layernorm.weight")) lo = 0.8f, hi = 1.2f;
+        else if (ends_with(n, "_conv1d.weight")) lo = -r3 / 2, hi = r3 / 2;
+        else if (ends_with(n, "embed_tokens.weight")) lo = -r3, hi = r3;
+        else if (ends_with(n, "weight_packed")) lo = 0, hi = 255;
+        else if (ends_with(n, "weight_scale")) lo = 118, hi = 121;   // E8M0 2^-9..2^-6: |w| ~ 1/sqrt(fan_in)
+        else {
+            const float s = 1.0f / std::sqrt(float(t.shape.back()));
+            lo = -s * r3, hi = s * r3;
+        }
+        be.weight_generate(t, seed++, lo, hi);
+    }
+    (void)c;
+}
+
+struct step_bytes { double weights = 0, experts = 0, state = 0, kv = 0; double total() const { return weights + experts + state + kv; } };
+
+// Bytes the step must read (and, for recurrent state, write), from the graph and the experts this step selected.
+step_bytes count_bytes(const graph & g, backend_cuda & be) {
+    step_bytes r;
+    std::set<const void *> seen;
+    const batch & b = *g.b;
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+        const node & n = g.nodes[i];
+        for (size_t s = 0; s < n.src.size(); ++s) {
+            if (!n.src[s].valid()) continue;
+            const node & l = g.at(n.src[s]);
+            if (l.op == op_type::WEIGHT) {
+                if (n.op == op_type::GET_ROWS) {
+                    r.weights += double(b.n_tokens()) * double(l.leaf->nbytes) / double(l.leaf->shape.at(0));
+                } else if (seen.insert(l.leaf->data).second) {
+                    r.weights += double(l.leaf->nbytes);
+                }
+            } else if (l.op == op_type::STATE) {
+                const tensor & st = *l.state;
+                const double per_row = double(st.nbytes) / double(st.shape.at(0));
+                if (n.op == op_type::KDA_SCAN || n.op == op_type::SHORT_CONV) {
+                    r.state += 2.0 * per_row * b.n_seq();   // one slot row per sequence, read + written
+                } else {   // paged caches: one row per position read, the new token's written
+                    const double row = per_row / double(st.shape.at(1));
+                    for (int q = 0; q < b.n_seq(); ++q) r.kv += row * double(b.pos0[size_t(q)] + b.seq_len(q) + b.seq_len(q));
+                }
+            }
+        }
+        if (n.op == op_type::MOE_EXPERTS) {
+            const tensor ids = be.read(n.src[1]);
+            std::set<int32_t> used(ids.as<int32_t>(), ids.as<int32_t>() + ids.numel());
+            const auto & ex = *n.p.experts;
+            for (int32_t e : used) {
+                for (const expert_matrix * m : {&ex[size_t(e)].gate, &ex[size_t(e)].up, &ex[size_t(e)].down}) {
+                    if (m->weight) r.experts += double(m->weight->nbytes);
+                    else r.experts += double(m->packed->nbytes) + double(m->scale->nbytes);
+                }
+            }
+        }
+    }
+    return r;
+}
+
+template <class F> double median_ms_per(F f, int reps) {
+    std::vector<double> v;
+    for (int i = 0; i < reps; ++i) v.push_back(f());
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+struct opts {
+    std::vector<std::string> presets = {"k3-layers-4", "kimi-linear-48b"};
+    std::vector<int> batches = {1, 8, 64};
+    int ctx = 1024, steps = 20, page = 64;
+    bool compare_moe = true, profile = true;
+    bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
+};
+
+void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
+    const std::string dir = "/tmp/pg-bench/" + preset;
+    write_sparse_model(preset, dir);
+    const kimi_config c = config_load(dir);
+    auto w = weights_load(c, checkpoint::open(dir));
+    const int max_b = *std::max_element(o.batches.begin(), o.batches.end());
+    const int pps = (o.ctx + 1 + o.page - 1) / o.page;
+    model_state st = state_init(c, max_b, max_b * pps, o.page);
+    for (int pass = 0; pass < (o.compare_moe ? 2 : 1); ++pass) {
+        cuda_options co;
+        co.moe_grouped = pass == 0;
+        const double t0 = now_ms();
+        auto be = backend_cuda_init(0, co);
+        generate(*be, c, *w);
+        std::printf("%s [moe %s]: %.2f GB of weights generated on the device in %.0f ms (%s)\n", preset.c_str(),
+                    co.moe_grouped ? "grouped" : "per-slot", double(be->weight_bytes()) / 1e9, now_ms() - t0,
+                    be->device_name().c_str());
+        std::printf("%-16s %-8s %5s %10s %10s %10s %11s %9s %8s\n", "preset", "moe", "B", "eager ms", "graph ms", "tok/s",
+                    "GB/step", "GB/s", "% floor");
+        for (int B : o.batches) {
+            if (pass == 1 && B != 1) continue;   // the per-slot comparison: batch 1 only
+            auto b = std::make_shared<batch>();
+            b->seq_start = {0};
+            b->page_size = o.page;
+            for (int s = 0; s < B; ++s) {
+                b->ids.push_back(int32_t((s * 7919 + 17) % c.vocab_size));
+                b->seq_start.push_back(s + 1);
+                b->pos0.push_back(o.ctx);
+                b->slot.push_back(s);
+                std::vector<int32_t> bt;
+                for (int p = 0; p < pps; ++p) bt.push_back(s * pps + p);
+                b->block_table.push_back(bt);
+            }
+            graph g = forward_build(c, *w, st, b);
+            be->check_supported(g);
+            be->run(g);
+            be->run(g);
+            const step_bytes sb = count_bytes(g, *be);
+            const double eager = median_ms_per([&] {
+                const double a = now_ms();
+                for (int i = 0; i < o.steps / 2; ++i) be->run(g);
+                return (now_ms() - a) / (o.steps / 2);
+            }, 3);
+            be->capture(g);
+            be->replay(3);
+            const double gms = median_ms_per([&] {
+                const double a = now_ms();
+                be->replay(o.steps);
+                return (now_ms() - a) / o.steps;
+            }, 3);
+            const double gb = sb.total() / 1e9;
+            const double floor_ms = sb.total() / (bw_gbs * 1e9) * 1e3;
+            std::printf("%-16s %-8s %5d %10.3f %10.3f %10.1f %11.3f %9.0f %7.1f%%\n", preset.c_str(),
+                        co.moe_grouped ? "grouped" : "per-slot", B, eager, gms, B / (gms * 1e-3), gb, gb / (gms * 1e-3),
+                        100.0 * floor_ms / gms);
+            std::printf("    bytes: weights %.3f GB, experts %.3f GB (selected only), state R+W %.3f GB, latents %.4f GB;"
+                        " floor %.3f ms at %.0f GB/s\n",
+                        sb.weights / 1e9, sb.experts / 1e9, sb.state / 1e9, sb.kv / 1e9, floor_ms, bw_gbs);
+            std::fflush(stdout);
+        }
+        if (o.profile && pass == 0) {
+            be.reset();
+            cuda_options cp = co;
+            cp.profile_nodes = true;
+            auto pb = backend_cuda_init(0, cp);
+            generate(*pb, c, *w);
+            for (int B : {1, max_b}) {
+                auto b = std::make_shared<batch>();
+                b->seq_start = {0};
+                b->page_size = o.page;
+                for (int s = 0; s < B; ++s) {
+                    b->ids.push_back(int32_t((s * 7919 + 17) % c.vocab_size));
+                    b->seq_start.push_back(s + 1);
+                    b->pos0.push_back(o.ctx);
+                    b->slot.push_back(s);
+                    std::vector<int32_t> bt;
+                    for (int p = 0; p < pps; ++p) bt.push_back(s * pps + p);
+                    b->block_table.push_back(bt);
+                }
+                graph g = forward_build(c, *w, st, b);
+                pb->capture(g);
+                pb->replay(2);
+                pb->replay(1);
+                const auto ms = pb->node_ms();
+                std::map<std::string, std::pair<double, int>> by_op;
+                double tot = 0;
+                std::vector<std::pair<double, std::string>> top;
+                for (size_t i = 0; i < ms.size(); ++i) {
+                    const node & n = g.nodes[i];
+                    if (n.op == op_type::WEIGHT || n.op == op_type::STATE || n.op == op_type::IDS) continue;
+                    std::string key(op_name(n.op));
+                    if (n.op == op_type::LINEAR) {   // split linears by weight size
+                        const double mb = double(g.at(n.src[1]).leaf->nbytes) / 1e6;
+                        key += mb >= 100 ? " (>=100MB)" : mb >= 10 ? " (10-100MB)" : " (<10MB)";
+                    }
+                    by_op[key].first += ms[i];
+                    by_op[key].second += 1;
+                    tot += ms[i];
+                    top.push_back({ms[i], n.name});
+                }
+                std::printf("  per-op GPU time, %s B=%d (event-profiled replay; sum %.3f ms over %zu nodes):\n", preset.c_str(),
+                            B, tot, ms.size());
+                std::vector<std::pair<double, std::string>> rows;
+                for (auto & [k, v] : by_op) rows.push_back({v.first, fmt::format("{} x{}", k, v.second)});
+                std::sort(rows.rbegin(), rows.rend());
+                for (auto & [t, k] : rows) std::printf("    %8.3f ms %5.1f%%  %s\n", t, 100 * t / tot, k.c_str());
+                std::sort(top.rbegin(), top.rend());
+                for (size_t i = 0; i < std::min<size_t>(6, top.size()); ++i)
+                    std::printf("    top node %zu: %.3f ms %s\n", i, top[i].first, top[i].second.c_str());
+                std::fflush(stdout);
+            }
+        }
+    }
+}
+
+std::vector<int> parse_ints(const std::string & s) {
+    std::vector<int> v;
+    size_t p = 0;
+    while (p < s.size()) {
+        const size_t q = s.find(',', p);
+        v.push_back(std::stoi(s.substr(p, q == std::string::npos ? std::string::npos : q - p)));
+        if (q == std::string::npos) break;
+        p = q + 1;
+    }
+    return v;
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    opts o;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        auto val = [&]() -> std::string {
+            PG_CHECK(i + 1 < argc, "{} needs a value", a);
+            return argv[++i];
+        };
+        if (a == "--preset") o.presets = {val()};
+        else if (a == "--batch") o.batches = parse_ints(val());
+        else if (a == "--ctx") o.ctx = std::stoi(val());
+        else if (a == "--steps") o.steps = std::stoi(val());
+        else if (a == "--no-compare") o.compare_moe = false;
+        else if (a == "--no-profile") o.profile = false;
+        else if (a == "--dry") o.dry = true;
+        else {
+            std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
+                                 "[--steps N] [--no-compare] [--no-profile]\n");
+            return 2;
+        }
+    }
+    try {
+        if (o.dry) {
+            for (const auto & p : o.presets) {
+                const std::string dir = "/tmp/pg-bench/" + p;
+                write_sparse_model(p, dir);
+                const kimi_config c = config_load(dir);
+                auto w = weights_load(c, checkpoint::open(dir));
+                model_state st = state_init(c, 1, 1 + (o.ctx + 1) / o.page, o.page);
+                auto b = std::make_shared<batch>();
+                b->ids = {1};
+                b->seq_start = {0, 1};
+                b->pos0 = {o.ctx};
+                b->slot = {0};
+                b->page_size = o.page;
+                b->block_table.push_back({});
+                for (int q = 0; q <= (o.ctx + 1) / o.page; ++q) b->block_table[0].push_back(q);
+                graph g = forward_build(c, *w, st, b);
+                std::printf("%s: %s; %zu tensors, graph of %zu nodes\n", p.c_str(), config_summary(c).c_str(), w->tensors.size(),
+                            g.nodes.size());
+            }
+            return 0;
+        }
+        cudaDeviceProp prop{};
+        CK(cudaGetDeviceProperties(&prop, 0));
+        const double bw = copy_gbs();
+        const double tf = gemm_tflops();
+        std::printf("device %s, %d SMs; HBM copy ceiling %.0f GB/s (2 GiB D2D, R+W); bf16 GEMM ceiling %.0f TFLOP/s "
+                    "(cuBLASLt 8192^3)\n", prop.name, prop.multiProcessorCount, bw, tf);
+        std::printf("decode steps: every sequence at position %d, 1 token each; timings median of 3 x %d steps\n", o.ctx,
+                    o.steps);
+        for (const auto & p : o.presets) bench_preset(p, o, bw);
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "bench-cuda-decode: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}
