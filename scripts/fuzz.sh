@@ -11,7 +11,8 @@
 #          --targets a,b  --nice (nice -n 19)  --no-install  --no-build  --merge (minimize the campaign's
 #          new inputs into tests/fuzz/corpus/<target>/ — review before committing)
 # New inputs found during a run go to build-fuzz/campaign/<target>/ (not committed); crash inputs to
-# build-fuzz/artifacts/<target>/. Each run appends "date commit target seconds execs" to build-fuzz/ledger.log.
+# build-fuzz/artifacts/<target>/. Each run appends "date commit target wall cpu execs" to build-fuzz/ledger.log
+# (cpu = user+sys seconds of the fuzzing process: the number the ledger counts).
 # A crash becomes a regression: copy the artifact to tests/fuzz/regressions/<target>/ with the fix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,7 +63,7 @@ FAIL=0
 
 dict_of() { [ -f "tests/fuzz/dict/$1.dict" ] && echo "-dict=tests/fuzz/dict/$1.dict" || true; }
 inputs_of() {  # committed corpus and regressions that exist
-  for d in "tests/fuzz/corpus/$1" "tests/fuzz/regressions/$1"; do [ -d "$d" ] && echo "$d"; done
+  for d in "tests/fuzz/corpus/$1" "tests/fuzz/regressions/$1"; do if [ -d "$d" ]; then echo "$d"; fi; done
 }
 
 echo "== replay: committed corpora and regression inputs =="
@@ -81,11 +82,14 @@ fuzz_one() {
   local t=$1
   mkdir -p "$B/campaign/$t" "$B/artifacts/$t"
   local log="$B/fuzz-$t.log"
-  if $NICE "$B/tests/fuzz/$t" -max_total_time="$SECONDS_PER" -rss_limit_mb=2048 -timeout=2 -print_final_stats=1 \
+  local timer=(); echo "0 0" > "$B/cpu-$t"
+  [ -x /usr/bin/time ] && timer=(/usr/bin/time -f '%U %S' -o "$B/cpu-$t")
+  if "${timer[@]}" $NICE "$B/tests/fuzz/$t" -max_total_time="$SECONDS_PER" -rss_limit_mb=2048 -timeout=2 -print_final_stats=1 \
        $(dict_of "$t") -artifact_prefix="$B/artifacts/$t/" "$B/campaign/$t" $(inputs_of "$t") >"$log" 2>&1; then
     local execs; execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo 0)
-    echo "$(date -u +%Y-%m-%dT%H:%MZ) $COMMIT $t $SECONDS_PER ${execs:-0}" >> "$B/ledger.log"
-    printf '%-26s ok  %ss  %s execs  corpus %s\n' "$t" "$SECONDS_PER" "${execs:-0}" "$(ls "$B/campaign/$t" | wc -l)+$(find $(inputs_of "$t") -type f | wc -l)"
+    local cpu; cpu=$(awk '{printf "%.0f", $1 + $2}' "$B/cpu-$t")
+    echo "$(date -u +%Y-%m-%dT%H:%MZ) $COMMIT $t wall=${SECONDS_PER}s cpu=${cpu}s execs=${execs:-0}" >> "$B/ledger.log"
+    printf '%-26s ok  %ss wall  %ss cpu  %s execs  corpus %s\n' "$t" "$SECONDS_PER" "$cpu" "${execs:-0}" "$(ls "$B/campaign/$t" | wc -l)+$(find $(inputs_of "$t") -type f | wc -l)"
     return 0
   else
     echo "$t: FUZZ FAILURE (log: $log; inputs: $B/artifacts/$t/)"; grep -E 'ERROR|FUZZ_CHECK|SUMMARY|Test unit written' "$log" | head -10

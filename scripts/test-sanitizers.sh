@@ -39,6 +39,11 @@ if [ "$DO_ASAN" = 1 ]; then
   export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$SUPP/ubsan.supp"
   ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -E "$ASAN_EXCLUDE"
+  # Load fault drills on the instrumented CLI (damaged shards must fail cleanly, with no sanitizer report),
+  # unless tests/CMakeLists.txt already registers them with ctest.
+  if [ -x build-asan/tools/perigee ] && ! ctest --test-dir build-asan -N -R '^drills\.' | grep -q 'drills\.'; then
+    bash tests/fuzz/drills/load_faults.sh build-asan/tools/perigee build-asan/drills/load-faults
+  fi
   t2=$(date +%s)
   echo "ASan+UBSan: build $((t1 - t0)) s, tests $((t2 - t1)) s"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
