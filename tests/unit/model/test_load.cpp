@@ -196,6 +196,9 @@ TEST(load_checks, trap_7_a_log_nonzero_tail_refused) {
         }
     });
     expect_contains(load_error(d), {"layers.1.self_attn.A_log", "entry 5", "exactly 0"}, "A_log tail");
+    const proc_result r = inspect(d);
+    EXPECT_NE(r.exit_code, 0);
+    expect_contains(r.output, {"layers.1.self_attn.A_log", "entry 5"}, "inspect A_log tail");
 }
 
 TEST(load_checks, trap_7_a_log_padded_zero_tail_accepted_and_heads_used) {
@@ -213,6 +216,8 @@ TEST(load_checks, trap_7_a_log_padded_zero_tail_accepted_and_heads_used) {
 }
 
 TEST(load_checks, trap_30_32_mxfp4_scale_0xff_refused) {
+    // A routed expert's bytes are not read until it is used (issue 3 item 7), so a 0xFF (E8M0 NaN) scale byte is
+    // refused (a) by `perigee inspect` / weights_verify_fp4, which scan every scale, and (b) when the expert runs.
     temp_dir t("e8m0");
     const std::string d = synth(t, "k3-tiny");
     const std::string name = "language_model.model.layers.2.block_sparse_moe.experts.3.w2.weight_scale";
@@ -225,7 +230,30 @@ TEST(load_checks, trap_30_32_mxfp4_scale_0xff_refused) {
         }
     });
     ASSERT_TRUE(found);
-    expect_contains(load_error(d), {name, "0xFF", "NaN"}, "E8M0 0xFF");
+    {
+        runner_options opt;
+        opt.max_tokens = 32;
+        model_runner r(d, opt);
+        const auto bad = weights_verify_fp4(r.weights());
+        ASSERT_EQ(bad.size(), 1u);
+        expect_contains(bad[0], {"layer 2 expert 3", "byte 1", "0xFF"}, "weights_verify_fp4");
+    }
+    const proc_result r = inspect(d);
+    EXPECT_NE(r.exit_code, 0);
+    expect_contains(r.output, {"fp4: layer 2 expert 3", "0xFF", "fp4 scales: INVALID"}, "inspect 0xFF");
+    // (b) every expert of layer 1 poisoned: any token routes into one, and the forward refuses.
+    rewrite_tree(d, [&](shard_items & items) {
+        for (auto & [n, s] : items)
+            if (n.find("layers.1.block_sparse_moe.experts.") != std::string::npos && n.find("w1.weight_scale") != std::string::npos)
+                s.as<uint8_t>()[0] = 0xFF;
+    });
+    expect_contains(error_of([&] { prefill(d, make_ids(4, 256, 9)); }), {"0xFF"}, "forward through a 0xFF expert");
+    // Control: the clean tree verifies.
+    const std::string clean = synth(t, "k3-tiny", "clean");
+    runner_options opt;
+    model_runner rc(clean, opt);
+    EXPECT_TRUE(weights_verify_fp4(rc.weights()).empty());
+    EXPECT_EQ(inspect(clean).exit_code, 0);
 }
 
 TEST(load_checks, trap_31_missing_expert_refused) {
@@ -290,6 +318,19 @@ TEST(load_checks, trap_42_o_norm_and_conv_dtypes) {
     });
     expect_contains(load_error(d), {"dtype mismatch: language_model.model.layers.0.self_attn.q_conv1d.weight is F16"},
                     "F16 conv");
+}
+
+// Trap 39: generation_config.json says 163586 while the tokenizer's [EOS] is 163585; the engine stops on every id
+// that config.json and generation_config.json name.
+TEST(load_checks, trap_39_eos_ids_from_generation_config_merged) {
+    temp_dir t("eos");
+    const std::string d = t.sub("basic");
+    copy_dir(k_golden + "/basic", d);
+    EXPECT_EQ(config_load(d).eos_token_ids, (std::vector<int64_t>{2}));
+    write_text(d + "/generation_config.json", R"({"eos_token_id": [2, 5, 7], "bos_token_id": 1})");
+    EXPECT_EQ(config_load(d).eos_token_ids, (std::vector<int64_t>{2, 5, 7}));
+    write_text(d + "/generation_config.json", R"({"eos_token_id": "2"})");
+    expect_contains(error_of([&] { config_load(d); }), {"generation_config.json", "eos_token_id"}, "bad eos type");
 }
 
 } // namespace
