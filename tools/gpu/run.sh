@@ -2,7 +2,8 @@
 # One call on the GPU machine: (build) -> CUDA op parity -> compute-sanitizer -> compare-backends -> benchmark.
 # Logs go under $OUT. Usage (from the repo root, on the GPU machine):
 #   tools/gpu/run.sh                 # uses prebuilt binaries in .gpu-carry/ when present (see tools/gpu/README.md)
-# Steps can be skipped with SKIP="sanitizer racecheck compare bench".
+# Steps can be skipped with SKIP="sanitizer racecheck compare bench decode"; CARRY names the prebuilt folder.
+# DECODE_ARGS are passed to bench-cuda-decode (the whole-step benchmark).
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
@@ -10,9 +11,10 @@ SKIP=${SKIP:-}
 log() { echo "== $*" | tee -a "$OUT/summary.log"; }
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
 
-if [[ -x .gpu-carry/bin/perigee ]]; then
-  BIN=.gpu-carry/bin
-  export LD_LIBRARY_PATH=$PWD/.gpu-carry/lib:${LD_LIBRARY_PATH:-}
+CARRY=${CARRY:-.gpu-carry}
+if [[ -x $CARRY/bin/perigee ]]; then
+  BIN=$CARRY/bin
+  export LD_LIBRARY_PATH=$PWD/$CARRY/lib:${LD_LIBRARY_PATH:-}
 else
   # Build here (needs the Debian deps of scripts/install-deps.sh, which the stock GPU image lacks).
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPERIGEE_CUDA=ON >"$OUT/configure.log" 2>&1 &&
@@ -66,6 +68,10 @@ fi
 if ! skip bench; then
   log "5. benchmark (ceilings and decode kernels)"
   $BIN/bench-cuda-kernels 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.log" || status=1
+fi
+if ! skip decode && [[ -x $BIN/bench-cuda-decode ]]; then
+  log "6. decode-step benchmark (bench-cuda-decode ${DECODE_ARGS:-})"
+  $BIN/bench-cuda-decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tee -a "$OUT/summary.log" || status=1
 fi
 log "status $status"
 exit $status
