@@ -269,7 +269,8 @@ def export(model, out_dir, tok_dir, k31=False, n_shards=2, shard_names=None, onl
             if n not in own:
                 weight_map[n] = shard_names[n]
         fname = "model-k31-indexer.safetensors"
-        total += write_safetensors(os.path.join(out_dir, fname), own)
+        write_safetensors(os.path.join(out_dir, fname), own)
+        total = sum(a.nbytes for _, a in tensors.values())   # the whole model, shared shards included
         for n in own:
             weight_map[n] = fname
     else:
