@@ -113,7 +113,7 @@ struct test_server {
                                      const std::string & ctype = "application/json", httplib::Headers h = {}) const {
         auto c = client();
         auto r = c.Post(path.c_str(), h, body, ctype.c_str());
-        if (!r) return {-1, "transport error"};
+        if (!r) return {-1, "transport error: " + httplib::to_string(r.error())};
         return {r->status, r->body};
     }
     std::pair<int, std::string> get(const std::string & path, httplib::Headers h = {}) const {
@@ -792,18 +792,31 @@ TEST(server_concurrency, streams_32_no_cross_talk) {
         ASSERT_EQ(st, 200);
         alone[size_t(i)] = json::parse(b)["choices"][0]["text"];
     }
-    std::atomic<int> failures{0}, rounds{0};
+    std::atomic<int> failures{0}, rounds{0}, transport_retries{0};
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> th;
     for (int i = 0; i < N; ++i) {
         th.emplace_back([&, i] {
             do {
                 const bool chat = rounds.load() % 2 == 1;
-                auto [st, b] = chat ? s.post("/v1/chat/completions", json{{"messages", json::array({{{"role", "user"}, {"content", "MOCK_SAY:hello " + std::to_string(i)}}})}, {"stream", true}}.dump())
-                                    : s.post("/v1/completions", json{{"prompt", "stream " + std::to_string(i)}, {"max_tokens", 48}, {"stream", true}}.dump());
+                auto once = [&] {
+                    return chat ? s.post("/v1/chat/completions", json{{"messages", json::array({{{"role", "user"}, {"content", "MOCK_SAY:hello " + std::to_string(i)}}})}, {"stream", true}}.dump())
+                                : s.post("/v1/completions", json{{"prompt", "stream " + std::to_string(i)}, {"max_tokens", 48}, {"stream", true}}.dump());
+                };
+                auto [st, b] = once();
+                if (st == -1) {   // client-side connect/read failure under CPU starvation (2 shared cores): one retry, counted
+                    std::fprintf(stderr, "stream %d: %s; retrying once\n", i, b.c_str());
+                    ++transport_retries;
+                    std::tie(st, b) = once();
+                }
                 const auto r = parse_stream(b, chat);
                 const std::string want = chat ? "hello " + std::to_string(i) : alone[size_t(i)];
-                if (st != 200 || !r.done || r.n_finish != 1 || r.content != want) ++failures;
+                if (st != 200 || !r.done || r.n_finish != 1 || r.content != want) {
+                    if (++failures <= 3)
+                        ADD_FAILURE() << "stream " << i << (chat ? " (chat)" : " (completions)") << ": status " << st
+                                      << ", done " << r.done << ", finishes " << r.n_finish << ", got '" << r.content
+                                      << "' want '" << want << "'; body: " << b.substr(0, 300);
+                }
                 ++rounds;
             } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < budget_s);
         });
@@ -811,5 +824,6 @@ TEST(server_concurrency, streams_32_no_cross_talk) {
     for (auto & t : th) t.join();
     EXPECT_EQ(failures.load(), 0) << "of " << rounds.load() << " streams";
     EXPECT_GE(rounds.load(), N);
+    EXPECT_LE(transport_retries.load() * 50, rounds.load()) << transport_retries.load() << " transport retries";
     expect_freed(s, "after the concurrent streams");
 }
