@@ -10,6 +10,7 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <thread>
 
 using namespace perigee;
 using namespace rt_test;
@@ -577,6 +578,183 @@ TEST_P(prefix_model, eviction_under_small_pools_keeps_results_exact) {
     EXPECT_EQ(g.pages.n_refs(), 0);
     std::printf("[measure] %s eviction: %llu snapshots evicted, %llu pages evicted\n", GetParam().c_str(),
                 (unsigned long long)st.snapshots_evicted, (unsigned long long)st.pages_evicted);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Through the engine (enable_prefix_caching).
+
+namespace {
+
+struct events {
+    std::mutex mu;
+    std::map<uint64_t, std::vector<token_event>> ev;
+    std::function<void(const token_event &)> cb() {
+        return [this](const token_event & e) {
+            std::lock_guard lk(mu);
+            ev[e.request_id].push_back(e);
+        };
+    }
+    std::vector<int32_t> tokens(uint64_t id) {
+        std::lock_guard lk(mu);
+        std::vector<int32_t> t;
+        for (auto & e : ev[id])
+            if (e.token >= 0) t.push_back(e.token);
+        return t;
+    }
+    std::vector<float> logprobs(uint64_t id) {
+        std::lock_guard lk(mu);
+        std::vector<float> t;
+        for (auto & e : ev[id])
+            if (e.token >= 0) t.push_back(e.logprob);
+        return t;
+    }
+    int n_final(uint64_t id) {
+        std::lock_guard lk(mu);
+        int n = 0;
+        for (auto & e : ev[id]) n += e.finished != finish_reason::NONE;
+        return n;
+    }
+};
+
+request greedy(std::vector<int32_t> prompt, int max_tokens) {
+    request q;
+    q.prompt = std::move(prompt);
+    q.sp.max_tokens = max_tokens;
+    q.sp.logprobs = 0;
+    q.ignore_eos = true;
+    return q;
+}
+
+void expect_baseline(engine & e) {
+    ASSERT_TRUE(e.wait_idle(300));
+    const engine_stats s = e.stats();
+    EXPECT_EQ(s.free_slots, s.total_slots);
+    EXPECT_EQ(s.free_pages, s.total_pages);
+    EXPECT_EQ(s.page_refs, 0);
+    EXPECT_EQ(s.snapshot_pins, 0);
+    EXPECT_LE(s.snapshots_used, s.total_snapshots);
+    EXPECT_EQ(s.running, 0);
+    EXPECT_EQ(s.waiting, 0);
+}
+
+} // namespace
+
+// The engine with caching on: a request sharing a prefix with an earlier one (ending mid-page)
+// reuses it and produces exactly the tokens and logprobs of the same request on a fresh
+// caching engine with the same chunk boundaries, and the tokens of an engine without caching.
+TEST_P(prefix_model, engine_hit_gives_the_cold_tokens_and_logprobs) {
+    model_runner r(synth_model(GetParam()), ropts(2, 24));
+    const auto a = random_prompt(45, 41), b = concat(head(a, 40), random_prompt(12, 42));
+    engine_options o;
+    o.max_num_seqs = 2;
+    o.max_model_len = 96;
+    std::vector<int32_t> cold_tok, nocache_tok;
+    std::vector<float> cold_lp;
+    {
+        engine e(r, o);   // caching off
+        events c;
+        const uint64_t id = e.submit(greedy(b, 5), c.cb());
+        ASSERT_TRUE(e.wait_idle(300));
+        nocache_tok = c.tokens(id);
+        EXPECT_EQ(e.stats().total_snapshots, 0);
+    }
+    o.enable_prefix_caching = true;
+    o.prefix_snapshots = 4;
+    o.prefix_snapshot_interval = 2;   // the cold run of b is then chunked 32 | 16 | 4, like the hit (32 +) 16 | 4
+    {
+        engine e(r, o);   // caching on, cold
+        events c;
+        const uint64_t id = e.submit(greedy(b, 5), c.cb());
+        ASSERT_TRUE(e.wait_idle(300));
+        cold_tok = c.tokens(id);
+        cold_lp = c.logprobs(id);
+        EXPECT_EQ(e.stats().prefix_hits, 0u);
+    }
+    EXPECT_EQ(cold_tok, nocache_tok);
+    engine e(r, o);
+    events c;
+    (void)e.submit(greedy(a, 3), c.cb());
+    ASSERT_TRUE(e.wait_idle(300));
+    const uint64_t id = e.submit(greedy(b, 5), c.cb());
+    expect_baseline(e);
+    const engine_stats st = e.stats();
+    EXPECT_EQ(st.prefix_hits, 1u);
+    EXPECT_EQ(st.prefix_hit_tokens, 32u);
+    EXPECT_GE(st.cached_pages, 3);
+    EXPECT_EQ(st.total_snapshots, 4);
+    EXPECT_EQ(c.tokens(id), cold_tok);
+    const auto lp = c.logprobs(id);
+    ASSERT_EQ(lp.size(), cold_lp.size());
+    for (size_t i = 0; i < lp.size(); ++i) EXPECT_EQ(lp[i], cold_lp[i]) << "logprob " << i << " (exact: same chunk boundaries)";
+    EXPECT_EQ(c.n_final(id), 1);
+}
+
+// Random submits (prompts drawn from shared prefixes) and cancels hammer a caching engine with
+// small pools (preemption, snapshot and page eviction); every request ends exactly once, completed
+// ones give the tokens of their cold run, and every counter returns to baseline.
+TEST_P(prefix_model, engine_random_events_return_to_baseline) {
+    model_runner r(synth_model(GetParam()), ropts(3, 12));
+    std::mt19937 rng(5);
+    std::vector<std::vector<int32_t>> prompts;
+    const auto base0 = random_prompt(48, 51), base1 = random_prompt(48, 52);
+    for (int i = 0; i < 8; ++i) {
+        const auto & base = i % 2 ? base1 : base0;
+        prompts.push_back(concat(head(base, 8 + 5 * i), random_prompt(1 + i % 3, uint32_t(60 + i))));
+    }
+    engine_options o;
+    o.max_num_seqs = 3;
+    o.max_model_len = 64;
+    o.max_num_batched_tokens = 40;
+    o.n_pages = 6;   // three sequences of up to 4 pages: preemption happens
+    std::map<size_t, std::vector<int32_t>> ref;
+    {
+        engine e(r, o);   // references, caching off, one at a time
+        events c;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            const uint64_t id = e.submit(greedy(prompts[i], 4), c.cb());
+            ASSERT_TRUE(e.wait_idle(300));
+            ref[i] = c.tokens(id);
+        }
+    }
+    o.enable_prefix_caching = true;
+    o.prefix_snapshots = 3;
+    engine e(r, o);
+    events c;
+    std::vector<std::pair<uint64_t, size_t>> ids;
+    const int n_events = GetParam() == "kimi-linear-tiny" ? 1000 : 300;   // k3-tiny steps cost ~5x more
+    for (int ev = 0; ev < n_events; ++ev) {
+        const int k = int(rng() % 10);
+        if (k < 5) {
+            const size_t i = rng() % prompts.size();
+            try {
+                ids.push_back({e.submit(greedy(prompts[i], 4), c.cb()), i});
+            } catch (const engine_full_error &) {
+            }
+        } else if (k < 7 && !ids.empty()) {
+            e.cancel(ids[rng() % ids.size()].first);
+        } else if (k < 8) {
+            std::this_thread::sleep_for(std::chrono::microseconds(rng() % 2000));
+        }
+    }
+    expect_baseline(e);
+    int completed = 0;
+    for (auto [id, i] : ids) {
+        EXPECT_EQ(c.n_final(id), 1) << "request " << id;
+        const auto t = c.tokens(id);
+        if (t.size() == 4) {
+            EXPECT_EQ(t, ref[i]) << "request " << id << " (prompt " << i << ")";
+            ++completed;
+        }
+    }
+    const engine_stats st = e.stats();
+    EXPECT_GT(completed, 10);
+    EXPECT_GT(st.prefix_hits, 5u);
+    EXPECT_GT(st.preemptions, 0u) << "the walk never preempted; shrink the page pool";
+    std::printf("[measure] %s engine random: %zu requests, %d completed, %llu cancelled, %llu hits (%llu tokens), %llu preemptions, "
+                "%llu snapshots evicted\n",
+                GetParam().c_str(), ids.size(), completed, (unsigned long long)st.cancelled, (unsigned long long)st.prefix_hits,
+                (unsigned long long)st.prefix_hit_tokens, (unsigned long long)st.preemptions, (unsigned long long)st.snapshots_evicted);
 }
 
 INSTANTIATE_TEST_SUITE_P(presets, prefix_model, ::testing::Values("k3-tiny", "kimi-linear-tiny"),
