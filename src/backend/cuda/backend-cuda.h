@@ -29,8 +29,11 @@ struct cuda_options {
     // MOE_EXPERTS: the grouped kernels (slots grouped by expert on the device, each selected expert's rows read once
     // with 16-byte loads, FP4 dequantized in registers). false: the first per-slot kernels (compare mode).
     bool moe_grouped = true;
-    // capture() also records a CUDA event after every node inside the graph, so node_ms() can split a replay's GPU
-    // time by node (benchmarks; the events add a little time of their own, so time with this off).
+    // MOE_ROUTE: logits by the GEMV over all SMs and a parallel per-token selection. false: the first kernel (one
+    // block per token computes the logits and one thread selects; compare mode).
+    bool moe_route_fast = true;
+    // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
+    // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;
 };
 
@@ -62,7 +65,7 @@ public:
     // Launches the captured graph n times back to back, waits, and checks the device error flags (naming the node).
     // read() then returns the outputs of the last replay.
     virtual void replay(int n) = 0;
-    // With cuda_options::profile_nodes: GPU milliseconds of each node (graph order) in the last replay; else empty.
+    // With cuda_options::profile_nodes: GPU milliseconds of each node (graph order) in the last eager run; else empty.
     virtual std::vector<float> node_ms() const = 0;
 };
 

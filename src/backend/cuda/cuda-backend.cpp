@@ -231,11 +231,21 @@ public:
         const int n_err = prepare(g);
         PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
         if (g.b) upload_batch(*g.b);
+        if (opt_.profile_nodes) {
+            while (events_.size() < g.nodes.size() + 1) {
+                cudaEvent_t ev;
+                PG_CUDA_CHECK(cudaEventCreate(&ev));
+                events_.push_back(ev);
+            }
+            PG_CUDA_CHECK(cudaEventRecord(events_[0], st_));
+            prof_nodes_ = g.nodes.size();
+        }
         for (int id = 0; id < int(g.nodes.size()); ++id) {
             const node & n = g.nodes[size_t(id)];
             check_node(g, id);
             try {
                 run_node(g, id);
+                if (opt_.profile_nodes) PG_CUDA_CHECK(cudaEventRecord(events_[size_t(id) + 1], st_));
                 const cudaError_t e = cudaGetLastError();
                 PG_CHECK(e == cudaSuccess, "kernel launch failed: {}", cudaGetErrorString(e));
                 if (opt_.guard) guard_check(id);
@@ -275,19 +285,10 @@ public:
         PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
         try {
             PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
-            if (opt_.profile_nodes) {
-                while (events_.size() < g.nodes.size() + 1) {
-                    cudaEvent_t ev;
-                    PG_CUDA_CHECK(cudaEventCreate(&ev));
-                    events_.push_back(ev);
-                }
-                PG_CUDA_CHECK(cudaEventRecord(events_[0], st_));
-            }
             for (int id = 0; id < int(g.nodes.size()); ++id) {
                 const node & n = g.nodes[size_t(id)];
                 try {
                     run_node(g, id);
-                    if (opt_.profile_nodes) PG_CUDA_CHECK(cudaEventRecord(events_[size_t(id) + 1], st_));
                 } catch (const error & e) {
                     throw error(e.func(), e.file(), e.line(),
                                 fmt::format("capture: node {} '{}' ({}): {}", id, n.name, op_name(n.op), e.what()));
@@ -318,8 +319,9 @@ public:
 
     std::vector<float> node_ms() const override {
         std::vector<float> v;
-        if (!opt_.profile_nodes || !cap_g_) return v;
-        for (size_t i = 0; i < cap_g_->nodes.size(); ++i) {
+        if (!opt_.profile_nodes) return v;
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        for (size_t i = 0; i < prof_nodes_; ++i) {
             float ms = 0.0f;
             PG_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
             v.push_back(ms);
@@ -754,6 +756,13 @@ private:
                              n.p.topk_group, E / n.p.n_group, n.p.topk);
                 const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
                                      n.p.router == router_act::SOFTMAX ? 1 : 0};
+                if (opt_.moe_route_fast) {
+                    float * logits = static_cast<float *>(alloc(size_t(x.shape.at(0) * E) * 4));
+                    PG_CUDA_CHECK(cuda::launch_moe_route_fast(f32_in(n, 0), x.shape.at(0), x.shape.at(1), w_in(n, 1), bias, c,
+                                                              logits, static_cast<int32_t *>(out[0].p),
+                                                              static_cast<float *>(out[1].p), st_));
+                    break;
+                }
                 PG_CUDA_CHECK(cuda::launch_moe_route(f32_in(n, 0), x.shape.at(0), x.shape.at(1), w_in(n, 1), bias, c,
                                                      static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p), st_));
                 break;
@@ -947,7 +956,8 @@ private:
     void * arena_ = nullptr;
     size_t arena_size_ = 0, arena_off_ = 0, run_bytes_ = 0;
     bool arena_on_ = false;
-    std::vector<cudaEvent_t> events_;   // profile_nodes: one before the first node and one after each node
+    std::vector<cudaEvent_t> events_;
+    size_t prof_nodes_ = 0;   // profile_nodes: one before the first node and one after each node
     std::vector<std::vector<dtensor>> outs_;
     std::vector<void *> run_allocs_;
     std::vector<int> err_slot_;

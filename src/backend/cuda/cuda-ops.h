@@ -92,6 +92,10 @@ struct droute { int64_t n_expert, topk, n_group, topk_group; bool renormalize; f
 // x [T, D], gate [E, D], bias [E] | none -> ids [T, topk], w [T, topk]; E <= 1024.
 cudaError_t launch_moe_route(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
                              int32_t * ids, float * w, cudaStream_t st);
+// The same outputs, decode-fast: logits [T, E] (scratch) by the GEMV over all SMs, then a parallel selection per token
+// with the serial rule's exact outcome (cuda_options::moe_route_fast).
+cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
+                                  float * logits, int32_t * ids, float * w, cudaStream_t st);
 // One expert matrix on the device: dense (F32/BF16/F16) or FP4 (fmt 1 = MXFP4, 2 = NVFP4).
 struct dexpert_matrix {
     const void * w = nullptr;          // dense [out, in]

@@ -478,3 +478,126 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
 }
 
 } // namespace perigee::cuda
+
+// ---- MOE_ROUTE, decode-fast form: logits by the bandwidth GEMV (all SMs read the router weight once), then one block
+// per token selects in parallel: each of the k picks is a block-wide arg-max with exactly the serial rule's outcome
+// (highest biased score, ties to the lower id; a NaN at the first untaken id wins as the serial scan lets it).
+namespace perigee::cuda {
+
+namespace {
+
+constexpr int k_sel_threads = 256;
+
+__global__ void __launch_bounds__(k_sel_threads) k_moe_select(const float * __restrict__ logits, dweight bias, droute c,
+                                                              int32_t * __restrict__ ids, float * __restrict__ w) {
+    __shared__ float score[1024];
+    __shared__ float biased[1024];
+    __shared__ unsigned char taken[1024];
+    __shared__ float red_v[k_sel_threads / 32];
+    __shared__ int red_i[k_sel_threads / 32], red_f[k_sel_threads / 32];
+    const int64_t t = blockIdx.x;
+    const int E = int(c.n_expert);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        score[e] = logits[t * E + e];
+        taken[e] = 0;
+    }
+    __syncthreads();
+    if (c.softmax) {   // serial, as the reference sums (E <= 1024)
+        if (threadIdx.x == 0) {
+            float mx = -INFINITY;
+            for (int e = 0; e < E; ++e) mx = fmaxf(mx, score[e]);
+            double sum = 0.0;
+            for (int e = 0; e < E; ++e) {
+                score[e] = expf(score[e] - mx);
+                sum += score[e];
+            }
+            for (int e = 0; e < E; ++e) score[e] = float(score[e] / sum);
+        }
+    } else {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = sigmoid_d(score[e]);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) biased[e] = score[e] + (bias.data ? wload(bias, e) : 0.0f);
+    __syncthreads();
+    const bool grouped = c.n_group > 1 && c.topk_group < c.n_group;
+    if (grouped && threadIdx.x == 0) {   // group pruning: serial, as the per-token kernel does it (n_group <= 64)
+        const int64_t gs = E / c.n_group;
+        float gscore[64];
+        bool keep[64];
+        for (int64_t g = 0; g < c.n_group; ++g) {
+            float a = -INFINITY, b2 = -INFINITY;
+            for (int64_t e = g * gs; e < (g + 1) * gs; ++e) {
+                const float v = biased[e];
+                if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
+            }
+            gscore[g] = a + (gs > 1 ? b2 : 0.0f);
+            keep[g] = false;
+        }
+        for (int64_t i = 0; i < c.topk_group; ++i) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < c.n_group; ++g)
+                if (!keep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+            keep[best] = true;
+        }
+        for (int64_t e = 0; e < E; ++e)
+            if (!keep[e / gs]) biased[e] = -INFINITY;
+    }
+    __syncthreads();
+    int32_t * oid = ids + t * c.topk;
+    for (int64_t j = 0; j < c.topk; ++j) {
+        float bv = -INFINITY;
+        int bi = -1, first = 0x7fffffff;
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            if (taken[e]) continue;
+            first = min(first, e);
+            const float v = biased[e];
+            if (v == v && (bi < 0 || v > bv)) { bv = v; bi = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            const int of = __shfl_xor_sync(0xffffffffu, first, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+            first = min(first, of);
+        }
+        if (lane == 0) { red_v[wid] = bv; red_i[wid] = bi; red_f[wid] = first; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int q = 1; q < int(blockDim.x >> 5); ++q) {
+                const float ov = red_v[q];
+                const int oi = red_i[q];
+                if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+                first = min(first, red_f[q]);
+            }
+            const int pick = (biased[first] != biased[first] || bi < 0) ? first : bi;
+            oid[j] = pick;
+            taken[pick] = 1;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < c.topk; ++j) sum += score[oid[j]];
+        for (int64_t j = 0; j < c.topk; ++j) {
+            float wj = score[oid[j]];
+            if (c.renormalize) wj = float(wj / (sum + 1e-20));
+            w[t * c.topk + j] = wj * c.scale;
+        }
+    }
+}
+
+} // namespace
+
+cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
+                                  float * logits, int32_t * ids, float * w, cudaStream_t st) {
+    if (c.n_expert > 1024 || c.n_group > 64) return cudaErrorInvalidValue;
+    if (T == 0) return cudaGetLastError();
+    const cudaError_t e = launch_linear_gemv(x, T, D, gate, c.n_expert, logits, st);
+    if (e != cudaSuccess) return e;
+    k_moe_select<<<unsigned(T), k_sel_threads, 0, st>>>(logits, bias, c, ids, w);
+    return cudaGetLastError();
+}
+
+} // namespace perigee::cuda

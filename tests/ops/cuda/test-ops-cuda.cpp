@@ -406,7 +406,9 @@ TEST(cuda_ops, moe_route_and_experts_dense_mxfp4_nvfp4) {
             {   // the first per-slot kernels stay selectable (cuda_options::moe_grouped = false): same tolerance
                 cuda_options o{true, 8};
                 o.moe_grouped = false;
-                EXPECT_TRUE(parity(nm + "/per-slot", g, {{y, metric::NMSE, k_tol_f32}}, {}, o)) << nm;
+                o.moe_route_fast = false;   // and the first router kernel
+                EXPECT_TRUE(parity(nm + "/per-slot", g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32},
+                                                         {y, metric::NMSE, k_tol_f32}}, {}, o)) << nm;
             }
             if (T == 4 && fmt_i == 1) {   // control: two swapped expert ids must fail the exact check
                 auto gpu = backend_cuda_init(0);
