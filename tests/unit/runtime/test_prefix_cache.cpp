@@ -1,6 +1,7 @@
 // Prefix caching with KDA state snapshots (runtime/prefix-cache.h): bookkeeping (ref-counted pages,
 // index, snapshot LRU, page-boundary chunk cuts, 1,000 random events back to baseline) and, on
-// k3-tiny and kimi-linear-tiny synthesized in-process, hits that equal cold runs exactly.
+// k3-tiny, kimi-linear-tiny and k31-tiny (indexer key pages) synthesized in-process, hits that equal
+// cold runs exactly, controls that must fail, eviction, and random engine traffic back to baseline.
 #include "core/error.h"
 #include "rt_test_util.h"
 #include "runtime/engine.h"
@@ -757,5 +758,5 @@ TEST_P(prefix_model, engine_random_events_return_to_baseline) {
                 (unsigned long long)st.prefix_hit_tokens, (unsigned long long)st.preemptions, (unsigned long long)st.snapshots_evicted);
 }
 
-INSTANTIATE_TEST_SUITE_P(presets, prefix_model, ::testing::Values("k3-tiny", "kimi-linear-tiny"),
+INSTANTIATE_TEST_SUITE_P(presets, prefix_model, ::testing::Values("k3-tiny", "kimi-linear-tiny", "k31-tiny"),
                          [](const auto & info) { std::string s = info.param; std::replace(s.begin(), s.end(), '-', '_'); return s; });
