@@ -74,7 +74,7 @@ struct engine_stats {
     uint64_t preemptions = 0;
     uint64_t finished = 0, cancelled = 0, errors = 0;   // requests by how they ended
     uint64_t nan_events = 0;          // requests failed for non-finite logits
-    // prefix caching (all 0 when off). free_pages counts cached pages no request holds.
+    // prefix caching (0 when off, except page_refs). free_pages counts cached pages no request holds.
     int cached_pages = 0;             // pages indexed by the prefix cache
     int snapshots_used = 0, total_snapshots = 0;
     int snapshot_pins = 0;            // 0 between steps
