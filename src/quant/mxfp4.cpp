@@ -1,6 +1,7 @@
 #include "quant/mxfp4.h"
 
 #include <cmath>
+#include <cstring>
 
 namespace perigee {
 
@@ -32,15 +33,23 @@ uint8_t f32_to_e2m1(float x) {
 
 float e8m0_to_f32(uint8_t b) {
     if (b == 0xFF) return NAN;
-    return std::ldexp(1.0f, int(b) - 127);
+    // 2^(b-127) built from its bit pattern: biased exponent b for b >= 1 (a normal float), and the
+    // subnormal 2^-127 (mantissa bit 22) for b == 0. Same value as ldexp(1, b-127), without libm.
+    const uint32_t bits = b == 0 ? 0x00400000u : uint32_t(b) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
 }
 
 void mxfp4_dequant_row_ref(const uint8_t * packed, const uint8_t * scale, int64_t n_cols, float * out) {
     PG_CHECK(n_cols % k_mxfp4_block == 0, "mxfp4 row of {} columns is not a multiple of {}", n_cols, k_mxfp4_block);
-    for (int64_t c = 0; c < n_cols; ++c) {
-        const uint8_t byte = packed[c / 2];
-        const uint8_t code = (c % 2 == 0) ? (byte & 0x0F) : (byte >> 4);   // low nibble = even column
-        out[c] = e2m1_to_f32(code) * e8m0_to_f32(scale[c / k_mxfp4_block]);
+    for (int64_t blk = 0; blk < n_cols / k_mxfp4_block; ++blk) {
+        const float s = e8m0_to_f32(scale[blk]);   // one scale per 32 columns
+        for (int64_t c = blk * k_mxfp4_block; c < (blk + 1) * k_mxfp4_block; c += 2) {
+            const uint8_t byte = packed[c / 2];
+            out[c] = e2m1_to_f32(byte & 0x0F) * s;      // low nibble = even column
+            out[c + 1] = e2m1_to_f32(byte >> 4) * s;    // high nibble = odd column
+        }
     }
 }
 

@@ -36,6 +36,11 @@ struct wview {
             for (int64_t j = 0; j < n; ++j) out[j] = p[j];
             return;
         }
+        if (type == dtype::BF16) {   // the common checkpoint dtype: a plain loop the compiler vectorises
+            const uint16_t * p = static_cast<const uint16_t *>(data) + i0;
+            for (int64_t j = 0; j < n; ++j) out[j] = bf16_to_f32(p[j]);
+            return;
+        }
         for (int64_t j = 0; j < n; ++j) out[j] = at(i0 + j);
     }
 };
@@ -145,6 +150,8 @@ struct cpu_node_io {
 };
 
 void run_norm(const cpu_node_io & io);        // RMS_NORM, LAYER_NORM, L2_NORM, GATED_RMS_NORM
+// Fixed-order fp32 dot product (8 partial sums), shared by the matrix ops.
+float dot_f32(const float * a, const float * b, int64_t n);
 void run_linear(const cpu_node_io & io);      // LINEAR
 void run_get_rows(const cpu_node_io & io);    // GET_ROWS
 void run_elementwise(const cpu_node_io & io); // ADD, MUL, SCALE, SIGMOID, SILU_MUL, SITU_MUL, COLS, SELECT_ROWS

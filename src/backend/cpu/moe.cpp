@@ -178,11 +178,7 @@ void moe_experts_ref(const float * x, int64_t T, int64_t Din, const int32_t * id
                 expert_row_ref(ex.up, r, urow.data());
                 for (int64_t i = 0; i < n; ++i) {
                     const float * xt = x + rt[size_t(i)].first * Din;
-                    float ga = 0.0f, ua = 0.0f;
-                    for (int64_t q = 0; q < Din; ++q) {
-                        ga += grow[size_t(q)] * xt[q];
-                        ua += urow[size_t(q)] * xt[q];
-                    }
+                    const float ga = dot_f32(grow.data(), xt, Din), ua = dot_f32(urow.data(), xt, Din);
                     m[size_t(i * F + r)] = c.act == glu_act::SITU ? situ_f(ga, ua, c.situ_beta, c.situ_linear_beta)
                                                                   : silu_f(ga) * ua;
                 }
@@ -191,9 +187,8 @@ void moe_experts_ref(const float * x, int64_t T, int64_t Din, const int32_t * id
             for (int64_t r = 0; r < Dout; ++r) {   // down rows
                 expert_row_ref(ex.down, r, drow.data());
                 for (int64_t i = 0; i < n; ++i) {
-                    float acc = 0.0f;
-                    for (int64_t q = 0; q < F; ++q) acc += drow[size_t(q)] * m[size_t(i * F + q)];
-                    ybuf[size_t((rt[size_t(i)].first * k + rt[size_t(i)].second) * Dout + r)] = acc;
+                    ybuf[size_t((rt[size_t(i)].first * k + rt[size_t(i)].second) * Dout + r)] =
+                        dot_f32(drow.data(), m.data() + i * F, F);
                 }
             }
         }
