@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The README's main command: installs the dependencies, builds perigee, and generates text with the
-# embedded default model (models/default).
+# embedded default model (models/default, a small Kimi K3 trained on Shakespeare). Arguments, if
+# any, go to `perigee generate` instead of the default prompt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPERIGEE_TESTS=OFF >/dev/null
 ninja -C build perigee
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+if [ $# -eq 0 ]; then
+  set -- --prompt "ROMEO:" --raw -n 80
+fi
 ./build/tools/perigee generate "$@"

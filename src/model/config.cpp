@@ -532,11 +532,11 @@ std::string config_summary(const kimi_config & c) {
                      c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
                      c.mla_use_output_gate ? "yes" : "no");
     s += fmt::format("  MoE: {} experts, top-{}, groups {}/{}, shared {}, width {}, latent {}, experts {}, "
-                     "first {} dense (width {})\n",
+                     "{} dense layer(s) (width {})\n",
                      c.num_experts, c.num_experts_per_token, c.topk_group, c.num_expert_group, c.num_shared_experts,
                      c.moe_intermediate_size, c.routed_expert_hidden_size,
                      c.experts == expert_format::MXFP4 ? "MXFP4" : c.experts == expert_format::NVFP4 ? "NVFP4" : "dense",
-                     c.first_k_dense_replace, c.intermediate_size);
+                     std::count(c.layer_is_moe.begin(), c.layer_is_moe.end(), false), c.intermediate_size);
     s += fmt::format("  act {}, AttnRes block {}, indexer {}\n", c.hidden_act == glu_act::SITU ? "situ" : "silu",
                      c.attn_res_block_size,
                      c.variant == model_variant::K31
