@@ -2,6 +2,7 @@
 #include "chat/chat.h"
 #include "command.h"
 #include "core/error.h"
+#include "server/fault_drill.h"
 #include "server/mock_script.h"
 #include "server/server.h"
 #include "tokenizer/tiktoken_dir.h"
@@ -9,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <atomic>
 #include <memory>
 #include <pthread.h>
 #include <thread>
@@ -23,6 +25,9 @@ struct serve_args {
     bool mock = false;
     double mock_decode_s = 0.0, mock_prefill_s = 0.0;
     int max_num_batched_tokens = 512;
+    double drain_timeout_s = 30.0;
+    // TEST-ONLY fault drill (server/fault_drill.h): NaN logits for prompts containing this id.
+    int test_nan_token = -1, test_nan_after = 2;
 };
 
 int run_serve(serve_args & a) {
@@ -80,6 +85,11 @@ int run_serve(serve_args & a) {
         eo.max_model_len = a.so.max_model_len;
         eo.max_queue = a.so.max_queue;
         eo.max_num_batched_tokens = a.max_num_batched_tokens;
+        if (a.test_nan_token >= 0) {
+            server::install_nan_drill(*runner, a.test_nan_token, a.test_nan_after);
+            std::fprintf(stderr, "perigee serve: TEST FAULT DRILL: NaN logits for prompts containing token %d after %d tokens\n",
+                         a.test_nan_token, a.test_nan_after);
+        }
         real = std::make_unique<engine>(*runner, eo);
         eng = server::wrap_engine(*real);
         if (size_t(eng->vocab_size()) < td.tok->n_vocab())
@@ -91,11 +101,33 @@ int run_serve(serve_args & a) {
     }
     server::http_server srv(a.so, *eng, *td.tok, ct);
     const int port = srv.bind();
-    std::thread watcher([&srv, sigs] {
-        int sig = 0;
-        sigwait(&sigs, &sig);
-        std::fprintf(stderr, "perigee serve: signal %d, stopping\n", sig);
-        srv.stop();
+    // First SIGINT/SIGTERM: graceful drain (503 to new requests and /health, accepted requests run
+    // to their end for up to --drain-timeout s, then the rest are cancelled), then stop; exit 0.
+    // A second signal stops at once.
+    std::atomic<bool> quit{false};
+    std::thread drainer;
+    std::thread watcher([&srv, &quit, &drainer, sigs, t = a.drain_timeout_s] {
+        for (int n = 0; !quit.load(); ++n) {
+            int sig = 0;
+            sigwait(&sigs, &sig);
+            if (quit.load()) break;
+            if (n == 0) {
+                std::fprintf(stderr, "perigee serve: signal %d, draining (%d in flight, up to %.1f s; again to stop now)\n", sig,
+                             srv.in_flight(), t);
+                std::fflush(stderr);
+                drainer = std::thread([&srv, t] {
+                    const bool clean = srv.drain(t);
+                    std::fprintf(stderr, "perigee serve: drained (%s), stopping\n",
+                                 clean ? "every request finished" : "timeout: the rest were cancelled");
+                    std::fflush(stderr);
+                    srv.stop();
+                });
+            } else {
+                std::fprintf(stderr, "perigee serve: signal %d again, stopping now\n", sig);
+                srv.stop();
+                break;
+            }
+        }
     });
     std::fprintf(stderr, "perigee serve: model %s (%s chat format), max_model_len %d, max_num_seqs %d\n",
                  a.so.served_model_name.c_str(), chat::chat_format_name(ct.format()), a.so.max_model_len, a.so.max_num_seqs);
@@ -103,8 +135,10 @@ int run_serve(serve_args & a) {
     std::fflush(stderr);
     srv.listen();
     srv.stop();
+    quit = true;
     pthread_kill(watcher.native_handle(), SIGTERM);
     watcher.join();
+    if (drainer.joinable()) drainer.join();
     return 0;
 }
 
@@ -125,11 +159,16 @@ command_registrar reg{{"serve", "OpenAI-compatible HTTP server (chat, completion
         sub.add_option("--max-body-size", a->so.max_body_bytes, "largest request body in bytes (413 beyond)")->capture_default_str();
         sub.add_option("--timeout", a->so.read_timeout_s, "socket read timeout in seconds")->capture_default_str();
         sub.add_option("--http-threads", a->so.http_threads, "HTTP worker threads (0 = max-num-seqs + max-queue + 8)")->capture_default_str();
+        sub.add_option("--drain-timeout", a->drain_timeout_s, "on SIGTERM/SIGINT: seconds accepted requests may take to finish")
+            ->capture_default_str()->check(CLI::Range(0.0, 86400.0));
         sub.add_flag("--no-webui", [a](int64_t) { a->so.webui = false; }, "do not serve the chat page at /");
         sub.add_flag("--no-thinking", [a](int64_t) { a->so.default_thinking = false; }, "chat: thinking off unless a request turns it on");
-        sub.add_flag("--mock-engine", a->mock, "serve a deterministic mock engine (HTTP-layer tests; needs only the tokenizer files)")->group("");
+        sub.add_flag("--mock-engine", a->mock, "TEST ONLY (hidden): a deterministic mock engine instead of the model (HTTP-layer tests; needs only the tokenizer files)")->group("");
         sub.add_option("--mock-decode-s", a->mock_decode_s, "mock engine: seconds per decoded token")->group("");
         sub.add_option("--mock-prefill-s", a->mock_prefill_s, "mock engine: seconds per prompt token")->group("");
+        // TEST-ONLY (hidden): the fault drills' NaN injection (server/fault_drill.h).
+        sub.add_option("--test-nan-token", a->test_nan_token, "TEST ONLY: NaN logits for prompts containing this id")->group("");
+        sub.add_option("--test-nan-after", a->test_nan_after, "TEST ONLY: ... after this many generated tokens")->group("");
         return std::function<int()>([a] { return run_serve(*a); });
     }}};
 

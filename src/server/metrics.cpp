@@ -72,6 +72,11 @@ std::string metrics::render(const engine_stats & st) const {
     gauge("perigee:free_slots", "Free sequence (state) slots.", st.free_slots);
     gauge("perigee:free_pages", "Free KV-cache pages.", st.free_pages);
     gauge("perigee:total_pages", "KV-cache pages.", st.total_pages);
+    gauge("perigee:total_slots", "Sequence (state) slots.", st.total_slots);
+    gauge("perigee:slots_in_use", "Sequence slots held by requests (0 when idle).", st.total_slots - st.free_slots);
+    gauge("perigee:pages_in_use", "KV-cache pages held (0 when idle without prefix caching).", st.total_pages - st.free_pages);
+    counter("perigee:engine_errors_total", "Requests the engine failed (e.g. non-finite logits).", st.errors);
+    counter("perigee:nan_events_total", "Requests failed for non-finite logits.", st.nan_events);
     counter("perigee:engine_steps_total", "Engine steps.", st.steps);
     counter("perigee:requests_received_total", "Generation requests accepted by the server.", started_);
     counter("perigee:requests_cancelled_total", "Generation requests cancelled (client disconnected).", cancelled_);

@@ -26,6 +26,7 @@
 #include <deque>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 namespace perigee::server {
@@ -281,6 +282,12 @@ struct http_server::impl {
     std::thread thread;
     int bound_port = -1;
     parse_limits lim;
+    // drain: generation requests from accept to the last byte of their response
+    std::atomic<bool> draining{false};
+    mutable std::mutex flight_m;
+    std::condition_variable flight_cv;
+    std::set<uint64_t> flight_ids;   // engine ids of accepted requests still being answered
+    int flight_n = 0;
 
     impl(server_options o, gen_engine & e, const tok::tokenizer & t, const chat::chat_template & c)
         : opt(std::move(o)), eng(e), tok(t), ct(c) {
@@ -421,15 +428,64 @@ struct http_server::impl {
                 {"prompt_tokens_details", {{"cached_tokens", 0}}}};
     }
 
+    // ---- drain bookkeeping ----
+    // A token held while a request is being answered; its release ends the request's flight.
+    std::shared_ptr<void> enter_flight() {
+        {
+            std::lock_guard<std::mutex> lk(flight_m);
+            ++flight_n;
+        }
+        return std::shared_ptr<void>(nullptr, [this](void *) {
+            {
+                std::lock_guard<std::mutex> lk(flight_m);
+                --flight_n;
+            }
+            flight_cv.notify_all();
+        });
+    }
+    // The engine id of a flight (so a drain past its timeout can cancel it); released with it.
+    std::shared_ptr<void> track_id(uint64_t id) {
+        {
+            std::lock_guard<std::mutex> lk(flight_m);
+            flight_ids.insert(id);
+        }
+        return std::shared_ptr<void>(nullptr, [this, id](void *) {
+            std::lock_guard<std::mutex> lk(flight_m);
+            flight_ids.erase(id);
+        });
+    }
+    void refuse_if_draining() {
+        if (draining.load())
+            fail("", "the server is shutting down (draining); retry on another instance", 503, "server_shutting_down",
+                 "unavailable_error");
+    }
+
+    bool drain(double timeout_s) {
+        draining = true;
+        std::unique_lock<std::mutex> lk(flight_m);
+        const auto until = steady::now() + std::chrono::duration_cast<steady::duration>(std::chrono::duration<double>(timeout_s));
+        if (flight_cv.wait_until(lk, until, [&] { return flight_n == 0; })) return true;
+        const std::vector<uint64_t> ids(flight_ids.begin(), flight_ids.end());
+        lk.unlock();
+        for (auto id : ids) eng.cancel(id);
+        lk.lock();
+        flight_cv.wait_for(lk, std::chrono::seconds(5), [&] { return flight_n == 0; });
+        return false;
+    }
+
     // ---- generation ----
     void handle_generate(const httplib::Request & req, httplib::Response & res, endpoint kind) {
         guarded(res, [&] {
+            if (draining.load()) res.set_header("Retry-After", "1");
+            refuse_if_draining();
+            auto flight = enter_flight();
             const json body = parse_request_body(req);
             auto prep = std::make_shared<prepared>(prepare(body, kind));
             auto q = std::make_shared<event_queue>();
             const uint64_t id = eng.submit(engine_request(*prep), [q](const token_event & e) { q->push(e); });
+            auto tracked = track_id(id);
             met.request_started();
-            if (prep->r.stream) stream_response(req, res, kind, prep, q, id);
+            if (prep->r.stream) stream_response(req, res, kind, prep, q, id, {flight, tracked});
             else blocking_response(req, res, kind, *prep, q, id);
         });
     }
@@ -506,6 +562,7 @@ struct http_server::impl {
         int n_calls_sent = 0;
         int close_probes = 0;
         steady::time_point last_write = steady::now();
+        std::vector<std::shared_ptr<void>> holds;   // drain bookkeeping (see enter_flight)
     };
 
     json chunk_base(const stream_ctx & c) const {
@@ -568,8 +625,10 @@ struct http_server::impl {
     }
 
     void stream_response(const httplib::Request & req, httplib::Response & res, endpoint kind,
-                         const std::shared_ptr<prepared> & p, const std::shared_ptr<event_queue> & q, uint64_t id) {
+                         const std::shared_ptr<prepared> & p, const std::shared_ptr<event_queue> & q, uint64_t id,
+                         std::vector<std::shared_ptr<void>> holds) {
         auto c = std::make_shared<stream_ctx>();
+        c->holds = std::move(holds);   // the flight ends when httplib drops the provider (response written)
         c->p = p;
         c->q = q;
         c->id = id;
@@ -631,6 +690,37 @@ struct http_server::impl {
             c.last_write = steady::now();
         }
         return true;
+    }
+
+    int in_flight() const {
+        std::lock_guard<std::mutex> lk(flight_m);
+        return flight_n;
+    }
+
+    // 200 {"status":"ok", engine gauges} when serving; 503 {"status":"draining"} while draining,
+    // 503 {"status":"unhealthy"} when the engine's pools are inconsistent (more in use than exist)
+    // or its stats cannot be read.
+    void handle_health(httplib::Response & r) {
+        json j;
+        std::string status = "ok";
+        try {
+            const engine_stats st = eng.stats();
+            j = {{"running", st.running}, {"waiting", st.waiting}, {"free_slots", st.free_slots}, {"total_slots", st.total_slots},
+                 {"free_pages", st.free_pages}, {"total_pages", st.total_pages}, {"in_flight", in_flight()},
+                 {"errors", st.errors}, {"nan_events", st.nan_events}};
+            if (st.free_slots < 0 || st.free_slots > st.total_slots || st.free_pages < 0 || st.free_pages > st.total_pages)
+                status = "unhealthy";
+        } catch (const std::exception & e) {
+            status = "unhealthy";
+            j["error"] = e.what();
+        }
+        if (draining.load()) status = "draining";
+        j["status"] = status;
+        if (status != "ok") {
+            r.status = 503;
+            if (status == "draining") r.set_header("Retry-After", "1");
+        }
+        send_json(r, j);
     }
 
     // ---- other endpoints ----
@@ -716,9 +806,15 @@ struct http_server::impl {
         svr.Post("/tokenize", [this](const httplib::Request & q, httplib::Response & r) { handle_tokenize(q, r); });
         svr.Post("/detokenize", [this](const httplib::Request & q, httplib::Response & r) { handle_detokenize(q, r); });
         svr.Get("/v1/models", [this](const httplib::Request &, httplib::Response & r) { handle_models(r); });
-        svr.Get("/health", [](const httplib::Request &, httplib::Response & r) { send_json(r, {{"status", "ok"}}); });
+        svr.Get("/health", [this](const httplib::Request &, httplib::Response & r) { handle_health(r); });
         svr.Get("/metrics", [this](const httplib::Request &, httplib::Response & r) {
-            r.set_content(met.render(eng.stats()), "text/plain; version=0.0.4");
+            std::string m = met.render(eng.stats());
+            m += fmt::format("# HELP perigee:draining 1 while the server drains before shutting down.\n"
+                             "# TYPE perigee:draining gauge\nperigee:draining {}\n"
+                             "# HELP perigee:requests_in_flight Generation requests accepted and not yet fully answered.\n"
+                             "# TYPE perigee:requests_in_flight gauge\nperigee:requests_in_flight {}\n",
+                             draining.load() ? 1 : 0, in_flight());
+            r.set_content(m, "text/plain; version=0.0.4");
         });
         if (opt.webui)
             svr.Get("/", [](const httplib::Request &, httplib::Response & r) { r.set_content(webui_html(), "text/html; charset=utf-8"); });
@@ -773,5 +869,9 @@ void http_server::stop() {
 }
 
 int http_server::port() const { return impl_->bound_port; }
+
+bool http_server::drain(double timeout_s) { return impl_->drain(timeout_s); }
+bool http_server::draining() const { return impl_->draining.load(); }
+int http_server::in_flight() const { return impl_->in_flight(); }
 
 } // namespace perigee::server

@@ -48,8 +48,18 @@ public:
     void listen();
     // bind() + listen() on a background thread (tests); returns the port.
     int start();
+    // Stops at once: open streams are cut (clients see a dropped connection).
     void stop();
     int port() const;
+    // Graceful drain (SIGTERM/SIGINT in `perigee serve`): from now on /health answers 503
+    // {"status":"draining"} and new generation requests 503 + Retry-After ("the server is shutting
+    // down"); requests already accepted run to their end. Returns true if all finished within
+    // timeout_s; otherwise the rest are cancelled in the engine (open streams end with an in-stream
+    // error object and [DONE]) and it waits up to 5 s more for their responses to be written.
+    // Call stop() afterwards. Safe from any thread; idempotent.
+    bool drain(double timeout_s);
+    bool draining() const;
+    int in_flight() const;   // generation requests accepted and not yet fully answered
 
     struct impl;
 
