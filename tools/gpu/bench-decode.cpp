@@ -313,20 +313,27 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     const int max_b = *std::max_element(o.batches.begin(), o.batches.end());
     const int pps = (o.ctx + 1 + o.page - 1) / o.page;
     model_state st = state_init(c, max_b, max_b * pps, o.page);
-    for (int pass = 0; pass < (o.compare_moe ? 2 : 1); ++pass) {
+    // pass 0: every current kernel; then batch 1 with one switch back each (compare mode):
+    // 1 "first-moe": the first router + per-slot experts; 2 "mla-1blk": MLA one block per head (no key split);
+    // 3 "fp4-v1": the first grouped MXFP4 kernel.
+    const char * labels[] = {"new", "first-moe", "mla-1blk", "fp4-v1"};
+    for (int pass = 0; pass < (o.compare_moe ? 4 : 1); ++pass) {
         cuda_options co;
-        co.moe_grouped = pass == 0;
-        co.moe_route_fast = pass == 0;   // pass 1: the first MoE kernels (router + per-slot experts), batch 1
+        co.moe_grouped = pass != 1;
+        co.moe_route_fast = pass != 1;
+        co.mla_split = pass != 2;
+        co.moe_fp4_v2 = pass != 3;
+        const char * label = labels[pass];
         const double t0 = now_ms();
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
-        std::printf("%s [moe %s]: %.2f GB of weights generated on the device in %.0f ms (%s)\n", preset.c_str(),
-                    co.moe_grouped ? "new" : "first", double(be->weight_bytes()) / 1e9, now_ms() - t0,
+        std::printf("%s [%s]: %.2f GB of weights generated on the device in %.0f ms (%s)\n", preset.c_str(),
+                    label, double(be->weight_bytes()) / 1e9, now_ms() - t0,
                     be->device_name().c_str());
-        std::printf("%-16s %-8s %5s %10s %10s %10s %11s %9s %8s\n", "preset", "moe", "B", "eager ms", "graph ms", "tok/s",
+        std::printf("%-16s %-10s %5s %10s %10s %10s %11s %9s %8s\n", "preset", "kernels", "B", "eager ms", "graph ms", "tok/s",
                     "GB/step", "GB/s", "% floor");
         for (int B : o.batches) {
-            if (pass == 1 && B != 1) continue;   // the per-slot comparison: batch 1 only
+            if (pass > 0 && B != 1) continue;   // the comparisons: batch 1 only
             auto b = std::make_shared<batch>();
             b->seq_start = {0};
             b->page_size = o.page;
@@ -358,8 +365,8 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
             }, 3);
             const double gb = sb.total() / 1e9;
             const double floor_ms = sb.total() / (bw_gbs * 1e9) * 1e3;
-            std::printf("%-16s %-8s %5d %10.3f %10.3f %10.1f %11.3f %9.0f %7.1f%%\n", preset.c_str(),
-                        co.moe_grouped ? "new" : "first", B, eager, gms, B / (gms * 1e-3), gb, gb / (gms * 1e-3),
+            std::printf("%-16s %-10s %5d %10.3f %10.3f %10.1f %11.3f %9.0f %7.1f%%\n", preset.c_str(),
+                        label, B, eager, gms, B / (gms * 1e-3), gb, gb / (gms * 1e-3),
                         100.0 * floor_ms / gms);
             std::printf("    bytes: weights %.3f GB, experts %.3f GB (selected only), state R+W %.3f GB, latents %.4f GB;"
                         " floor %.3f ms at %.0f GB/s\n",

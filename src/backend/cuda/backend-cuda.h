@@ -32,6 +32,12 @@ struct cuda_options {
     // MOE_ROUTE: logits by the GEMV over all SMs and a parallel per-token selection. false: the first kernel (one
     // block per token computes the logits and one thread selects; compare mode).
     bool moe_route_fast = true;
+    // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
+    // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
+    bool mla_split = true;
+    // MOE_EXPERTS grouped MXFP4 (decode, T == 1): raw 16-byte loads of every unit of a lane issued before any
+    // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
+    bool moe_fp4_v2 = true;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

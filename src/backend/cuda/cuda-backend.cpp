@@ -723,10 +723,11 @@ private:
                 PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
                 paging_check(*g.b, ch.shape[0], "mla_attn");
                 const bool has_sel = n.src.size() > 5 && n.src[5].valid();
-                float * scratch = static_cast<float *>(alloc(size_t(cuda::mla_scratch_floats(x.shape.at(0), d)) * 4));
+                const int ns = cuda::mla_split_for(x.shape.at(0), d, opt_.mla_split);
+                float * scratch = static_cast<float *>(alloc(size_t(cuda::mla_scratch_floats(x.shape.at(0), d, ns)) * 4));
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
                                                     state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
-                                                    has_sel ? in(n, 5).shape.at(1) : 0, db_, scratch, y, err, st_));
+                                                    has_sel ? in(n, 5).shape.at(1) : 0, db_, ns, scratch, y, err, st_));
                 break;
             }
             case op_type::INDEXER_TOPK: {
@@ -781,7 +782,8 @@ private:
                 if (vfmt > 0 && int64_t(ex.size()) <= 1024) {
                     auto * gw = static_cast<int32_t *>(alloc(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
-                                                                   table, int64_t(ex.size()), c, scratch, gw, y, err, st_));
+                                                                   table, int64_t(ex.size()), c, scratch, gw, y, err, st_,
+                                                                   opt_.moe_fp4_v2));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,

@@ -75,11 +75,14 @@ cudaError_t launch_kda_scan_recurrent(const float * q, const float * k, const fl
 
 // ---- mla.cu ----
 struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_lora_rank; };
-// Absorbed-form MLA over the paged latent cache. scratch: at least mla_scratch_floats(T, d) floats.
-int64_t mla_scratch_floats(int64_t T, const mla_shape & d);
+// Absorbed-form MLA over the paged latent cache. n_split: blocks per (token, head) over contiguous key ranges
+// (flash-decoding; partials merged by a combine kernel); 1 = one block per (token, head), the first kernel.
+// mla_split_for picks it from the block count (1 when disabled). scratch: mla_scratch_floats(T, d, n_split) floats.
+int mla_split_for(int64_t T, const mla_shape & d, bool enabled);
+int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split);
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
-                            float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, float * scratch,
-                            float * o, int * err, cudaStream_t st);
+                            float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
+                            float * scratch, float * o, int * err, cudaStream_t st);
 
 // ---- indexer.cu ----
 // scratch: at least T * b.max_pos floats.
@@ -119,7 +122,8 @@ cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const in
 int64_t moe_group_ints(int64_t T, int64_t k, int64_t E);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
-                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st);
+                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
+                                       bool fp4_v2 = true);   // MXFP4 at T == 1: the v2 kernels (moe.cu)
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;

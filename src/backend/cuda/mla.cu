@@ -41,7 +41,7 @@ template <int LPL>
 __global__ void __launch_bounds__(k_attn_warps * 32) k_mla_attn_absorbed(
     const float * __restrict__ q, const float * __restrict__ qlat, int64_t H, int64_t dn, int64_t dr, int64_t L,
     float scale, const float * __restrict__ cache, const int32_t * __restrict__ sel, int64_t topk, dbatch b,
-    float * __restrict__ olat, int * err) {
+    float * __restrict__ olat, float * __restrict__ part, int * err) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int64_t th = blockIdx.x, t = th / H;
     const int s = b.tok_seq[t];
@@ -58,7 +58,10 @@ __global__ void __launch_bounds__(k_attn_warps * 32) k_mla_attn_absorbed(
     const float qr0 = lane < dr ? qr[lane] : 0.0f, qr1 = lane + 32 < dr ? qr[lane + 32] : 0.0f;
     float m = -INFINITY, lsum = 0.0f;
     const int64_t n_keys = sel ? topk : pos + 1;
-    for (int64_t j = wid; j < n_keys; j += k_attn_warps) {
+    // Split over the keys (flash-decoding): block y of gridDim.y takes one contiguous key range.
+    const int64_t ns = gridDim.y, chunk = (n_keys + ns - 1) / ns;
+    const int64_t j0 = int64_t(blockIdx.y) * chunk, j1 = min(n_keys, j0 + chunk);
+    for (int64_t j = j0 + wid; j < j1; j += k_attn_warps) {
         int64_t p = j;
         if (sel) {
             p = sel[t * topk + j];
@@ -109,10 +112,46 @@ __global__ void __launch_bounds__(k_attn_warps * 32) k_mla_attn_absorbed(
         f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
         den += f[w] * sm_l[w];
     }
+    if (part) {   // partial of this key range: [m, l, acc[L]] unnormalised, merged by k_mla_combine
+        float * pp = part + (th * ns + blockIdx.y) * (L + 2);
+        if (threadIdx.x == 0) {
+            pp[0] = M;
+            pp[1] = den;
+        }
+        for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
+            float v = 0.0f;
+            for (int w = 0; w < k_attn_warps; ++w) v += f[w] * sacc[w * L + l];
+            pp[2 + l] = v;
+        }
+        return;
+    }
     if (M == -INFINITY && threadIdx.x == 0 && sel) atomicOr(err + ERR_SEL_RANGE, 1);   // no position selected
     for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
         float v = 0.0f;
         for (int w = 0; w < k_attn_warps; ++w) v += f[w] * sacc[w * L + l];
+        olat[th * L + l] = den > 0.0f ? v / den : 0.0f;
+    }
+}
+
+// olat [T, H, L] from the ns partials of each (t, h): block per (t, h), threads over L.
+__global__ void k_mla_combine(const float * __restrict__ part, int64_t ns, int64_t L, const int32_t * __restrict__ sel,
+                              float * __restrict__ olat, int * err) {
+    const int64_t th = blockIdx.x;
+    const float * pp = part + th * ns * (L + 2);
+    float M = -INFINITY;
+    for (int64_t i = 0; i < ns; ++i) M = fmaxf(M, pp[i * (L + 2)]);
+    float den = 0.0f;
+    for (int64_t i = 0; i < ns; ++i) {
+        const float mi = pp[i * (L + 2)];
+        den += mi == -INFINITY ? 0.0f : expf(mi - M) * pp[i * (L + 2) + 1];
+    }
+    if (M == -INFINITY && threadIdx.x == 0 && sel) atomicOr(err + ERR_SEL_RANGE, 1);   // no position selected
+    for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
+        float v = 0.0f;
+        for (int64_t i = 0; i < ns; ++i) {
+            const float mi = pp[i * (L + 2)];
+            if (mi != -INFINITY) v += expf(mi - M) * pp[i * (L + 2) + 2 + l];
+        }
         olat[th * L + l] = den > 0.0f ? v / den : 0.0f;
     }
 }
@@ -133,24 +172,36 @@ __global__ void k_mla_out(const float * __restrict__ olat, dweight kv_b, int64_t
 
 } // namespace
 
-int64_t mla_scratch_floats(int64_t T, const mla_shape & d) { return 2 * T * d.n_head * d.kv_lora_rank; }
+int mla_split_for(int64_t T, const mla_shape & d, bool enabled) {
+    if (!enabled) return 1;
+    // Enough blocks for ~2 per SM of an H200 (132 SMs); at most 16 key ranges (the combine reads them all).
+    const int64_t blocks = T * d.n_head, want = (264 + blocks - 1) / blocks;
+    return int(want < 1 ? 1 : want > 16 ? 16 : want);
+}
+
+int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split) {
+    const int64_t base = 2 * T * d.n_head * d.kv_lora_rank;
+    return n_split > 1 ? base + T * d.n_head * n_split * (d.kv_lora_rank + 2) : base;
+}
 
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
-                            float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, float * scratch,
-                            float * o, int * err, cudaStream_t st) {
+                            float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
+                            float * scratch, float * o, int * err, cudaStream_t st) {
     const int64_t T = b.n_tok, H = d.n_head, dn = d.head_dim_nope, dr = d.head_dim_rope, dv = d.head_dim_v,
                   L = d.kv_lora_rank;
     if (T == 0) return cudaGetLastError();
     if (L > 512 || dr > 64) return cudaErrorInvalidValue;
     float * qlat = scratch;
     float * olat = scratch + T * H * L;
+    if (n_split < 1 || n_split > 16) return cudaErrorInvalidValue;
+    float * part = n_split > 1 ? scratch + 2 * T * H * L : nullptr;
     k_mla_cache_write<<<unsigned(T), 128, 0, st>>>(c, kr, L, dr, cache, b);
     k_mla_q_absorb<<<dim3(grid_for(L, 128), unsigned(T * H)), 128, 0, st>>>(q, kv_b, H, dn, dr, dv, L, qlat);
     const size_t smem = size_t(k_attn_warps * L + 2 * k_attn_warps) * sizeof(float);
     const int lpl = int((L + 31) / 32);
 #define PG_MLA_CASE(N)                                                                                                  \
-    k_mla_attn_absorbed<N><<<unsigned(T * H), k_attn_warps * 32, smem, st>>>(q, qlat, H, dn, dr, L, scale, cache, sel, \
-                                                                               topk, b, olat, err);                     \
+    k_mla_attn_absorbed<N><<<dim3(unsigned(T * H), unsigned(n_split)), k_attn_warps * 32, smem, st>>>(                 \
+        q, qlat, H, dn, dr, L, scale, cache, sel, topk, b, olat, part, err);                                           \
     break;
     switch (lpl) {
         case 1: PG_MLA_CASE(1)
@@ -160,6 +211,7 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
         default: PG_MLA_CASE(16)
     }
 #undef PG_MLA_CASE
+    if (part) k_mla_combine<<<unsigned(T * H), 128, 0, st>>>(part, n_split, L, sel, olat, err);
     const int64_t warps = T * H * dv;
     k_mla_out<<<grid_for(warps * 32, 256), 256, 0, st>>>(olat, kv_b, T, H, dn, dv, L, o);
     return cudaGetLastError();

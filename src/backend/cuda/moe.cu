@@ -437,6 +437,170 @@ __global__ void k_moe_combine_g(const float * __restrict__ ybuf, const float * _
     }
 }
 
+// ---- MXFP4, decode (v2): a warp takes R consecutive rows of NM matrices (gate and up, or down); every 16-byte unit
+// of those rows that the lane owns (unit = base + lane + 32 i, i < NU) and its E8M0 scale byte are loaded into
+// registers before any dequant or math, so R * NM * NU loads are in flight per lane (the first kernel: 2-4), and the
+// raw words (4 registers per unit instead of 32 dequantized floats) keep occupancy up. Each 8-column chunk of x is
+// loaded once for all R * NM rows; the scale is applied once per unit (32 columns).
+template <int NM, int R, int NU>
+__device__ __forceinline__ void fp4_rows_dot(const dexpert_matrix * mats, int64_t r0, int64_t n_rows, int64_t nu,
+                                             const float * __restrict__ xp, float (&acc)[NM][R]) {
+    const int lane = threadIdx.x & 31;
+    const int64_t rb = nu * 16;   // bytes per packed row
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    for (int64_t base = 0; base < nu; base += 32 * NU) {
+        uint4 q[NM][R][NU];
+        uint32_t sc[NM][R][NU];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < NU; ++i) {
+                    const int64_t u = base + lane + 32 * i, row = r0 + r;
+                    if (u < nu && row < n_rows) {
+                        q[m][r][i] = __ldg(reinterpret_cast<const uint4 *>(mats[m].packed + row * rb) + u);
+                        sc[m][r][i] = __ldg(mats[m].scale + row * nu + u);
+                    } else {
+                        q[m][r][i] = make_uint4(0, 0, 0, 0);
+                        sc[m][r][i] = 127;
+                    }
+                }
+#pragma unroll
+        for (int i = 0; i < NU; ++i) {
+            const int64_t u = base + lane + 32 * i;
+            if (u >= nu) break;
+            const float * xu = xp + u * 32;
+            float part[NM][R];
+#pragma unroll
+            for (int m = 0; m < NM; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r) part[m][r] = 0.0f;
+#pragma unroll
+            for (int wd = 0; wd < 4; ++wd) {
+                const float4 x0 = *reinterpret_cast<const float4 *>(xu + 8 * wd);
+                const float4 x1 = *reinterpret_cast<const float4 *>(xu + 8 * wd + 4);
+#pragma unroll
+                for (int m = 0; m < NM; ++m)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint4 & qq = q[m][r][i];
+                        const uint32_t word = wd == 0 ? qq.x : wd == 1 ? qq.y : wd == 2 ? qq.z : qq.w;
+                        float w8[8];
+                        fp4x8(word, w8);
+                        float a = part[m][r];
+                        a = fmaf(w8[0], x0.x, a);
+                        a = fmaf(w8[1], x0.y, a);
+                        a = fmaf(w8[2], x0.z, a);
+                        a = fmaf(w8[3], x0.w, a);
+                        a = fmaf(w8[4], x1.x, a);
+                        a = fmaf(w8[5], x1.y, a);
+                        a = fmaf(w8[6], x1.z, a);
+                        a = fmaf(w8[7], x1.w, a);
+                        part[m][r] = a;
+                    }
+            }
+#pragma unroll
+            for (int m = 0; m < NM; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[m][r] += part[m][r] * e8m0_g(uint8_t(sc[m][r][i]));
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+}
+
+constexpr int k_v2_warps = 8;
+
+// hbuf [S, F]: grid (F / (8 R), A); every token of the expert's segment (T == 1: one) re-reads the rows.
+template <int R, int NU>
+__global__ void __launch_bounds__(k_v2_warps * 32) k_moe_gate_up_fp4_v2(const float * __restrict__ x, int64_t Din, int64_t k,
+                                                                       const dexpert * __restrict__ ex, int64_t A, int64_t S,
+                                                                       const int32_t * __restrict__ gw, dexperts_cfg c,
+                                                                       float * __restrict__ hbuf) {
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v2_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_ff) return;
+    const int lane = threadIdx.x & 31;
+    const int e = gw[1 + a];
+    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
+    const int32_t * slots = gw + 2 + 2 * A;
+    const dexpert_matrix mats[2] = {ex[e].gate, ex[e].up};
+    for (int ti = 0; ti < n; ++ti) {
+        const int slot = slots[s0 + ti];
+        float acc[2][R];
+        fp4_rows_dot<2, R, NU>(mats, r0, c.d_ff, Din / 32, x + int64_t(slot / k) * Din, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (r0 + r < c.d_ff)
+                    hbuf[int64_t(slot) * c.d_ff + r0 + r] =
+                        c.act == 1 ? situ_d(acc[0][r], acc[1][r], c.situ_beta, c.situ_linear_beta) : silu_d(acc[0][r]) * acc[1][r];
+        }
+    }
+}
+
+// ybuf [S, Dout]: grid (Dout / (8 R), A).
+template <int R, int NU>
+__global__ void __launch_bounds__(k_v2_warps * 32) k_moe_down_fp4_v2(const float * __restrict__ hbuf, const dexpert * __restrict__ ex,
+                                                                    int64_t A, int64_t S, const int32_t * __restrict__ gw,
+                                                                    dexperts_cfg c, float * __restrict__ ybuf) {
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v2_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_out) return;
+    const int lane = threadIdx.x & 31;
+    const int e = gw[1 + a];
+    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
+    const int32_t * slots = gw + 2 + 2 * A;
+    const dexpert_matrix mats[1] = {ex[e].down};
+    for (int ti = 0; ti < n; ++ti) {
+        const int slot = slots[s0 + ti];
+        float acc[1][R];
+        fp4_rows_dot<1, R, NU>(mats, r0, c.d_out, c.d_ff / 32, hbuf + int64_t(slot) * c.d_ff, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (r0 + r < c.d_out) ybuf[int64_t(slot) * c.d_out + r0 + r] = acc[0][r];
+        }
+    }
+}
+
+template <int NU> void launch_gate_up_v2(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                                         const int32_t * gw, const dexperts_cfg & c, float * hbuf, cudaStream_t st) {
+    constexpr int R = 2;
+    k_moe_gate_up_fp4_v2<R, NU><<<dim3(grid_for(c.d_ff, k_v2_warps * R), unsigned(A)), k_v2_warps * 32, 0, st>>>(
+        x, Din, k, experts, A, S, gw, c, hbuf);
+}
+template <int NU> void launch_down_v2(const dexpert * experts, int64_t A, int64_t S, const int32_t * gw,
+                                      const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st) {
+    constexpr int R = 4;
+    k_moe_down_fp4_v2<R, NU><<<dim3(grid_for(c.d_out, k_v2_warps * R), unsigned(A)), k_v2_warps * 32, 0, st>>>(
+        hbuf, experts, A, S, gw, c, ybuf);
+}
+// Units per lane for a row of nu 16-byte units: 1, 2 or 4 (longer rows loop over chunks of 128 units).
+inline int v2_nu(int64_t nu) { return nu <= 32 ? 1 : nu <= 64 ? 2 : 4; }
+
+void launch_fp4_v2_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                          const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st) {
+    switch (v2_nu(Din / 32)) {
+        case 1: launch_gate_up_v2<1>(x, Din, k, experts, A, S, gw, c, hbuf, st); break;
+        case 2: launch_gate_up_v2<2>(x, Din, k, experts, A, S, gw, c, hbuf, st); break;
+        default: launch_gate_up_v2<4>(x, Din, k, experts, A, S, gw, c, hbuf, st); break;
+    }
+    switch (v2_nu(c.d_ff / 32)) {
+        case 1: launch_down_v2<1>(experts, A, S, gw, c, hbuf, ybuf, st); break;
+        case 2: launch_down_v2<2>(experts, A, S, gw, c, hbuf, ybuf, st); break;
+        default: launch_down_v2<4>(experts, A, S, gw, c, hbuf, ybuf, st); break;
+    }
+}
+
 template <int FMT, int TT>
 void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st) {
@@ -455,7 +619,7 @@ int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
 
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
-                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st) {
+                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st, bool fp4_v2) {
     const int64_t S = T * k;
     if (S == 0) return cudaGetLastError();
     if (E > 1024 || vfmt < 1 || vfmt > 3) return cudaErrorInvalidValue;
@@ -469,7 +633,8 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
 #define PG_GRP(F)                                                                                              \
     if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);                     \
     else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
-    if (vfmt == 1) { PG_GRP(1) } else if (vfmt == 2) { PG_GRP(2) } else { PG_GRP(3) }
+    if (vfmt == 2 && one && fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
+    else if (vfmt == 1) { PG_GRP(1) } else if (vfmt == 2) { PG_GRP(2) } else { PG_GRP(3) }
 #undef PG_GRP
     const int64_t n = T * c.d_out;
     const int64_t bl = (n + 255) / 256;

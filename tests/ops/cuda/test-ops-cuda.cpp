@@ -357,7 +357,97 @@ TEST(cuda_ops, mla_paged_causal_and_selected_with_indexer) {
             graph g = bd.finish(o);
             const std::string nm = fmt::format("mla/{}/seqs{}/T{}", with_sel ? "sel" : "causal", lens.size(), T);
             EXPECT_TRUE(parity(nm, g, oc, sc)) << nm;
+            {   // the first kernel (one block per (token, head), no key split) stays selectable: same tolerance
+                cuda_options o{true, 8};
+                o.mla_split = false;
+                EXPECT_TRUE(parity(nm + "/one-block", g, oc, sc, o)) << nm;
+            }
         }
+    }
+}
+
+// Decode at the true latent widths over a long context: the key split (16 ranges of ~40 keys, over many pages)
+// against the CPU and against the one-block kernel.
+TEST(cuda_ops, mla_decode_long_context_split_keys) {
+    NEED_GPU();
+    for (int T : {1, 2}) {
+        const int H = 2, dn = 32, dr = 64, dv = 32, L = 512, ps = 16, pages_per = 40;
+        rng r(4500 + uint32_t(T));
+        arena a;
+        std::vector<int> lens(size_t(T), 1), pos0, slots;
+        for (int s = 0; s < T; ++s) pos0.push_back(600 + 17 * s), slots.push_back(s);
+        auto b = batch_seqs(lens, pos0, slots, ps, pages_per);
+        const int n_pages = T * pages_per;
+        builder bd(b);
+        auto qv = r.vec(size_t(T * H * (dn + dr))), cv = r.vec(size_t(T * L)), krv = r.vec(size_t(T * dr));
+        auto kvb = r.vec(size_t(H * (dn + dv) * L), -0.05f, 0.05f);
+        auto cache0 = r.vec(size_t(n_pages * ps * (L + dr)), -0.3f, 0.3f);
+        tensor & cache = a.f32({n_pages, ps, L + dr}, cache0);
+        std::set<int64_t> touched;
+        for (auto & bt : b->block_table) touched.insert(bt.begin(), bt.end());
+        const node_ref o = bd.name(bd.mla_attn(bd.scale(bd.weight(a.f32({T, H * (dn + dr)}, qv), "q"), 1.0f),
+                                               bd.scale(bd.weight(a.f32({T, L}, cv), "c"), 1.0f),
+                                               bd.scale(bd.weight(a.f32({T, dr}, krv), "kr"), 1.0f),
+                                               bd.weight(a.bf16({H * (dn + dv), L}, kvb), "kv_b"), bd.state(cache, "mla_cache"),
+                                               node_ref{}, {H, dn, dr, dv, L, 0.1f}),
+                                   "mla_attn");
+        std::vector<out_check> oc{{o, metric::MAX_ABS, k_tol_mla_abs}, {o, metric::NMSE, k_tol_f32}};
+        std::vector<state_check> sc{{&cache, metric::NMSE, 0.0, touched}};
+        graph g = bd.finish(o);
+        const std::string nm = fmt::format("mla/long/T{}", T);
+        EXPECT_TRUE(parity(nm, g, oc, sc)) << nm;
+        cuda_options one{true, 8};
+        one.mla_split = false;
+        EXPECT_TRUE(parity(nm + "/one-block", g, oc, sc, one)) << nm;
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        auto gpu = backend_cuda_init(0);
+        gpu->run(g);
+        controls(nm, read_f32(*cpu, o), read_f32(*gpu, o), metric::NMSE, k_tol_f32);
+    }
+}
+
+// MXFP4 decode (T == 1) at rows longer than one pass of the v2 kernel (4224 columns = 132 units: 128 + a tail of 4)
+// and a down row of 3 units per warp: v2 against the CPU and the first grouped kernel against the CPU.
+TEST(cuda_ops, moe_mxfp4_decode_v2_long_rows) {
+    NEED_GPU();
+    for (int F : {96, 2080}) {
+        const int T = 1, D = 4224, E = 8, k = 3;
+        rng r(5500 + uint32_t(F));
+        arena a;
+        builder bd(batch_simple(T));
+        auto xv = r.vec(size_t(T * D)), gw = r.vec(size_t(E * D), -0.3f, 0.3f);
+        auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+        auto mk = [&](int out, int in) {
+            expert_matrix m;
+            m.out = out;
+            m.in = in;
+            tensor & p = a.raw(dtype::U8, {out, in / 2});
+            tensor & s = a.raw(dtype::U8, {out, in / 32});
+            for (int64_t i = 0; i < p.numel(); ++i) p.as<uint8_t>()[i] = uint8_t(r.randint(0, 255));
+            for (int64_t i = 0; i < s.numel(); ++i) s.as<uint8_t>()[i] = uint8_t(r.randint(114, 120));
+            m.packed = &p;
+            m.scale = &s;
+            m.format = fp4_format::MXFP4;
+            m.global_scale = 1.0f;
+            return m;
+        };
+        for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+        const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f), "x");
+        auto [ids, w] = bd.moe_route(x, bd.weight(a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, true, 1.0f, router_act::SIGMOID});
+        const node_ref y = bd.name(bd.moe_experts(x, ids, w, {glu_act::SITU, 2.0f, 3.0f, D, ex}), "experts");
+        graph g = bd.finish(y);
+        const std::string nm = fmt::format("moe/mxfp4-v2/D{}/F{}", D, F);
+        const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {y, metric::NMSE, k_tol_f32}};
+        EXPECT_TRUE(parity(nm, g, oc, {})) << nm;
+        cuda_options first{true, 8};
+        first.moe_fp4_v2 = false;
+        EXPECT_TRUE(parity(nm + "/first-grouped", g, oc, {}, first)) << nm;
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        auto gpu = backend_cuda_init(0);
+        gpu->run(g);
+        controls(nm, read_f32(*cpu, y), read_f32(*gpu, y), metric::NMSE, k_tol_f32);
     }
 }
 
@@ -409,6 +499,12 @@ TEST(cuda_ops, moe_route_and_experts_dense_mxfp4_nvfp4) {
                 o.moe_route_fast = false;   // and the first router kernel
                 EXPECT_TRUE(parity(nm + "/per-slot", g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32},
                                                          {y, metric::NMSE, k_tol_f32}}, {}, o)) << nm;
+            }
+            if (fmt_i == 1 && T == 1) {   // the first grouped MXFP4 kernel (cuda_options::moe_fp4_v2 = false)
+                cuda_options o{true, 8};
+                o.moe_fp4_v2 = false;
+                EXPECT_TRUE(parity(nm + "/first-grouped", g, {{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32},
+                                                              {y, metric::NMSE, k_tol_f32}}, {}, o)) << nm;
             }
             if (T == 4 && fmt_i == 1) {   // control: two swapped expert ids must fail the exact check
                 auto gpu = backend_cuda_init(0);
