@@ -14,6 +14,8 @@
 //    accepted stream ends with finish_reason + [DONE], exit 0); and past --drain-timeout the
 //    remaining streams end with an in-stream error, exit 0.
 // Bounded: every wait has a deadline; only loopback sockets.
+#include "serve_helpers.h"
+
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <nlohmann/json.hpp>
@@ -39,11 +41,9 @@
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using steady = std::chrono::steady_clock;
+using namespace perigee_test;
 
 namespace {
-
-double since(steady::time_point t) { return std::chrono::duration<double>(steady::now() - t).count(); }
 
 // ---------------------------------------------------------------- model fixture
 std::string b64(unsigned char c) {
@@ -53,8 +53,16 @@ std::string b64(unsigned char c) {
 
 // k3-tiny-v512 weights + a tokenizer of the 256 bytes (GPT-2 byte order) and the K3 specials at
 // 256.. (same as tests/e2e-server/make_tiny_tokenizer.py).
+struct dir_cleanup {
+    std::string dir;
+    ~dir_cleanup() {
+        if (!dir.empty()) fs::remove_all(dir);
+    }
+};
+
 const std::string & model_dir() {
     static std::string dir;
+    static dir_cleanup cleanup;
     if (!dir.empty()) return dir;
     dir = (fs::temp_directory_path() / ("perigee_drills_" + std::to_string(::getpid()))).string();
     fs::remove_all(dir);
@@ -77,192 +85,9 @@ const std::string & model_dir() {
         atd[std::to_string(256 + off)] = {{"content", name}, {"special", name != "<|open|>" && name != "<|close|>" && name != "<|sep|>"}};
     std::ofstream c(dir + "/tokenizer_config.json");
     c << json{{"tokenizer_class", "TikTokenTokenizer"}, {"bos_token", "[BOS]"}, {"eos_token", "[EOS]"}, {"added_tokens_decoder", atd}}.dump(1);
+    cleanup.dir = dir;
     return dir;
 }
-
-// ---------------------------------------------------------------- the server process
-class serve_proc {
-public:
-    explicit serve_proc(const std::vector<std::string> & extra) {
-        int p[2];
-        if (pipe(p) != 0) throw std::runtime_error("pipe");
-        std::vector<std::string> args = {PERIGEE_BIN, "serve", "--model", model_dir(), "--host", "127.0.0.1", "--port", "0",
-                                         "--served-model-name", "tiny"};
-        args.insert(args.end(), extra.begin(), extra.end());
-        pid_ = fork();
-        if (pid_ == 0) {
-            dup2(p[1], 2);
-            const int devnull = open("/dev/null", O_RDWR);
-            dup2(devnull, 0);
-            dup2(devnull, 1);
-            close(p[0]);
-            setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-            std::vector<char *> av;
-            for (auto & a : args) av.push_back(a.data());
-            av.push_back(nullptr);
-            execv(av[0], av.data());
-            _exit(127);
-        }
-        close(p[1]);
-        fd_ = p[0];
-        reader_ = std::thread([this] {
-            char buf[4096];
-            for (;;) {
-                const ssize_t n = read(fd_, buf, sizeof buf);
-                if (n <= 0) break;
-                std::lock_guard<std::mutex> lk(m_);
-                log_.append(buf, size_t(n));
-            }
-        });
-        const auto t0 = steady::now();
-        const std::regex re(R"(Listening on http://127\.0\.0\.1:(\d+))");
-        while (since(t0) < 60) {
-            {
-                std::lock_guard<std::mutex> lk(m_);
-                std::smatch mm;
-                if (std::regex_search(log_, mm, re)) {
-                    port_ = std::stoi(mm[1]);
-                    return;
-                }
-            }
-            if (waitpid(pid_, &status_, WNOHANG) == pid_) {
-                exited_ = true;
-                break;
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        throw std::runtime_error("perigee serve did not start: " + log());
-    }
-    ~serve_proc() {
-        if (!exited_) {
-            kill(pid_, SIGKILL);
-            waitpid(pid_, &status_, 0);
-        }
-        if (reader_.joinable()) reader_.join();
-        close(fd_);
-    }
-    int port() const { return port_; }
-    pid_t pid() const { return pid_; }
-    std::string log() const {
-        std::lock_guard<std::mutex> lk(m_);
-        return log_;
-    }
-    // Exit code, or -1 if it did not exit within timeout_s (or died of a signal).
-    int wait_exit(double timeout_s) {
-        const auto t0 = steady::now();
-        while (since(t0) < timeout_s) {
-            if (waitpid(pid_, &status_, WNOHANG) == pid_) {
-                exited_ = true;
-                return WIFEXITED(status_) ? WEXITSTATUS(status_) : -1;
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        return -1;
-    }
-
-    httplib::Client client() const {
-        httplib::Client c("127.0.0.1", port_);
-        c.set_read_timeout(60, 0);
-        c.set_connection_timeout(5, 0);
-        return c;
-    }
-    std::pair<int, std::string> post(const std::string & path, const json & body) const {
-        auto c = client();
-        auto r = c.Post(path.c_str(), body.dump(), "application/json");
-        if (!r) return {-1, "transport error: " + httplib::to_string(r.error())};
-        return {r->status, r->body};
-    }
-    std::map<std::string, double> metrics() const {
-        auto c = client();
-        std::map<std::string, double> out;
-        auto r = c.Get("/metrics");
-        if (!r) return out;
-        std::istringstream ss(r->body);
-        std::string line;
-        while (std::getline(ss, line)) {
-            if (line.empty() || line[0] == '#') continue;
-            const size_t sp = line.rfind(' ');
-            if (sp == std::string::npos) continue;
-            out[line.substr(0, sp)] = std::atof(line.c_str() + sp + 1);
-        }
-        return out;
-    }
-    // true when nothing runs, waits or holds a slot / page / flight.
-    bool idle() const {
-        auto m = metrics();
-        return !m.empty() && m["perigee:num_requests_running"] == 0 && m["perigee:num_requests_waiting"] == 0 &&
-               m["perigee:slots_in_use"] == 0 && m["perigee:pages_in_use"] == 0 && m["perigee:requests_in_flight"] == 0;
-    }
-    // Seconds until idle(), or -1 past the deadline.
-    double wait_idle(double timeout_s) const {
-        const auto t0 = steady::now();
-        while (since(t0) < timeout_s) {
-            if (idle()) return since(t0);
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        return -1;
-    }
-
-private:
-    pid_t pid_ = -1;
-    int fd_ = -1, port_ = -1, status_ = 0;
-    bool exited_ = false;
-    std::thread reader_;
-    mutable std::mutex m_;
-    std::string log_;
-};
-
-// ---------------------------------------------------------------- raw streaming client
-// A streamed POST on its own socket, so a test controls exactly when it reads and when it closes.
-class raw_stream {
-public:
-    raw_stream(int port, const json & body, const std::string & path = "/v1/completions") {
-        fd_ = socket(AF_INET, SOCK_STREAM, 0);
-        sockaddr_in a{};
-        a.sin_family = AF_INET;
-        a.sin_port = htons(uint16_t(port));
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        if (connect(fd_, reinterpret_cast<sockaddr *>(&a), sizeof a) != 0) {
-            close(fd_);
-            fd_ = -1;
-            return;
-        }
-        const std::string b = body.dump();
-        const std::string req = "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
-                                std::to_string(b.size()) + "\r\nConnection: close\r\n\r\n" + b;
-        if (send(fd_, req.data(), req.size(), MSG_NOSIGNAL) != ssize_t(req.size())) close_now();
-    }
-    ~raw_stream() { close_now(); }
-    bool ok() const { return fd_ >= 0; }
-    // Reads until `needle` is in the data (true), EOF or the deadline (false).
-    bool read_until(const std::string & needle, double timeout_s) {
-        const auto t0 = steady::now();
-        while (data_.find(needle) == std::string::npos) {
-            if (fd_ < 0 || eof_ || since(t0) > timeout_s) return false;
-            pollfd p{fd_, POLLIN, 0};
-            if (poll(&p, 1, 50) <= 0) continue;
-            char buf[8192];
-            const ssize_t n = recv(fd_, buf, sizeof buf, 0);
-            if (n <= 0) eof_ = true;
-            else data_.append(buf, size_t(n));
-        }
-        return true;
-    }
-    bool read_to_end(double timeout_s) {
-        read_until(std::string(1, '\0'), timeout_s);   // never in the data: reads to EOF or the deadline
-        return eof_;
-    }
-    void close_now() {
-        if (fd_ >= 0) close(fd_);
-        fd_ = -1;
-    }
-    const std::string & data() const { return data_; }
-
-private:
-    int fd_ = -1;
-    bool eof_ = false;
-    std::string data_;
-};
 
 json completion(const std::vector<int> & prompt, int max_tokens, bool stream = false) {
     json j = {{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"ignore_eos", true}};
@@ -273,6 +98,10 @@ json completion(const std::vector<int> & prompt, int max_tokens, bool stream = f
         j["logprobs"] = 2;
     }
     return j;
+}
+
+std::string completion_s(const std::vector<int> & prompt, int max_tokens, bool stream = false) {
+    return completion(prompt, max_tokens, stream).dump();
 }
 
 // "" when two completions of the same greedy request agree: text, tokens and finish_reason
@@ -337,12 +166,12 @@ TEST(drill_helpers, output_diff_controls_fail_on_perturbed_outputs) {
 
 TEST(server_drills, nan_in_one_sequence_fails_only_that_request) {
     constexpr int k_trigger = 126;   // a byte id no other prompt here contains
-    serve_proc s({"--max-num-seqs", "4", "--max-model-len", "256", "--test-nan-token", std::to_string(k_trigger),
+    serve_proc s(model_dir(), {"--max-num-seqs", "4", "--max-model-len", "256", "--test-nan-token", std::to_string(k_trigger),
                   "--test-nan-after", "3"});
     const std::vector<std::vector<int>> prompts = {{65, 66, 67, 68}, {70, 71, 72}, {80, 81, 82, 83, 84, 85}};
     std::vector<std::string> alone;
     for (const auto & p : prompts) {
-        const auto [st, body] = s.post("/v1/completions", completion(p, 24));
+        const auto [st, body] = s.post("/v1/completions", completion_s(p, 24));
         ASSERT_EQ(st, 200) << body;
         alone.push_back(body);
     }
@@ -354,7 +183,7 @@ TEST(server_drills, nan_in_one_sequence_fails_only_that_request) {
     std::vector<std::thread> ts;
     for (size_t i = 0; i < prompts.size(); ++i)
         ts.emplace_back([&, i] {
-            const auto [st, body] = s.post("/v1/completions", completion(prompts[i], 24));
+            const auto [st, body] = s.post("/v1/completions", completion_s(prompts[i], 24));
             together[i] = st == 200 ? body : "HTTP " + std::to_string(st) + ": " + body;
         });
     ts.emplace_back([&] {
@@ -362,7 +191,7 @@ TEST(server_drills, nan_in_one_sequence_fails_only_that_request) {
         r.read_to_end(60);
         poisoned_stream = r.data();
     });
-    ts.emplace_back([&] { poisoned_plain = s.post("/v1/completions", completion({k_trigger, 90}, 24)); });
+    ts.emplace_back([&] { poisoned_plain = s.post("/v1/completions", completion_s({k_trigger, 90}, 24)); });
     for (auto & t : ts) t.join();
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(output_diff(together[i], alone[i]), "") << "request " << i << " was affected by the fault";
     // the poisoned stream: some tokens, then an in-stream error object naming the cause, then [DONE]
@@ -381,11 +210,11 @@ TEST(server_drills, nan_in_one_sequence_fails_only_that_request) {
     auto h = c.Get("/health");
     ASSERT_TRUE(h);
     EXPECT_EQ(h->status, 200) << h->body;
-    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(output_diff(s.post("/v1/completions", completion(prompts[i], 24)).second, alone[i]), "");
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(output_diff(s.post("/v1/completions", completion_s(prompts[i], 24)).second, alone[i]), "");
 }
 
 TEST(server_drills, admission_beyond_capacity_is_refused_with_a_reason) {
-    serve_proc s({"--max-num-seqs", "1", "--max-queue", "1", "--max-model-len", "2048"});
+    serve_proc s(model_dir(), {"--max-num-seqs", "1", "--max-queue", "1", "--max-model-len", "2048"});
     raw_stream running(s.port(), completion({65, 66}, 2000, true));
     ASSERT_TRUE(running.read_until("\"text\"", 30)) << running.data() << s.log();   // admitted and decoding
     raw_stream queued(s.port(), completion({67, 68}, 2000, true));
@@ -394,7 +223,7 @@ TEST(server_drills, admission_beyond_capacity_is_refused_with_a_reason) {
     while (s.metrics()["perigee:num_requests_waiting"] < 1 && since(t0) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     ASSERT_EQ(s.metrics()["perigee:num_requests_waiting"], 1);
     auto c = s.client();
-    auto r = c.Post("/v1/completions", completion({69}, 4).dump(), "application/json");
+    auto r = c.Post("/v1/completions", completion_s({69}, 4), "application/json");
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 503) << r->body;
     EXPECT_EQ(r->get_header_value("Retry-After"), "1");
@@ -404,20 +233,20 @@ TEST(server_drills, admission_beyond_capacity_is_refused_with_a_reason) {
     EXPECT_NE(e["error"]["message"].get<std::string>().find("queue"), std::string::npos) << r->body;
     // beyond the context: 400 naming the limit (never admitted)
     std::vector<int> long_prompt(2100, 65);
-    const auto [st, body] = s.post("/v1/completions", completion(long_prompt, 4));
+    const auto [st, body] = s.post("/v1/completions", completion_s(long_prompt, 4));
     EXPECT_EQ(st, 400) << body;
     EXPECT_NE(body.find("context_length_exceeded"), std::string::npos) << body;
     // the refused requests took nothing; closing the two streams frees everything
     running.close_now();
     queued.close_now();
     EXPECT_GE(s.wait_idle(2.0), 0.0) << "pools not back to baseline after the refusals";
-    const auto [st2, body2] = s.post("/v1/completions", completion({69}, 4));
+    const auto [st2, body2] = s.post("/v1/completions", completion_s({69}, 4));
     EXPECT_EQ(st2, 200) << body2;
 }
 
 TEST(server_drills, disconnect_storm_200_streams_frees_everything_within_2s) {
-    serve_proc s({"--max-num-seqs", "8", "--max-queue", "256", "--max-model-len", "1024"});
-    const auto [st0, canary0] = s.post("/v1/completions", completion({65, 66, 67}, 8));
+    serve_proc s(model_dir(), {"--max-num-seqs", "8", "--max-queue", "256", "--max-model-len", "1024"});
+    const auto [st0, canary0] = s.post("/v1/completions", completion_s({65, 66, 67}, 8));
     ASSERT_EQ(st0, 200) << canary0;
     const double cancelled0 = s.metrics()["perigee:requests_cancelled_total"];
     constexpr int k_threads = 20, k_each = 10;
@@ -444,16 +273,16 @@ TEST(server_drills, disconnect_storm_200_streams_frees_everything_within_2s) {
     EXPECT_GE(m["perigee:requests_cancelled_total"] - cancelled0, double(k_threads * k_each));
     EXPECT_EQ(m["perigee:slots_in_use"], 0);
     EXPECT_EQ(m["perigee:pages_in_use"], 0);
-    const auto [st1, canary1] = s.post("/v1/completions", completion({65, 66, 67}, 8));
+    const auto [st1, canary1] = s.post("/v1/completions", completion_s({65, 66, 67}, 8));
     EXPECT_EQ(st1, 200);
     EXPECT_EQ(output_diff(canary1, canary0), "") << "the canary changed after the storm";
 }
 
 TEST(server_drills, sigterm_drains_streams_in_flight_and_exits_0) {
-    serve_proc s({"--max-num-seqs", "4", "--max-model-len", "512", "--drain-timeout", "30"});
+    serve_proc s(model_dir(), {"--max-num-seqs", "4", "--max-model-len", "512", "--drain-timeout", "30"});
     constexpr int k_streams = 4, k_tokens = 200;
     std::vector<std::unique_ptr<raw_stream>> rs;
-    for (int i = 0; i < k_streams; ++i) rs.push_back(std::make_unique<raw_stream>(s.port(), completion({65 + i, 70}, k_tokens, true)));
+    for (int i = 0; i < k_streams; ++i) rs.push_back(std::make_unique<raw_stream>(s.port(), completion_s({65 + i, 70}, k_tokens, true)));
     for (auto & r : rs) ASSERT_TRUE(r->read_until("\"text\":\"", 30)) << r->data();
     ASSERT_EQ(kill(s.pid(), SIGTERM), 0);
     // while draining: /health 503 draining, new requests 503
@@ -472,7 +301,7 @@ TEST(server_drills, sigterm_drains_streams_in_flight_and_exits_0) {
     }
     EXPECT_EQ(health, 503) << health_body;
     EXPECT_NE(health_body.find("draining"), std::string::npos) << health_body;
-    const auto [st, body] = s.post("/v1/completions", completion({65}, 4));
+    const auto [st, body] = s.post("/v1/completions", completion_s({65}, 4));
     EXPECT_EQ(st, 503) << body;
     EXPECT_NE(body.find("shutting down"), std::string::npos) << body;
     // every accepted stream runs to its end
@@ -488,9 +317,9 @@ TEST(server_drills, sigterm_drains_streams_in_flight_and_exits_0) {
 }
 
 TEST(server_drills, sigterm_past_the_drain_timeout_cancels_the_rest_and_exits_0) {
-    serve_proc s({"--max-num-seqs", "2", "--max-model-len", "4096", "--drain-timeout", "0.5"});
+    serve_proc s(model_dir(), {"--max-num-seqs", "2", "--max-model-len", "4096", "--drain-timeout", "0.5"});
     std::vector<std::unique_ptr<raw_stream>> rs;
-    for (int i = 0; i < 2; ++i) rs.push_back(std::make_unique<raw_stream>(s.port(), completion({65 + i}, 4000, true)));
+    for (int i = 0; i < 2; ++i) rs.push_back(std::make_unique<raw_stream>(s.port(), completion_s({65 + i}, 4000, true)));
     for (auto & r : rs) ASSERT_TRUE(r->read_until("\"text\":\"", 30)) << r->data();
     const auto t0 = steady::now();
     ASSERT_EQ(kill(s.pid(), SIGTERM), 0);
