@@ -187,7 +187,7 @@ TEST(server_drills, nan_in_one_sequence_fails_only_that_request) {
             together[i] = st == 200 ? body : "HTTP " + std::to_string(st) + ": " + body;
         });
     ts.emplace_back([&] {
-        raw_stream r(s.port(), completion({65, k_trigger, 66}, 24, true));
+        raw_stream r(s.port(), completion_s({65, k_trigger, 66}, 24, true));
         r.read_to_end(60);
         poisoned_stream = r.data();
     });
@@ -215,9 +215,9 @@ TEST(server_drills, nan_in_one_sequence_fails_only_that_request) {
 
 TEST(server_drills, admission_beyond_capacity_is_refused_with_a_reason) {
     serve_proc s(model_dir(), {"--max-num-seqs", "1", "--max-queue", "1", "--max-model-len", "2048"});
-    raw_stream running(s.port(), completion({65, 66}, 2000, true));
+    raw_stream running(s.port(), completion_s({65, 66}, 2000, true));
     ASSERT_TRUE(running.read_until("\"text\"", 30)) << running.data() << s.log();   // admitted and decoding
-    raw_stream queued(s.port(), completion({67, 68}, 2000, true));
+    raw_stream queued(s.port(), completion_s({67, 68}, 2000, true));
     // the queued one is waiting in the engine once /metrics says so
     const auto t0 = steady::now();
     while (s.metrics()["perigee:num_requests_waiting"] < 1 && since(t0) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -256,7 +256,7 @@ TEST(server_drills, disconnect_storm_200_streams_frees_everything_within_2s) {
         ts.emplace_back([&, t] {
             for (int i = 0; i < k_each; ++i) {
                 const int k = t * k_each + i;
-                raw_stream r(s.port(), completion({65 + k % 26, 66 + k % 13, 67 + k % 7}, 1000, true));
+                raw_stream r(s.port(), completion_s({65 + k % 26, 66 + k % 13, 67 + k % 7}, 1000, true));
                 // mid-stream: at least one generated token received, then the client goes away
                 if (r.read_until("\"text\":\"", 60)) mid_stream++;
                 else failed++;
