@@ -280,7 +280,7 @@ TEST(server_drills, disconnect_storm_200_streams_frees_everything_within_2s) {
 
 TEST(server_drills, sigterm_drains_streams_in_flight_and_exits_0) {
     serve_proc s(model_dir(), {"--max-num-seqs", "4", "--max-model-len", "512", "--drain-timeout", "30"});
-    constexpr int k_streams = 4, k_tokens = 200;
+    constexpr int k_streams = 4, k_tokens = 120;
     std::vector<std::unique_ptr<raw_stream>> rs;
     for (int i = 0; i < k_streams; ++i) rs.push_back(std::make_unique<raw_stream>(s.port(), completion_s({65 + i, 70}, k_tokens, true)));
     for (auto & r : rs) ASSERT_TRUE(r->read_until("\"text\":\"", 30)) << r->data();
