@@ -38,6 +38,12 @@ struct cuda_options {
     // MOE_EXPERTS grouped MXFP4 (decode, T == 1): raw 16-byte loads of every unit of a lane issued before any
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
+    // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
+    // launch over several weight pointers, at the first of them. false: one launch per LINEAR (compare mode).
+    bool linear_group = true;
+    // ATTN_RES_MIX: candidate scores by one block per (row, candidate), then the mix by many blocks over the row.
+    // false: the first kernel (one block per row, candidates serial; compare mode).
+    bool attn_res_split = true;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

@@ -364,6 +364,7 @@ private:
             const op_type o = g.nodes[i].op;
             if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS) err_slot_[i] = n_err++;
         }
+        plan_linear_groups(g);
         err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
         return n_err;
     }
@@ -605,6 +606,7 @@ private:
             }
             default: break;
         }
+        if (!lin_member_.empty() && lin_member_[size_t(id)]) return;   // computed by its group's first LINEAR
         for (const auto & o : n.outs) out.push_back(new_out(o.type, o.shape));
         float * y = static_cast<float *>(out.at(0).p);
         int * err = err_slot_[size_t(id)] >= 0 ? err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT : nullptr;
@@ -635,7 +637,10 @@ private:
                     PG_CUDA_CHECK(cuda::launch_gated_rms_norm(f32_in(n, 0), f32_in(n, 1), R, N, w_in(n, 2), n.p.eps, y, st_));
                 break;
             }
-            case op_type::LINEAR: run_linear(n, y); break;
+            case op_type::LINEAR:
+                if (!lin_group_.empty() && !lin_group_[size_t(id)].empty()) run_linear_group(g, n, y, lin_group_[size_t(id)]);
+                else run_linear(n, y);
+                break;
             case op_type::ADD:
             case op_type::MUL:
             case op_type::SCALE:
@@ -799,11 +804,74 @@ private:
                     cp.p[i] = f32_in(n, i);
                 }
                 const int64_t D = x.shape.back();
-                PG_CUDA_CHECK(cuda::launch_attn_res_mix(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps, y, st_));
+                float * sc = opt_.attn_res_split ? static_cast<float *>(alloc(size_t(xn / D * int64_t(nc)) * 4)) : nullptr;
+                PG_CUDA_CHECK(cuda::launch_attn_res_mix(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps, sc, y,
+                                                        st_));
                 break;
             }
             case op_type::COUNT: PG_FAIL("op COUNT is not an op");
         }
+    }
+
+    // LINEAR on the GEMV path: its weight leaf's type, else wtype::F32 with ok = false (not groupable).
+    bool gemv_linear(const graph & g, const node & n, dtype & wt, int64_t & K) const {
+        if (n.op != op_type::LINEAR || n.src.size() < 2) return false;
+        const node & wn = g.nodes[size_t(n.src[1].node)];
+        if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return false;
+        const auto & xs = g.out(n.src[0]).shape;
+        if (xs.size() != 2) return false;
+        wt = wn.leaf->type;
+        if (wt != dtype::BF16 && wt != dtype::F16 && wt != dtype::F32) return false;
+        if (!(xs[0] <= opt_.gemv_max_tokens || wt == dtype::F16)) return false;
+        K = xs[1];
+        return wn.leaf->shape[1] == K;
+    }
+    // Groups of LINEARs over the same input (cuda_options::linear_group): the first one launches all of them.
+    void plan_linear_groups(const graph & g) {
+        lin_group_.assign(g.nodes.size(), {});
+        lin_member_.assign(g.nodes.size(), 0);
+        if (!opt_.linear_group) return;
+        for (size_t i = 0; i < g.nodes.size(); ++i) {
+            dtype wt;
+            int64_t K;
+            if (lin_member_[i] || !gemv_linear(g, g.nodes[i], wt, K)) continue;
+            const node_ref src = g.nodes[i].src[0];
+            for (size_t j = i + 1; j < g.nodes.size() && lin_group_[i].size() + 1 < size_t(cuda::k_gemv_group_max); ++j) {
+                const node & m = g.nodes[j];
+                dtype wt2;
+                int64_t K2;
+                if (lin_member_[j] || m.op != op_type::LINEAR || m.src[0].node != src.node || m.src[0].out != src.out) continue;
+                if (!gemv_linear(g, m, wt2, K2) || wt2 != wt || K2 != K) continue;
+                if (m.src[1].node > int(i)) continue;   // its weight node must have run when the group launches
+                lin_group_[i].push_back(int(j));
+                lin_member_[j] = 1;
+            }
+        }
+    }
+    void run_linear_group(const graph & g, const node & n, float * y, const std::vector<int> & mates) {
+        const dtensor & x = in(n, 0);
+        const int64_t T = x.shape.at(0), K = x.shape.at(1);
+        const void * w[cuda::k_gemv_group_max];
+        float * ys[cuda::k_gemv_group_max];
+        int64_t out[cuda::k_gemv_group_max];
+        const dweight W0 = w_in(n, 1);
+        w[0] = W0.data;
+        ys[0] = y;
+        out[0] = in(n, 1).shape.at(0);
+        int k = 1;
+        for (int j : mates) {
+            const node & m = g.nodes[size_t(j)];
+            PG_CHECK(in(m, 1).shape.at(1) == K, "group mate '{}': weight {} for input {}", m.name, shape_str(in(m, 1).shape),
+                     shape_str(x.shape));
+            auto & o = outs_[size_t(j)];
+            PG_CHECK(o.empty(), "group mate '{}' already has outputs", m.name);
+            for (const auto & oo : m.outs) o.push_back(new_out(oo.type, oo.shape));
+            w[k] = in(m, 1).p;
+            ys[k] = static_cast<float *>(o.at(0).p);
+            out[k] = in(m, 1).shape.at(0);
+            ++k;
+        }
+        PG_CUDA_CHECK(cuda::launch_linear_gemv_group(f32_in(n, 0), T, K, W0.type, w, ys, out, k, st_));
     }
 
     void run_linear(const node & n, float * y) {
@@ -963,6 +1031,8 @@ private:
     std::vector<std::vector<dtensor>> outs_;
     std::vector<void *> run_allocs_;
     std::vector<int> err_slot_;
+    std::vector<std::vector<int>> lin_group_;   // per LINEAR: the later LINEARs it launches with it (same input)
+    std::vector<char> lin_member_;               // launched by an earlier LINEAR of its group
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

@@ -45,6 +45,10 @@ cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, i
 // ---- linear.cu ----
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st);
+// Up to k_gemv_group_max LINEARs over the same x [T, in] (same weight type) as one launch: y[s] [T, out[s]].
+inline constexpr int k_gemv_group_max = 8;
+cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wtype wt, const void * const * w,
+                                     float * const * y, const int64_t * out, int n, cudaStream_t st);
 // x F32 [n] -> bf16 [n] (round to nearest even), for the cuBLASLt path.
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st);
 // x F32 [n] -> hi = bf16(x), lo = bf16(x - hi): x is hi + lo to ~16 mantissa bits (the split-bf16 GEMM path).
@@ -128,8 +132,10 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;
 struct cand_ptrs { const float * p[k_attn_res_max]; };
+// scratch: R * n floats for the split form (scores by one block per (row, candidate), then the mix over many blocks);
+// nullptr: the first kernel (one block per row).
 cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w, dweight proj_w,
-                                float eps, float * y, cudaStream_t st);
+                                float eps, float * scratch, float * y, cudaStream_t st);
 
 // ---- guard.cu (debug sentinels) ----
 cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st);

@@ -44,12 +44,10 @@ constexpr int k_gemv_warps = 8;
 
 // One warp per output row, TT tokens per launch (TT <= 8). Vector path when in % VN == 0.
 template <wtype WT, int TT>
-__global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv(const float * __restrict__ x, int64_t in, dweight W,
-                                                                   int64_t out, float * __restrict__ y, int64_t ldy) {
+__device__ __forceinline__ void gemv_row(const float * __restrict__ x, int64_t in, dweight W, int64_t row,
+                                         float * __restrict__ y, int64_t ldy) {
     constexpr int VN = wvec<WT>::n;
     const int lane = threadIdx.x & 31;
-    const int64_t row = int64_t(blockIdx.x) * k_gemv_warps + (threadIdx.x >> 5);
-    if (row >= out) return;
     float acc[TT];
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
@@ -79,6 +77,47 @@ __global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv(const float *
     for (int t = 0; t < TT; ++t) {
         const float s = warp_sum(acc[t]);
         if (lane == 0) y[t * ldy + row] = s;
+    }
+}
+
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv(const float * __restrict__ x, int64_t in, dweight W,
+                                                                   int64_t out, float * __restrict__ y, int64_t ldy) {
+    const int64_t row = int64_t(blockIdx.x) * k_gemv_warps + (threadIdx.x >> 5);
+    if (row >= out) return;
+    gemv_row<WT, TT>(x, in, W, row, y, ldy);
+}
+
+// Several LINEARs over the same x in one launch: block b belongs to the segment s with start[s] <= b < start[s + 1].
+struct gemv_segs {
+    const void * w[k_gemv_group_max];
+    float * y[k_gemv_group_max];
+    int64_t out[k_gemv_group_max];
+    unsigned start[k_gemv_group_max + 1];
+    int n;
+};
+
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv_multi(const float * __restrict__ x, int64_t in, gemv_segs g) {
+    int s = 0;
+    while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
+    const int64_t row = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps + (threadIdx.x >> 5);
+    if (row >= g.out[s]) return;
+    gemv_row<WT, TT>(x, in, dweight{g.w[s], WT}, row, g.y[s], g.out[s]);
+}
+
+template <wtype WT>
+void gemv_multi_chunk(const float * x, int64_t tt, int64_t in, const gemv_segs & g, cudaStream_t st) {
+    const unsigned blocks = g.start[g.n];
+    switch (tt) {
+        case 1: k_linear_gemv_multi<WT, 1><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 2: k_linear_gemv_multi<WT, 2><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 3: k_linear_gemv_multi<WT, 3><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 4: k_linear_gemv_multi<WT, 4><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 5: k_linear_gemv_multi<WT, 5><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 6: k_linear_gemv_multi<WT, 6><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 7: k_linear_gemv_multi<WT, 7><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        default: k_linear_gemv_multi<WT, 8><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
     }
 }
 
@@ -140,6 +179,31 @@ cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W
             case wtype::BF16: gemv_chunk<wtype::BF16>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
             case wtype::F16: gemv_chunk<wtype::F16>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
             default: gemv_chunk<wtype::F32>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
+        }
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wtype wt, const void * const * w,
+                                     float * const * y, const int64_t * out, int n, cudaStream_t st) {
+    if (n < 1 || n > k_gemv_group_max) return cudaErrorInvalidValue;
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const int64_t tt = T - t0 < 8 ? T - t0 : 8;
+        gemv_segs g{};
+        g.n = n;
+        g.start[0] = 0;
+        for (int s = 0; s < n; ++s) {
+            g.w[s] = w[s];
+            g.y[s] = y[s] + t0 * out[s];
+            g.out[s] = out[s];
+            g.start[s + 1] = g.start[s] + grid_for(out[s], k_gemv_warps);
+        }
+        switch (wt) {
+            case wtype::BF16: gemv_multi_chunk<wtype::BF16>(x + t0 * in, tt, in, g, st); break;
+            case wtype::F16: gemv_multi_chunk<wtype::F16>(x + t0 * in, tt, in, g, st); break;
+            default: gemv_multi_chunk<wtype::F32>(x + t0 * in, tt, in, g, st); break;
         }
         const cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;

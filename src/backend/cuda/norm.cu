@@ -35,7 +35,8 @@ __global__ void k_norm(const float * __restrict__ x, const float * __restrict__ 
     }
 }
 
-int threads_for(int64_t N) { return N >= k_threads ? k_threads : int((N + 31) / 32 * 32); }
+// Wide rows (decode: few rows, one block each) get 1024 threads so a row's loads are spread over 32 warps.
+int threads_for(int64_t N) { return N >= 4096 ? 1024 : N >= k_threads ? k_threads : int((N + 31) / 32 * 32); }
 
 } // namespace
 

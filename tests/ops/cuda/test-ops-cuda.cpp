@@ -631,10 +631,10 @@ TEST(cuda_ops, weight_generate_device_resident) {
 
 TEST(cuda_ops, attn_res_mix) {
     NEED_GPU();
-    for (int n : {1, 3, 9}) {
+    for (int n : {1, 3, 9, 17}) {
         rng r(6000 + uint32_t(n));
         arena a;
-        const int T = 5, D = 80;
+        const int T = n == 17 ? 1 : 5, D = n == 17 ? 7168 : 80;   // n 17: a K3 decode row (T 1, 7168 wide)
         builder bd(batch_simple(T));
         std::vector<node_ref> c;
         for (int i = 0; i < n; ++i) {
@@ -646,6 +646,88 @@ TEST(cuda_ops, attn_res_mix) {
                                    "attn_res");
         graph g = bd.finish(y);
         EXPECT_TRUE(parity("attn_res/n" + std::to_string(n), g, {{y, metric::NMSE, k_tol_f32}}, {}));
+        cuda_options first{true, 8};   // the first kernel (one block per row) stays selectable
+        first.attn_res_split = false;
+        EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/one-block", g, {{y, metric::NMSE, k_tol_f32}}, {}, first));
+        if (n == 17) {
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            auto gpu = backend_cuda_init(0);
+            gpu->run(g);
+            controls("attn_res/n17", read_f32(*cpu, y), read_f32(*gpu, y), metric::NMSE, k_tol_f32);
+        }
+    }
+}
+
+// Wide rows (N >= 4096: 1024 threads per row) for the norms at decode widths.
+TEST(cuda_ops, norms_wide_rows) {
+    NEED_GPU();
+    for (int T : {1, 3}) {
+        rng r(6500 + uint32_t(T));
+        arena a;
+        const int D = 7168 + 32;
+        builder bd(batch_simple(T));
+        auto xv = r.vec(size_t(T * D), -3, 3), zv = r.vec(size_t(T * D), -3, 3), wv = r.vec(size_t(D), 0.5f, 1.5f);
+        const node_ref X = bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f);
+        const node_ref Z = bd.scale(bd.weight(a.f32({T, D}, zv), "z"), 1.0f);
+        const node_ref W = bd.weight(a.bf16({D}, wv), "w");
+        const node_ref n1 = bd.name(bd.rms_norm(X, W, 1e-6f), "rms_norm");
+        const node_ref n2 = bd.name(bd.l2_norm(n1, 1e-6f, D), "l2_norm");
+        const node_ref n3 = bd.name(bd.gated_rms_norm(n2, Z, W, 1e-5f, D), "gated_rms_norm");
+        graph g = bd.finish(n3);
+        const std::string nm = fmt::format("norm/wide/T{}", T);
+        EXPECT_TRUE(parity(nm, g, {{n1, metric::NMSE, k_tol_f32}, {n2, metric::NMSE, k_tol_f32}, {n3, metric::NMSE, k_tol_f32}}, {}))
+            << nm;
+        if (T == 3) {
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            auto gpu = backend_cuda_init(0);
+            gpu->run(g);
+            controls(nm, read_f32(*cpu, n3), read_f32(*gpu, n3), metric::NMSE, k_tol_f32);
+        }
+    }
+}
+
+// LINEARs over the same input run as one launch (cuda_options::linear_group): four projections of x with other nodes
+// between them, one over a different input, one F32 weight (not grouped with the BF16 ones); against the CPU with
+// grouping on and off, for T 1 and 5 (GEMV path) and 19 (cuBLASLt: not grouped).
+TEST(cuda_ops, linear_group_same_input) {
+    NEED_GPU();
+    for (int T : {1, 5, 19}) {
+        rng r(7000 + uint32_t(T));
+        arena a;
+        const int K = 264;
+        builder bd(batch_simple(T));
+        auto xv = r.vec(size_t(T * K));
+        const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, K}, xv), "x"), 1.0f), "x");
+        const node_ref x2 = bd.name(bd.scale(x, 0.5f), "x2");
+        std::vector<node_ref> ys;
+        const int outs[] = {256, 40, 1000, 8};
+        for (int i = 0; i < 4; ++i) {
+            auto wv = r.vec(size_t(outs[i] * K), -0.2f, 0.2f);
+            ys.push_back(bd.name(bd.linear(x, bd.weight(a.bf16({outs[i], K}, wv), "w" + std::to_string(i))), "lin" + std::to_string(i)));
+            if (i == 1) ys.push_back(bd.name(bd.sigmoid(ys.back()), "between"));
+        }
+        auto wo = r.vec(size_t(64 * K), -0.2f, 0.2f), wf = r.vec(size_t(48 * K), -0.2f, 0.2f);
+        ys.push_back(bd.name(bd.linear(x2, bd.weight(a.bf16({64, K}, wo), "w_other")), "lin_other_input"));
+        ys.push_back(bd.name(bd.linear(x, bd.weight(a.f32({48, K}, wf), "w_f32")), "lin_f32"));
+        node_ref acc = bd.cols(ys[0], 0, 8);
+        for (size_t i = 1; i < ys.size(); ++i) acc = bd.add(acc, bd.cols(ys[i], 0, 8));
+        graph g = bd.finish(bd.name(acc, "sum"));
+        std::vector<out_check> oc;
+        for (auto & y : ys) oc.push_back({y, metric::NMSE, k_tol_f32});
+        const std::string nm = fmt::format("linear_group/T{}", T);
+        EXPECT_TRUE(parity(nm, g, oc, {})) << nm;
+        cuda_options off{true, 8};
+        off.linear_group = false;
+        EXPECT_TRUE(parity(nm + "/ungrouped", g, oc, {}, off)) << nm;
+        if (T == 1) {
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            auto gpu = backend_cuda_init(0);
+            gpu->run(g);
+            controls(nm + "/lin2", read_f32(*cpu, ys[3]), read_f32(*gpu, ys[3]), metric::NMSE, k_tol_f32);
+        }
     }
 }
 
