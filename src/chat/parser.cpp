@@ -156,6 +156,9 @@ private:
         static const std::vector<marker> after = set({K3_THINK_OPEN, K3_RESP_OPEN, K3_TOOLS_OPEN, K3_MSG_CLOSE, K3_EOM});
         static const std::vector<marker> tools = set({K3_CALL_OPEN, K3_TOOLS_CLOSE, K3_MSG_CLOSE, K3_EOM});
         static const std::vector<marker> call = set({K3_CALL_OPEN, K3_CALL_CLOSE, K3_TOOLS_CLOSE, K3_MSG_CLOSE, K3_EOM});
+        // After `<|close|>message<|sep|>` the turn's terminator `<|end_of_msg|>` still follows; it is
+        // consumed silently (anything else after the message is stray text and warned about).
+        static const std::vector<marker> done = set({K3_EOM});
         static const std::vector<marker> none;
         switch (state_) {
             case THINK: return think;
@@ -164,7 +167,7 @@ private:
             case AFTER: return after;
             case TOOLS: return tools;
             case CALL: return call;
-            case DONE: return none;
+            case DONE: return done;
         }
         return none;
     }

@@ -1,7 +1,9 @@
 // Incremental output parsers (TOKENIZER §8): turn the detokenized model output (all markers kept,
 // no spaces between specials) into reasoning_content, content and tool_calls. feed() accepts any
 // byte split (even mid code point or mid marker); the concatenated deltas of feed()...finish()
-// equal the one-shot parse, every delta is valid UTF-8, and the work is linear in the input.
+// equal the one-shot parse, every delta is valid UTF-8 when the input is (the server feeds the
+// streaming detokenizer's output, which always is; ill-formed input bytes pass through), and the work
+// is linear in the input.
 // Unknown shapes (text outside channels, incomplete calls, unparsable arguments) are reported in
 // `warnings`, never silently dropped.
 #pragma once
