@@ -89,6 +89,12 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
                 td = tok::load_tiktoken_dir(o->model);
                 if (o->raw) {
                     prompt = td->tok->encode_ordinary(o->prompt);
+                    // A plain completion ends where the model starts chat structure (a model trained on
+                    // plain text and chat renders may close a "turn"): stop on the format's structural
+                    // special tokens, besides the eos ids.
+                    const auto fmt = chat::chat_template::detect(*td->tok, o->model).format();
+                    for (const auto & name : chat::structural_specials(fmt))
+                        if (auto id = td->tok->special_id(name)) extra_stops.push_back(int32_t(*id));
                 } else {
                     ct = chat::chat_template::detect(*td->tok, o->model);
                     const chat::json msgs = chat::json::array({chat::json{{"role", "user"}, {"content", o->prompt}}});
