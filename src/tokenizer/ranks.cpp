@@ -71,6 +71,9 @@ rank_file parse_tiktoken_ranks(std::string_view text, const std::string & source
     std::vector<std::pair<std::string, size_t>> entries;  // by rank; .second = line number (0 = unset)
     std::unordered_map<std::string, size_t> seen;         // token -> line
     std::string bytes;
+    // Ranks are contiguous 0..n-1, one per line of >= 4 bytes, so a rank >= the file's byte count is a gap for
+    // sure: rejecting it before the resize below keeps `entries` sized by the file, not by an untrusted number
+    // (a 16-byte file naming rank 2^31-1 allocated ~80 GB; found by tests/fuzz/fuzz_tiktoken_ranks).
     size_t pos = 0, line_no = 0;
     while (pos < text.size()) {
         ++line_no;
@@ -89,6 +92,8 @@ rank_file parse_tiktoken_ranks(std::string_view text, const std::string & source
         PG_CHECK(ec == std::errc() && p == num.data() + num.size() && !num.empty(),
                  "{}:{}: invalid rank '{}'", source, line_no, num);
         PG_CHECK(rank < (uint64_t(1) << 31), "{}:{}: rank {} out of range", source, line_no, rank);
+        PG_CHECK(rank < text.size(), "{}:{}: rank {} cannot be contiguous (0..n-1) in a file of {} bytes", source,
+                 line_no, rank, text.size());
         if (rank >= entries.size()) entries.resize(rank + 1);
         PG_CHECK(entries[rank].second == 0, "{}:{}: duplicate rank {} (first on line {})", source, line_no, rank,
                  entries[rank].second);
