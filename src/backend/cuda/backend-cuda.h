@@ -39,8 +39,10 @@ struct cuda_options {
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
     // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
-    // launch over several weight pointers, at the first of them. false: one launch per LINEAR (compare mode).
-    bool linear_group = true;
+    // launch over several weight pointers, at the first of them. Off by default: the first GPU run (2026-11-29) showed
+    // no grouping on the models (a bug, weights declared after the group's first LINEAR, fixed since) and the fixed
+    // form has not been run on a GPU yet. false: one launch per LINEAR.
+    bool linear_group = false;
     // ATTN_RES_MIX: candidate scores by one block per (row, candidate), then the mix by many blocks over the row.
     // false: the first kernel (one block per row, candidates serial; compare mode).
     bool attn_res_split = true;
@@ -58,6 +60,8 @@ public:
     // Test hook for the sentinel control: flips one sentinel byte after output `out` of `node` in the next
     // guarded run, so that run must fail naming the node.
     virtual void guard_corrupt_next(int node, int out) = 0;
+    // LINEAR nodes the last run launched together with an earlier LINEAR over the same input (linear_group).
+    virtual int linear_grouped() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

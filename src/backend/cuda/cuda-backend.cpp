@@ -264,6 +264,12 @@ public:
         check_flags(g, n_err);
     }
 
+    int linear_grouped() const override {
+        int c = 0;
+        for (char m : lin_member_) c += m;
+        return c;
+    }
+
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
         run(g, {});   // uploads weights and states, creates the cuBLASLt plans, sizes the arena
@@ -587,6 +593,7 @@ private:
                 return;
             }
             case op_type::WEIGHT: {
+                if (!out.empty()) return;   // already bound by a LINEAR group that launched before this node
                 dtensor d;
                 d.p = const_cast<void *>(weight_dev(*n.leaf));
                 d.type = n.leaf->type;
@@ -842,7 +849,6 @@ private:
                 int64_t K2;
                 if (lin_member_[j] || m.op != op_type::LINEAR || m.src[0].node != src.node || m.src[0].out != src.out) continue;
                 if (!gemv_linear(g, m, wt2, K2) || wt2 != wt || K2 != K) continue;
-                if (m.src[1].node > int(i)) continue;   // its weight node must have run when the group launches
                 lin_group_[i].push_back(int(j));
                 lin_member_[j] = 1;
             }
@@ -861,6 +867,8 @@ private:
         int k = 1;
         for (int j : mates) {
             const node & m = g.nodes[size_t(j)];
+            // the mate's weight node may come later in the graph (weights are declared at their use): bind it now
+            if (outs_[size_t(m.src[1].node)].empty()) run_node(g, m.src[1].node);
             PG_CHECK(in(m, 1).shape.at(1) == K, "group mate '{}': weight {} for input {}", m.name, shape_str(in(m, 1).shape),
                      shape_str(x.shape));
             auto & o = outs_[size_t(j)];

@@ -717,15 +717,22 @@ TEST(cuda_ops, linear_group_same_input) {
         std::vector<out_check> oc;
         for (auto & y : ys) oc.push_back({y, metric::NMSE, k_tol_f32});
         const std::string nm = fmt::format("linear_group/T{}", T);
-        EXPECT_TRUE(parity(nm, g, oc, {})) << nm;
+        cuda_options on{true, 8};
+        on.linear_group = true;
+        EXPECT_TRUE(parity(nm, g, oc, {}, on)) << nm;
         cuda_options off{true, 8};
         off.linear_group = false;
         EXPECT_TRUE(parity(nm + "/ungrouped", g, oc, {}, off)) << nm;
+        cuda_options fast;
+        fast.linear_group = true;
+        auto gpu = backend_cuda_init(0, fast);
+        gpu->run(g);
+        // the four BF16 projections of x form one group (3 mates); the F32 one and the one over x2 stay alone;
+        // T 19 is past the GEMV path: nothing grouped
+        EXPECT_EQ(gpu->linear_grouped(), T <= 8 ? 3 : 0) << nm;
         if (T == 1) {
             auto cpu = backend_cpu_init();
             cpu->run(g);
-            auto gpu = backend_cuda_init(0);
-            gpu->run(g);
             controls(nm + "/lin2", read_f32(*cpu, ys[3]), read_f32(*gpu, ys[3]), metric::NMSE, k_tol_f32);
         }
     }
