@@ -484,6 +484,38 @@ int main(int argc, char ** argv) {
                 graph g = forward_build(c, *w, st, b);
                 std::printf("%s: %s; %zu tensors, graph of %zu nodes\n", p.c_str(), config_summary(c).c_str(), w->tensors.size(),
                             g.nodes.size());
+                // The rule of cuda_options::linear_group (backend plan_linear_groups), counted on the host: LINEARs
+                // with 2-D WEIGHT leaves of one dtype and width over the same input, at most 8 per launch.
+                std::vector<char> member(g.nodes.size(), 0);
+                int n_lin = 0, n_grouped = 0, n_groups = 0;
+                auto key = [&](const node & n, dtype & t, int64_t & K) {
+                    if (n.op != op_type::LINEAR) return false;
+                    const node & wn = g.nodes[size_t(n.src[1].node)];
+                    if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return false;
+                    t = wn.leaf->type;
+                    K = wn.leaf->shape[1];
+                    return t == dtype::BF16 || t == dtype::F16 || t == dtype::F32;
+                };
+                for (size_t i = 0; i < g.nodes.size(); ++i) {
+                    dtype t;
+                    int64_t K;
+                    if (g.nodes[i].op == op_type::LINEAR) ++n_lin;
+                    if (member[i] || !key(g.nodes[i], t, K)) continue;
+                    int mates = 0;
+                    for (size_t j = i + 1; j < g.nodes.size() && mates + 1 < 8; ++j) {
+                        dtype t2;
+                        int64_t K2;
+                        const node & m = g.nodes[j];
+                        if (member[j] || !key(m, t2, K2) || t2 != t || K2 != K) continue;
+                        if (m.src[0].node != g.nodes[i].src[0].node || m.src[0].out != g.nodes[i].src[0].out) continue;
+                        member[j] = 1;
+                        ++mates;
+                    }
+                    n_grouped += mates;
+                    n_groups += mates > 0;
+                }
+                std::printf("  linear_group at B=1: %d LINEARs; %d groups would launch %d of them with an earlier one"
+                            " (%d launches saved)\n", n_lin, n_groups, n_grouped, n_grouped);
             }
             return 0;
         }
