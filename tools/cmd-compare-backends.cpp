@@ -31,6 +31,7 @@ struct opts {
     bool all = false;
     int device = 0;
     int chunk = 64;
+    int linear_group = -1;   // cuda_options::linear_group: -1 the default, 0 off, 1 on
 };
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -79,7 +80,9 @@ int run_compare(const opts & o) {
     model_state st_cpu = state_init(cfg, 1, n_pages, page_size);
     model_state st_gpu = state_init(cfg, 1, n_pages, page_size);
     auto cpu = backend_cpu_init();
-    auto gpu = backend_cuda_init(o.device);
+    cuda_options co;
+    if (o.linear_group >= 0) co.linear_group = o.linear_group != 0;
+    auto gpu = backend_cuda_init(o.device, co);
     std::printf("compare-backends: model %s, cpu vs cuda (%s), prompt %zu tokens, %d decode steps, NMSE tolerance %.1e\n",
                 o.model.c_str(), gpu->device_name().c_str(), prompt.size(), o.decode, o.tol);
     std::vector<int32_t> toks_cpu, toks_gpu;
@@ -180,6 +183,8 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
         sub.add_option("--tol", o->tol, "NMSE tolerance per F32 node output (I32 outputs must be equal)")->capture_default_str();
         sub.add_option("--chunk", o->chunk, "KDA chunk size for prefill steps (64 or 0)")->capture_default_str();
         sub.add_option("--device", o->device, "CUDA device")->capture_default_str();
+        sub.add_option("--linear-group", o->linear_group,
+                       "cuda_options::linear_group: 1 on, 0 off, -1 the backend's default")->capture_default_str();
         sub.add_flag("--all", o->all, "print every node out of tolerance, not only the first");
         return std::function<int()>([o] {
 #if defined(PERIGEE_HAVE_CUDA)

@@ -146,8 +146,13 @@ double gemm_tflops() {
 }
 
 // ---- the model ----
+int g_layers = 0;   // --layers N: the Kimi-Linear-48B geometry cut to its first N layers (0: all 27)
+
 std::string config_text(const std::string & preset) {
-    if (preset != "kimi-linear-48b") return synth_config_json(preset);
+    if (preset != "kimi-linear-48b") {
+        PG_CHECK(g_layers == 0, "--layers applies to the kimi-linear-48b preset only, not {}", preset);
+        return synth_config_json(preset);
+    }
     // Kimi-Linear-48B-A3B (ARCHITECTURE §1.1, the released config's values), on the published-form template.
     json t = json::parse(synth_config_json("kimi-linear-tiny"));
     std::vector<int64_t> full = {4, 8, 12, 16, 20, 24, 27}, kda;
@@ -179,6 +184,13 @@ std::string config_text(const std::string & preset) {
     t["linear_attn_config"]["num_heads"] = 32;
     t["linear_attn_config"]["head_dim"] = 128;
     t["linear_attn_config"]["short_conv_kernel_size"] = 4;
+    if (g_layers > 0) {   // the first N layers, in the same order (1-based layer numbers, as the released config)
+        PG_CHECK(g_layers <= 27, "--layers {}: the 48B geometry has 27 layers", g_layers);
+        auto cut = [](std::vector<int64_t> & v) { v.erase(std::remove_if(v.begin(), v.end(), [](int64_t l) { return l > g_layers; }), v.end()); };
+        cut(full);
+        cut(kda);
+        t["num_hidden_layers"] = g_layers;
+    }
     t["linear_attn_config"]["kda_layers"] = kda;
     t["linear_attn_config"]["full_attn_layers"] = full;
     return t.dump(2);
@@ -302,11 +314,16 @@ struct opts {
     std::vector<int> batches = {1, 8, 64};
     int ctx = 1024, steps = 20, page = 64;
     bool compare_moe = true, profile = true;
+    std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
 
+std::string model_dir(const std::string & preset) {
+    return "/tmp/pg-bench/" + preset + (g_layers > 0 ? "-L" + std::to_string(g_layers) : "");
+}
+
 void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
-    const std::string dir = "/tmp/pg-bench/" + preset;
+    const std::string dir = model_dir(preset);
     write_sparse_model(preset, dir);
     const kimi_config c = config_load(dir);
     auto w = weights_load(c, checkpoint::open(dir));
@@ -430,6 +447,113 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     }
 }
 
+// GEMM FLOPs of a step: every LINEAR (2 · T · out · in) and every selected (token, expert) slot of MOE_EXPERTS
+// (2 · (gate + up + down) · out · in). Attention, the KDA recurrence and the rest are not counted.
+double gemm_flops(const graph & g, backend_cuda & be) {
+    double f = 0;
+    const double T = double(g.b->n_tokens());
+    for (const node & n : g.nodes) {
+        if (n.op == op_type::LINEAR) {
+            const node & wn = g.at(n.src[1]);
+            if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) continue;
+            f += 2.0 * T * double(wn.leaf->shape[0]) * double(wn.leaf->shape[1]);
+        } else if (n.op == op_type::MOE_EXPERTS) {
+            const tensor ids = be.read(n.src[1]);
+            const auto & ex = *n.p.experts;
+            for (int64_t i = 0; i < ids.numel(); ++i) {
+                const int32_t e = ids.as<int32_t>()[i];
+                if (e < 0 || size_t(e) >= ex.size()) continue;
+                for (const expert_matrix * m : {&ex[size_t(e)].gate, &ex[size_t(e)].up, &ex[size_t(e)].down})
+                    f += 2.0 * double(m->out) * double(m->in);
+            }
+        }
+    }
+    return f;
+}
+
+// Prefill: one sequence of T prompt tokens from position 0, eager (one step per prompt). Two passes: LINEARs on
+// cuBLASLt with split bf16 activations (hi + lo, two GEMMs: the default) and with one bf16 GEMM. Then the per-op
+// profile of the default pass: GEMM share (LINEAR + MOE_EXPERTS node time) and what it achieves vs the ceiling.
+void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
+    const std::string dir = model_dir(preset);
+    write_sparse_model(preset, dir);
+    const kimi_config c = config_load(dir);
+    auto w = weights_load(c, checkpoint::open(dir));
+    const int max_t = *std::max_element(o.prefill.begin(), o.prefill.end());
+    const int pages = (max_t + o.page - 1) / o.page;
+    model_state st = state_init(c, 1, pages, o.page);
+    auto make_batch = [&](int T) {
+        auto b = std::make_shared<batch>();
+        for (int i = 0; i < T; ++i) b->ids.push_back(int32_t((int64_t(i) * 7919 + 17) % c.vocab_size));
+        b->seq_start = {0, T};
+        b->pos0 = {0};
+        b->slot = {0};
+        b->page_size = o.page;
+        std::vector<int32_t> bt;
+        for (int p = 0; p < (T + o.page - 1) / o.page; ++p) bt.push_back(p);
+        b->block_table.push_back(bt);
+        return b;
+    };
+    const char * labels[] = {"split-bf16", "one-bf16"};
+    for (int pass = 0; pass < 2; ++pass) {
+        cuda_options co;
+        co.linear_split_bf16 = pass == 0;
+        auto be = backend_cuda_init(0, co);
+        generate(*be, c, *w);
+        for (int T : o.prefill) {
+            graph g = forward_build(c, *w, st, make_batch(T));
+            be->check_supported(g);
+            be->run(g);
+            CK(cudaDeviceSynchronize());
+            const double ms = median_ms_per([&] {
+                const double a = now_ms();
+                be->run(g);
+                be->run(g);
+                CK(cudaDeviceSynchronize());
+                return (now_ms() - a) / 2;
+            }, 3);
+            const double fl = gemm_flops(g, *be);
+            std::printf("prefill %-16s %-10s T %5d: %9.3f ms/step eager, %9.0f tok/s; GEMM %.1f GFLOP -> %.1f TFLOP/s"
+                        " over the whole step = %.1f%% of the %.0f TFLOP/s GEMM ceiling\n",
+                        preset.c_str(), labels[pass], T, ms, T / (ms * 1e-3), fl / 1e9, fl / (ms * 1e-3) / 1e12,
+                        100.0 * fl / (ms * 1e-3) / 1e12 / gemm_tf, gemm_tf);
+            std::fflush(stdout);
+        }
+    }
+    if (!o.profile) return;
+    cuda_options cp;
+    cp.profile_nodes = true;
+    auto pb = backend_cuda_init(0, cp);
+    generate(*pb, c, *w);
+    for (int T : o.prefill) {
+        graph g = forward_build(c, *w, st, make_batch(T));
+        pb->run(g);
+        pb->run(g);
+        const auto ms = pb->node_ms();
+        std::map<std::string, std::pair<double, int>> by_op;
+        double tot = 0, gemm_ms = 0;
+        for (size_t i = 0; i < ms.size(); ++i) {
+            const node & n = g.nodes[i];
+            if (n.op == op_type::WEIGHT || n.op == op_type::STATE || n.op == op_type::IDS) continue;
+            by_op[std::string(op_name(n.op))].first += ms[i];
+            by_op[std::string(op_name(n.op))].second += 1;
+            tot += ms[i];
+            if (n.op == op_type::LINEAR || n.op == op_type::MOE_EXPERTS) gemm_ms += ms[i];
+        }
+        const double fl = gemm_flops(g, *pb);
+        std::printf("  prefill per-op GPU time, %s T=%d (split-bf16; sum %.3f ms): GEMM share (LINEAR + MOE_EXPERTS) %.3f ms"
+                    " = %.1f%%; %.1f GFLOP over it = %.1f TFLOP/s = %.1f%% of the GEMM ceiling\n",
+                    preset.c_str(), T, tot, gemm_ms, 100 * gemm_ms / tot, fl / 1e9, fl / (gemm_ms * 1e-3) / 1e12,
+                    100.0 * fl / (gemm_ms * 1e-3) / 1e12 / gemm_tf);
+        std::vector<std::pair<double, std::string>> rows;
+        for (auto & [k, v] : by_op) rows.push_back({v.first, fmt::format("{} x{}", k, v.second)});
+        std::sort(rows.rbegin(), rows.rend());
+        for (size_t i = 0; i < std::min<size_t>(10, rows.size()); ++i)
+            std::printf("    %9.3f ms %5.1f%%  %s\n", rows[i].first, 100 * rows[i].first / tot, rows[i].second.c_str());
+        std::fflush(stdout);
+    }
+}
+
 std::vector<int> parse_ints(const std::string & s) {
     std::vector<int> v;
     size_t p = 0;
@@ -459,16 +583,19 @@ int main(int argc, char ** argv) {
         else if (a == "--no-compare") o.compare_moe = false;
         else if (a == "--no-profile") o.profile = false;
         else if (a == "--dry") o.dry = true;
+        else if (a == "--layers") g_layers = std::stoi(val());
+        else if (a == "--prefill") o.prefill = parse_ints(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
-                                 "[--steps N] [--no-compare] [--no-profile]\n");
+                                 "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--dry]\n");
             return 2;
         }
     }
     try {
         if (o.dry) {
             for (const auto & p : o.presets) {
-                const std::string dir = "/tmp/pg-bench/" + p;
+                const std::string dir = model_dir(p);
                 write_sparse_model(p, dir);
                 const kimi_config c = config_load(dir);
                 auto w = weights_load(c, checkpoint::open(dir));
@@ -527,7 +654,10 @@ int main(int argc, char ** argv) {
                     "(cuBLASLt 8192^3)\n", prop.name, prop.multiProcessorCount, bw, tf);
         std::printf("decode steps: every sequence at position %d, 1 token each; timings median of 3 x %d steps\n", o.ctx,
                     o.steps);
-        for (const auto & p : o.presets) bench_preset(p, o, bw);
+        for (const auto & p : o.presets) {
+            if (o.prefill.empty()) bench_preset(p, o, bw);
+            else bench_prefill(p, o, tf);
+        }
     } catch (const std::exception & e) {
         std::fprintf(stderr, "bench-cuda-decode: %s\n", e.what());
         return 1;

@@ -3,7 +3,10 @@
 # Logs go under $OUT. Usage (from the repo root, on the GPU machine):
 #   tools/gpu/run.sh                 # uses prebuilt binaries in .gpu-carry/ when present (see tools/gpu/README.md)
 # Steps can be skipped with SKIP="sanitizer racecheck compare bench decode"; CARRY names the prebuilt folder.
-# DECODE_ARGS are passed to bench-cuda-decode (the whole-step benchmark).
+# DECODE_ARGS are passed to bench-cuda-decode (the whole-step benchmark). COMPARE_LG=1 runs compare-backends a second
+# time with cuda_options::linear_group on. PREFILL_ARGS (e.g. "--preset k3-layers-4 --prefill 512,2048") adds a
+# prefill run of bench-cuda-decode; SIDE_LAYERS=N (+ SIDE_CTX) adds Perigee vs HF transformers' KimiLinear on the
+# 48B geometry cut to N layers (tools/gpu/hf_side_by_side.py), both in side.log.
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
@@ -61,6 +64,10 @@ if ! skip compare; then
     for ids in "$IDS" "5,9,200"; do
       $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 >>"$OUT/compare.log" 2>&1 || status=1
       echo "$m ($(echo "$ids" | tr ',' '\n' | wc -l) prompt tokens): $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
+      if [[ ${COMPARE_LG:-0} == 1 ]]; then
+        $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 --linear-group 1 >>"$OUT/compare.log" 2>&1 || status=1
+        echo "  linear_group on: $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
+      fi
     done
   done
 fi
@@ -72,6 +79,17 @@ fi
 if ! skip decode && [[ -x $BIN/bench-cuda-decode ]]; then
   log "6. decode-step benchmark (bench-cuda-decode ${DECODE_ARGS:-})"
   $BIN/bench-cuda-decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tee -a "$OUT/summary.log" || status=1
+fi
+if [[ -n ${PREFILL_ARGS:-} && -x $BIN/bench-cuda-decode ]]; then
+  log "7. prefill benchmark (bench-cuda-decode $PREFILL_ARGS)"
+  $BIN/bench-cuda-decode $PREFILL_ARGS 2>&1 | tee "$OUT/prefill.log" | tee -a "$OUT/summary.log" || status=1
+fi
+if [[ -n ${SIDE_LAYERS:-} && -x $BIN/bench-cuda-decode ]]; then
+  log "8. side by side: Perigee vs HF transformers KimiLinear, 48B geometry cut to $SIDE_LAYERS layers, ctx ${SIDE_CTX:-256}"
+  $BIN/bench-cuda-decode --preset kimi-linear-48b --layers "$SIDE_LAYERS" --batch 1 --ctx "${SIDE_CTX:-256}" --no-compare \
+    --no-profile 2>&1 | tee "$OUT/side.log" | tee -a "$OUT/summary.log" || status=1
+  PYTHONUNBUFFERED=1 timeout 240 python3 tools/gpu/hf_side_by_side.py --layers "$SIDE_LAYERS" --ctx "${SIDE_CTX:-256}" \
+    2>&1 | tee -a "$OUT/side.log" | grep -E '^hf:|Error|error' | tee -a "$OUT/summary.log" || status=1
 fi
 log "status $status"
 exit $status
