@@ -6,7 +6,8 @@
 # DECODE_ARGS are passed to bench-cuda-decode (the whole-step benchmark). COMPARE_LG=1 runs compare-backends a second
 # time with cuda_options::linear_group on. PREFILL_ARGS (e.g. "--preset k3-layers-4 --prefill 512,2048") adds a
 # prefill run of bench-cuda-decode; SIDE_LAYERS=N (+ SIDE_CTX) adds Perigee vs HF transformers' KimiLinear on the
-# 48B geometry cut to N layers (tools/gpu/hf_side_by_side.py), both in side.log.
+# 48B geometry cut to N layers (tools/gpu/hf_side_by_side.py; decode, and a prefill of SIDE_CTX tokens), both in
+# side.log; SIDE_HF=0 leaves out the HF half.
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
@@ -88,8 +89,12 @@ if [[ -n ${SIDE_LAYERS:-} && -x $BIN/bench-cuda-decode ]]; then
   log "8. side by side: Perigee vs HF transformers KimiLinear, 48B geometry cut to $SIDE_LAYERS layers, ctx ${SIDE_CTX:-256}"
   $BIN/bench-cuda-decode --preset kimi-linear-48b --layers "$SIDE_LAYERS" --batch 1 --ctx "${SIDE_CTX:-256}" --no-compare \
     --no-profile 2>&1 | tee "$OUT/side.log" | tee -a "$OUT/summary.log" || status=1
-  PYTHONUNBUFFERED=1 timeout 240 python3 tools/gpu/hf_side_by_side.py --layers "$SIDE_LAYERS" --ctx "${SIDE_CTX:-256}" \
-    2>&1 | tee -a "$OUT/side.log" | grep -E '^hf:|Error|error' | tee -a "$OUT/summary.log" || status=1
+  $BIN/bench-cuda-decode --preset kimi-linear-48b --layers "$SIDE_LAYERS" --prefill "${SIDE_CTX:-256}" 2>&1 |
+    tee -a "$OUT/side.log" | tee -a "$OUT/summary.log" || status=1
+  if [[ ${SIDE_HF:-1} == 1 ]]; then
+    PYTHONUNBUFFERED=1 timeout 240 python3 tools/gpu/hf_side_by_side.py --layers "$SIDE_LAYERS" --ctx "${SIDE_CTX:-256}" \
+      2>&1 | tee -a "$OUT/side.log" | grep -E '^hf:|Error|error' | tee -a "$OUT/summary.log" || status=1
+  fi
 fi
 log "status $status"
 exit $status

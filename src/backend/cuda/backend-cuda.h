@@ -39,10 +39,9 @@ struct cuda_options {
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
     // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
-    // launch over several weight pointers, at the first of them. Off by default: the first GPU run (2026-11-29) showed
-    // no grouping on the models (a bug, weights declared after the group's first LINEAR, fixed since) and the fixed
-    // form has not been run on a GPU yet. false: one launch per LINEAR.
-    bool linear_group = false;
+    // launch over several weight pointers, at the first of them. On since its H200 run (bench/RESULTS.md 2026-11-29,
+    // late): compare-backends PASS on all 14 both ways; 48B decode 5.21 -> 4.65 ms. false: one launch per LINEAR.
+    bool linear_group = true;
     // ATTN_RES_MIX: candidate scores by one block per (row, candidate), then the mix by many blocks over the row.
     // false: the first kernel (one block per row, candidates serial; compare mode).
     bool attn_res_split = true;

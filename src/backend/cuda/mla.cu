@@ -25,8 +25,9 @@ __global__ void k_mla_cache_write(const float * __restrict__ c, const float * __
 // qlat [T, H, L]: thread per (t, h, l).
 __global__ void k_mla_q_absorb(const float * __restrict__ q, dweight kv_b, int64_t H, int64_t dn, int64_t dr, int64_t dv,
                                int64_t L, float * __restrict__ qlat) {
-    const int64_t l = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t th = blockIdx.y, h = th % H;
+    // (t, h) on x: T * H passes gridDim.y's 65535 at prefill (K3, 64 heads: T > 1023).
+    const int64_t l = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
+    const int64_t th = blockIdx.x, h = th % H;
     if (l >= L) return;
     const float * qh = q + th * (dn + dr);
     float acc = 0.0f;
@@ -196,7 +197,7 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
     if (n_split < 1 || n_split > 16) return cudaErrorInvalidValue;
     float * part = n_split > 1 ? scratch + 2 * T * H * L : nullptr;
     k_mla_cache_write<<<unsigned(T), 128, 0, st>>>(c, kr, L, dr, cache, b);
-    k_mla_q_absorb<<<dim3(grid_for(L, 128), unsigned(T * H)), 128, 0, st>>>(q, kv_b, H, dn, dr, dv, L, qlat);
+    k_mla_q_absorb<<<dim3(unsigned(T * H), grid_for(L, 128)), 128, 0, st>>>(q, kv_b, H, dn, dr, dv, L, qlat);
     const size_t smem = size_t(k_attn_warps * L + 2 * k_attn_warps) * sizeof(float);
     const int lpl = int((L + 31) / 32);
 #define PG_MLA_CASE(N)                                                                                                  \
