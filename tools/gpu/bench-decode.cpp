@@ -661,8 +661,11 @@ int main(int argc, char ** argv) {
         const double tf = gemm_tflops();
         std::printf("device %s, %d SMs; HBM copy ceiling %.0f GB/s (2 GiB D2D, R+W); bf16 GEMM ceiling %.0f TFLOP/s "
                     "(cuBLASLt 8192^3)\n", prop.name, prop.multiProcessorCount, bw, tf);
-        std::printf("decode steps: every sequence at position %d, 1 token each; timings median of 3 x %d steps\n", o.ctx,
-                    o.steps);
+        if (o.prefill.empty())
+            std::printf("decode steps: every sequence at position %d, 1 token each; timings median of 3 x %d steps\n", o.ctx,
+                        o.steps);
+        else
+            std::printf("prefill: one sequence of T prompt tokens from position 0, eager, median of 3 steps\n");
         for (const auto & p : o.presets) {
             if (o.prefill.empty()) bench_preset(p, o, bw);
             else bench_prefill(p, o, tf);
