@@ -32,6 +32,7 @@ struct opts {
     int device = 0;
     int chunk = 64;
     int linear_group = -1;   // cuda_options::linear_group: -1 the default, 0 off, 1 on
+    int moe_mma = -1;        // cuda_options::moe_mma_tokens: -1 the default, 0 off, N > 0 the token threshold
 };
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -82,6 +83,7 @@ int run_compare(const opts & o) {
     auto cpu = backend_cpu_init();
     cuda_options co;
     if (o.linear_group >= 0) co.linear_group = o.linear_group != 0;
+    if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
     auto gpu = backend_cuda_init(o.device, co);
     std::printf("compare-backends: model %s, cpu vs cuda (%s), prompt %zu tokens, %d decode steps, NMSE tolerance %.1e\n",
                 o.model.c_str(), gpu->device_name().c_str(), prompt.size(), o.decode, o.tol);
@@ -185,6 +187,9 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
         sub.add_option("--device", o->device, "CUDA device")->capture_default_str();
         sub.add_option("--linear-group", o->linear_group,
                        "cuda_options::linear_group: 1 on, 0 off, -1 the backend's default")->capture_default_str();
+        sub.add_option("--moe-mma", o->moe_mma,
+                       "cuda_options::moe_mma_tokens: N > 0 tensor-core experts from N tokens, 0 off, -1 the default")
+            ->capture_default_str();
         sub.add_flag("--all", o->all, "print every node out of tolerance, not only the first");
         return std::function<int()>([o] {
 #if defined(PERIGEE_HAVE_CUDA)

@@ -314,6 +314,7 @@ struct opts {
     std::vector<int> batches = {1, 8, 64};
     int ctx = 1024, steps = 20, page = 64;
     bool compare_moe = true, profile = true;
+    int moe_mma = 0;   // --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
@@ -343,6 +344,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         co.moe_fp4_v2 = pass != 2;
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
+        co.moe_mma_tokens = o.moe_mma;
         const char * label = labels[pass];
         const double t0 = now_ms();
         auto be = backend_cuda_init(0, co);
@@ -494,10 +496,13 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         b->block_table.push_back(bt);
         return b;
     };
-    const char * labels[] = {"split-bf16", "one-bf16"};
+    // --moe-mma N: both passes split bf16, pass 1 with the tensor-core experts (moe_mma_tokens = N); else split vs one.
+    const std::string mma_label = "mma-" + std::to_string(o.moe_mma);
+    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "split-bf16", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16"};
     for (int pass = 0; pass < 2; ++pass) {
         cuda_options co;
-        co.linear_split_bf16 = pass == 0;
+        co.linear_split_bf16 = pass == 0 || o.moe_mma > 0;
+        co.moe_mma_tokens = pass == 1 ? o.moe_mma : 0;
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
         for (int T : o.prefill) {
@@ -527,6 +532,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     if (!o.profile) return;
     cuda_options cp;
     cp.profile_nodes = true;
+    cp.moe_mma_tokens = o.moe_mma;
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
     for (int T : o.prefill) {
@@ -594,10 +600,11 @@ int main(int argc, char ** argv) {
         else if (a == "--dry") o.dry = true;
         else if (a == "--layers") g_layers = std::stoi(val());
         else if (a == "--prefill") o.prefill = parse_ints(val());
+        else if (a == "--moe-mma") o.moe_mma = std::stoi(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--dry]\n");
             return 2;
         }
     }

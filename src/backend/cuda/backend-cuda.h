@@ -38,6 +38,10 @@ struct cuda_options {
     // MOE_EXPERTS grouped MXFP4 (decode, T == 1): raw 16-byte loads of every unit of a lane issued before any
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
+    // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
+    // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
+    // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).
+    int moe_mma_tokens = 0;
     // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
     // launch over several weight pointers, at the first of them. On since its H200 run (bench/RESULTS.md 2026-11-29,
     // late): compare-backends PASS on all 14 both ways; 48B decode 5.21 -> 4.65 ms. false: one launch per LINEAR.

@@ -795,7 +795,7 @@ private:
                     auto * gw = static_cast<int32_t *>(alloc(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_,
-                                                                   opt_.moe_fp4_v2));
+                                                                   opt_.moe_fp4_v2, opt_.moe_mma_tokens));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,

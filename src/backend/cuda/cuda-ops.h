@@ -127,7 +127,8 @@ int64_t moe_group_ints(int64_t T, int64_t k, int64_t E);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
-                                       bool fp4_v2 = true);   // MXFP4 at T == 1: the v2 kernels (moe.cu)
+                                       bool fp4_v2 = true,   // MXFP4 at T == 1: the v2 kernels (moe.cu)
+                                       int mma_tokens = 0);  // > 0: experts with >= this many tokens on bf16 tensor cores
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;

@@ -2,6 +2,9 @@
 // experts are read; MXFP4/NVFP4 weights are dequantized in registers: Hopper has no FP4 tensor cores).
 #include "backend/cuda/common.cuh"
 
+#include <climits>
+#include <mma.h>
+
 namespace perigee::cuda {
 
 namespace {
@@ -335,9 +338,9 @@ template <int FMT, int TT>
 __global__ void __launch_bounds__(k_g_warps * 32) k_moe_gate_up_g(const float * __restrict__ x, int64_t Din, int64_t k,
                                                                   const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                                   const int32_t * __restrict__ gw, dexperts_cfg c,
-                                                                  float * __restrict__ hbuf) {
+                                                                  float * __restrict__ hbuf, int n_max) {
     const int a = blockIdx.y;
-    if (a >= gw[0]) return;
+    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
     const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
     if (r >= c.d_ff) return;
     const int lane = threadIdx.x & 31;
@@ -382,9 +385,9 @@ __global__ void __launch_bounds__(k_g_warps * 32) k_moe_gate_up_g(const float * 
 template <int FMT, int TT>
 __global__ void __launch_bounds__(k_g_warps * 32) k_moe_down_g(const float * __restrict__ hbuf, const dexpert * __restrict__ ex,
                                                                int64_t A, int64_t S, const int32_t * __restrict__ gw,
-                                                               dexperts_cfg c, float * __restrict__ ybuf) {
+                                                               dexperts_cfg c, float * __restrict__ ybuf, int n_max) {
     const int a = blockIdx.y;
-    if (a >= gw[0]) return;
+    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
     const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
     if (r >= c.d_out) return;
     const int lane = threadIdx.x & 31;
@@ -603,11 +606,152 @@ void launch_fp4_v2_stages(const float * x, int64_t Din, int64_t k, const dexpert
 
 template <int FMT, int TT>
 void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
-                           const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st) {
+                           const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
+                           int n_max) {
     k_moe_gate_up_g<FMT, TT><<<dim3(grid_for(c.d_ff, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st>>>(
-        x, Din, k, experts, A, S, gw, c, hbuf);
+        x, Din, k, experts, A, S, gw, c, hbuf, n_max);
     k_moe_down_g<FMT, TT><<<dim3(grid_for(c.d_out, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st>>>(hbuf, experts, A, S,
-                                                                                                     gw, c, ybuf);
+                                                                                                     gw, c, ybuf, n_max);
+}
+
+// ---- Tensor-core grouped experts (cuda_options::moe_mma_tokens): the experts with at least n_min tokens. A block
+// takes one active expert and 128 weight rows (gate/up: 64 rows of each; down: 128 rows) and walks the expert's tokens
+// in tiles of 32; per K-tile of 64 columns the rows are dequantized once into shared memory as bf16 (MXFP4 with its
+// E8M0 scale is exact in bf16; NVFP4 scale products and BF16 rows are rounded/kept) and the token tile's activations
+// are rounded to bf16; bf16 wmma 16x16x16 with fp32 accumulation; SiLU/SiTU GLU in the epilogue (fp32 hbuf).
+constexpr int k_mm_rows = 128, k_mm_m = 32, k_mm_k = 64, k_mm_ld = k_mm_k + 8, k_mm_threads = 128;
+
+// 32 columns [32 u, 32 u + 32) of a weight row, dequantized with the scales applied, as 16 packed bf16 pairs.
+template <int FMT>
+__device__ __forceinline__ void mm_row_chunk(const dexpert_matrix & m, int64_t row, int64_t u, uint32_t (&o)[16]) {
+    float w[32];
+    if constexpr (FMT == 1) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            wunit<1> q;
+            q.load(m, row, 4 * u + j);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[8 * j + i] = q.w[i];
+        }
+    } else {
+        wunit<FMT> q;
+        q.load(m, row, u);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) w[i] = q.w[i] * ((FMT == 3 && i >= 16) ? q.s1 : q.s0);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(w[2 * i], w[2 * i + 1]);
+        o[i] = *reinterpret_cast<const uint32_t *>(&b);
+    }
+}
+
+// NM == 2: gate/up, xin = x [T, ldx], token row = slot / k_div, out = hbuf [S, d_ff] (GLU applied).
+// NM == 1: down, xin = hbuf [S, ldx], token row = slot, out = ybuf [S, d_out]. grid (rows / (128 / NM), A).
+template <int FMT, int NM>
+__global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restrict__ xin, int64_t ldx, int64_t k_div,
+                                                          const dexpert * __restrict__ ex, int64_t A, int64_t S,
+                                                          const int32_t * __restrict__ gw, dexperts_cfg c, int n_min,
+                                                          float * __restrict__ out) {
+    namespace wm = nvcuda::wmma;
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int n = gw[2 + 2 * A + S + a];
+    if (n < n_min) return;
+    const int e = gw[1 + a];
+    const int32_t * slots = gw + 2 + 2 * A + gw[1 + A + a];
+    constexpr int BN = k_mm_rows / NM;
+    const int64_t n_rows = NM == 2 ? c.d_ff : c.d_out;
+    const int64_t r0 = int64_t(blockIdx.x) * BN;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const dexpert_matrix wmat = (NM == 2 && tid >= BN) ? ex[e].up : (NM == 2 ? ex[e].gate : ex[e].down);
+    const int64_t wrow = r0 + tid % BN;
+    const int64_t K = wmat.in, nu = K / 32;
+    constexpr int tile_bytes = (k_mm_rows + k_mm_m) * k_mm_ld * 2, c_bytes = k_mm_m * k_mm_rows * 4;
+    __shared__ __align__(128) unsigned char smem[tile_bytes > c_bytes ? tile_bytes : c_bytes];   // 22.5 KB
+    __nv_bfloat16 * Ws = reinterpret_cast<__nv_bfloat16 *>(smem);            // [128][ld]: weight rows, K-tile
+    __nv_bfloat16 * Xs = Ws + k_mm_rows * k_mm_ld;                            // [32][ld]: tokens, K-tile
+    float * Cs = reinterpret_cast<float *>(smem);                             // [32][128]: after the K loop
+    const int xt = tid >> 2, xc = (tid & 3) * 16;   // activation tile: token xt, 16 columns from xc
+    for (int t0 = 0; t0 < n; t0 += k_mm_m) {
+        wm::fragment<wm::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) wm::fill_fragment(acc[i][j], 0.0f);
+        const float * xrow = t0 + xt < n ? xin + int64_t(slots[t0 + xt] / k_div) * ldx : nullptr;
+        for (int64_t k0 = 0; k0 < K; k0 += k_mm_k) {
+#pragma unroll
+            for (int h = 0; h < k_mm_k / 32; ++h) {
+                uint32_t o[16];
+                const int64_t u = k0 / 32 + h;
+                if (wrow < n_rows && u < nu) mm_row_chunk<FMT>(wmat, wrow, u, o);
+                else
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) o[i] = 0u;
+                uint4 * dst = reinterpret_cast<uint4 *>(Ws + tid * k_mm_ld + 32 * h);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
+            }
+            {
+                uint32_t o[8];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (xrow && k0 + xc + 4 * i < K) v = *reinterpret_cast<const float4 *>(xrow + k0 + xc + 4 * i);
+                    const __nv_bfloat162 b0 = __floats2bfloat162_rn(v.x, v.y), b1 = __floats2bfloat162_rn(v.z, v.w);
+                    o[2 * i] = *reinterpret_cast<const uint32_t *>(&b0);
+                    o[2 * i + 1] = *reinterpret_cast<const uint32_t *>(&b1);
+                }
+                uint4 * dst = reinterpret_cast<uint4 *>(Xs + xt * k_mm_ld + xc);
+                dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+                dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int kk = 0; kk < k_mm_k; kk += 16) {
+                wm::fragment<wm::matrix_a, 16, 16, 16, __nv_bfloat16, wm::row_major> fa[2];
+                wm::fragment<wm::matrix_b, 16, 16, 16, __nv_bfloat16, wm::col_major> fb[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) wm::load_matrix_sync(fa[i], Xs + (16 * i) * k_mm_ld + kk, k_mm_ld);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) wm::load_matrix_sync(fb[j], Ws + (warp * 32 + 16 * j) * k_mm_ld + kk, k_mm_ld);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) wm::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                wm::store_matrix_sync(Cs + (16 * i) * k_mm_rows + warp * 32 + 16 * j, acc[i][j], k_mm_rows, wm::mem_row_major);
+        __syncthreads();
+        for (int i = tid; i < k_mm_m * BN; i += k_mm_threads) {
+            const int t = i / BN, rr = i % BN;
+            if (t0 + t >= n || r0 + rr >= n_rows) continue;
+            float v;
+            if constexpr (NM == 2) {
+                const float g = Cs[t * k_mm_rows + rr], up = Cs[t * k_mm_rows + BN + rr];
+                v = c.act == 1 ? situ_d(g, up, c.situ_beta, c.situ_linear_beta) : silu_d(g) * up;
+            } else {
+                v = Cs[t * k_mm_rows + rr];
+            }
+            out[int64_t(slots[t0 + t]) * n_rows + r0 + rr] = v;
+        }
+        __syncthreads();
+    }
+}
+
+template <int FMT>
+void launch_mma_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                       const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_min) {
+    k_moe_mma<FMT, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
+        x, Din, k, experts, A, S, gw, c, n_min, hbuf);
+    k_moe_mma<FMT, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
+        hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, ybuf);
 }
 
 } // namespace
@@ -619,7 +763,8 @@ int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
 
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
-                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st, bool fp4_v2) {
+                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st, bool fp4_v2,
+                                       int mma_tokens) {
     const int64_t S = T * k;
     if (S == 0) return cudaGetLastError();
     if (E > 1024 || vfmt < 1 || vfmt > 3) return cudaErrorInvalidValue;
@@ -630,9 +775,14 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     float * ybuf = scratch + S * c.d_ff;
     k_moe_group<<<1, k_grp_threads, 0, st>>>(ids, S, E, A, gw, err);
     const bool one = T == 1;
+    // Experts with >= mma_tokens tokens take the tensor-core kernels, the others the grouped GEMV kernels (each kernel
+    // skips the other's experts on the device). T == 1: every expert has one token, GEMV only.
+    const bool mma = mma_tokens > 0 && !one && S >= mma_tokens;
+    const int n_max = mma ? mma_tokens : INT_MAX;
 #define PG_GRP(F)                                                                                              \
-    if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);                     \
-    else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
+    if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);              \
+    else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);                  \
+    if (mma) launch_mma_stages<F>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens);
     if (vfmt == 2 && one && fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
     else if (vfmt == 1) { PG_GRP(1) } else if (vfmt == 2) { PG_GRP(2) } else { PG_GRP(3) }
 #undef PG_GRP

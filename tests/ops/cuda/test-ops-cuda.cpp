@@ -451,6 +451,76 @@ TEST(cuda_ops, moe_mxfp4_decode_v2_long_rows) {
     }
 }
 
+// Tensor-core experts (cuda_options::moe_mma_tokens): T in {8, 64, 200} tokens, E 16 top-4 (200: ~50 tokens per
+// expert, two 32-token tiles), BF16 / MXFP4 / NVFP4 x SiLU / SiTU, D = F = 96 (a partial 64-row gate tile, a 32-column
+// K tail, down rows < 128). Tolerance k_tol_bf16_gemm: the mma path rounds x and h to bf16 (8 mantissa bits; one
+// rounding per operand gives NMSE ~ 2^-16 / 3 ~ 5e-6 per product, two stages ~1e-5), fp32 accumulation. Threshold 1:
+// every expert on the mma kernels; threshold 8 at T = 64: a mix of mma and GEMV experts in one launch.
+// Controls: the comparator family (perturbed / negative threshold), and the mma output against the f32 tolerance must
+// FAIL (the bf16 rounding is visible, so the tensor-core kernels really ran).
+TEST(cuda_ops, moe_experts_mma_prefill) {
+    NEED_GPU();
+    for (int fmt_i : {0, 1, 2}) {
+        for (int act : {0, 1}) {
+            for (int T : {8, 64, 200}) {
+                const int D = 96, F = 96, E = 16, k = 4;
+                rng r(7000 + uint32_t(fmt_i) * 1000 + uint32_t(act) * 500 + uint32_t(T));
+                arena a;
+                builder bd(batch_simple(T));
+                auto xv = r.vec(size_t(T * D)), gw = r.vec(size_t(E * D), -0.3f, 0.3f);
+                auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+                auto mk = [&](int out, int in) {
+                    expert_matrix m;
+                    m.out = out;
+                    m.in = in;
+                    if (fmt_i == 0) {
+                        auto v = r.vec(size_t(out * in), -0.2f, 0.2f);
+                        m.weight = &a.bf16({out, in}, v);
+                        return m;
+                    }
+                    const int blk = fmt_i == 1 ? 32 : 16;
+                    tensor & p = a.raw(dtype::U8, {out, in / 2});
+                    tensor & sc = a.raw(fmt_i == 1 ? dtype::U8 : dtype::F8_E4M3, {out, in / blk});
+                    for (int64_t i = 0; i < p.numel(); ++i) p.as<uint8_t>()[i] = uint8_t(r.randint(0, 255));
+                    for (int64_t i = 0; i < sc.numel(); ++i)
+                        sc.as<uint8_t>()[i] = uint8_t(fmt_i == 1 ? r.randint(118, 124) : r.randint(0x20, 0x48));
+                    m.packed = &p;
+                    m.scale = &sc;
+                    m.format = fmt_i == 1 ? fp4_format::MXFP4 : fp4_format::NVFP4;
+                    m.global_scale = fmt_i == 1 ? 1.0f : 0.37f;
+                    return m;
+                };
+                for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+                const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f), "x");
+                auto [ids, w] = bd.moe_route(x, bd.weight(a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, true, 1.0f, router_act::SIGMOID});
+                const node_ref y = bd.name(bd.moe_experts(x, ids, w, {act == 1 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}),
+                                           "experts");
+                graph g = bd.finish(y);
+                const std::string nm = fmt::format("moe-mma/{}/{}/T{}", fmt_i == 0 ? "bf16" : fmt_i == 1 ? "mxfp4" : "nvfp4",
+                                                   act == 1 ? "situ" : "silu", T);
+                const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {y, metric::NMSE, k_tol_bf16_gemm}};
+                cuda_options o{true, 8};
+                o.moe_mma_tokens = 1;
+                EXPECT_TRUE(parity(nm + "/all-mma", g, oc, {}, o)) << nm;
+                if (T == 64) {
+                    cuda_options mix{true, 8};
+                    mix.moe_mma_tokens = 8;
+                    EXPECT_TRUE(parity(nm + "/mixed-8", g, oc, {}, mix)) << nm;
+                }
+                auto cpu = backend_cpu_init();
+                cpu->run(g);
+                auto gpu = backend_cuda_init(0, o);
+                gpu->run(g);
+                const auto ref = read_f32(*cpu, y), got = read_f32(*gpu, y);
+                const bool f32_ok = check(nm + "/control(mma vs f32 tolerance)", to_f64(ref), got, metric::NMSE, k_tol_f32);
+                EXPECT_FALSE(f32_ok) << nm << ": the bf16 rounding of the mma path must show at the f32 tolerance";
+                tally(!f32_ok);
+                if (T == 200) controls(nm, ref, got, metric::NMSE, k_tol_bf16_gemm);
+            }
+        }
+    }
+}
+
 TEST(cuda_ops, moe_route_and_experts_dense_mxfp4_nvfp4) {
     NEED_GPU();
     for (int fmt_i : {0, 1, 2}) {
