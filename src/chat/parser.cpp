@@ -71,7 +71,9 @@ void output_parser::run(chat_delta & d, bool at_end) {
 }
 
 void output_parser::flush_text(std::string_view text, chat_delta & d, bool complete) {
-    if (text.empty()) return;
+    // A held cut-off tail is flushed when a marker follows it (complete), even with no new text, so that it lands
+    // in the same channel as in the one-shot parse (found by tests/fuzz/fuzz_k{2,3}_parser on ill-formed input).
+    if (text.empty() && (!complete || utf8_hold_.empty())) return;
     std::string t = utf8_hold_;
     utf8_hold_.clear();
     t.append(text);
