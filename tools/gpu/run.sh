@@ -7,7 +7,8 @@
 # time with cuda_options::linear_group on. PREFILL_ARGS (e.g. "--preset k3-layers-4 --prefill 512,2048") adds a
 # prefill run of bench-cuda-decode; SIDE_LAYERS=N (+ SIDE_CTX) adds Perigee vs HF transformers' KimiLinear on the
 # 48B geometry cut to N layers (tools/gpu/hf_side_by_side.py; decode, and a prefill of SIDE_CTX tokens), both in
-# side.log; SIDE_HF=0 leaves out the HF half.
+# side.log; SIDE_HF=0 leaves out the HF half. COMPARE_MMA=N runs compare-backends a second time with --moe-mma N
+# (tensor-core experts from N tokens); DECODE_ARGS2 runs bench-cuda-decode a second time (decode2.log).
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
@@ -65,6 +66,10 @@ if ! skip compare; then
     for ids in "$IDS" "5,9,200"; do
       $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 >>"$OUT/compare.log" 2>&1 || status=1
       echo "$m ($(echo "$ids" | tr ',' '\n' | wc -l) prompt tokens): $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
+      if [[ -n ${COMPARE_MMA:-} ]]; then
+        timeout 60 $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 --moe-mma "$COMPARE_MMA" >>"$OUT/compare.log" 2>&1 || status=1
+        echo "  moe_mma_tokens $COMPARE_MMA: $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
+      fi
       if [[ ${COMPARE_LG:-0} == 1 ]]; then
         $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 --linear-group 1 >>"$OUT/compare.log" 2>&1 || status=1
         echo "  linear_group on: $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
@@ -80,6 +85,10 @@ fi
 if ! skip decode && [[ -x $BIN/bench-cuda-decode ]]; then
   log "6. decode-step benchmark (bench-cuda-decode ${DECODE_ARGS:-})"
   $BIN/bench-cuda-decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tee -a "$OUT/summary.log" || status=1
+fi
+if [[ -n ${DECODE_ARGS2:-} && -x $BIN/bench-cuda-decode ]]; then
+  log "6b. decode-step benchmark (bench-cuda-decode $DECODE_ARGS2)"
+  $BIN/bench-cuda-decode $DECODE_ARGS2 2>&1 | tee "$OUT/decode2.log" | tee -a "$OUT/summary.log" || status=1
 fi
 if [[ -n ${PREFILL_ARGS:-} && -x $BIN/bench-cuda-decode ]]; then
   log "7. prefill benchmark (bench-cuda-decode $PREFILL_ARGS)"
