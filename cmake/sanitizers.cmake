@@ -42,8 +42,5 @@ if(_pg_san_flags)
   # under -fsanitize=address); they are still printed, but a sanitizer build must not fail on them —
   # the normal Release build is the -Werror gate.
   list(APPEND PERIGEE_WARNINGS -Wno-error)
-  if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
-    list(APPEND PERIGEE_WARNINGS -Wno-unknown-warning-option)   # GCC-only names in PERIGEE_WARNINGS
-  endif()
   message(STATUS "perigee: sanitizer build (${PERIGEE_SANITIZE}${PERIGEE_FUZZ}): ${_pg_san_flags}")
 endif()

@@ -26,8 +26,9 @@ SUPP=$ROOT/cmake/sanitizers
 ASAN_EXCLUDE=${ASAN_EXCLUDE:-'^$'}
 # The concurrency tests TSan runs: test suites that start threads (engine loop, server, mock engine) and the
 # scheduler/pool state they share.
-TSAN_REGEX=${TSAN_REGEX:-'^(engine|engine_[a-z_]*|server|server_[a-z_]*|mock_engine|http[a-z_]*|scheduler|pools|batching[a-z_/]*)\.'}
+TSAN_REGEX=${TSAN_REGEX:-'^([A-Za-z0-9_]+/)?(engine|engine_[a-z_]+|server_[a-z_]+|scheduler|pools|prefix_[a-z_]+|batching|sampler)\.'}
 
+RC=0
 t0=$(date +%s)
 if [ "$DO_ASAN" = 1 ]; then
   echo "== ASan+UBSan: build-asan =="
@@ -38,11 +39,11 @@ if [ "$DO_ASAN" = 1 ]; then
   export ASAN_OPTIONS="abort_on_error=1:halt_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1"
   export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$SUPP/ubsan.supp"
-  ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -E "$ASAN_EXCLUDE"
+  ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900 -E "$ASAN_EXCLUDE" || RC=1
   # Load fault drills on the instrumented CLI (damaged shards must fail cleanly, with no sanitizer report),
   # unless tests/CMakeLists.txt already registers them with ctest.
   if [ -x build-asan/tools/perigee ] && ! ctest --test-dir build-asan -N -R '^drills\.' | grep -q 'drills\.'; then
-    bash tests/fuzz/drills/load_faults.sh build-asan/tools/perigee build-asan/drills/load-faults
+    bash tests/fuzz/drills/load_faults.sh build-asan/tools/perigee build-asan/drills/load-faults || RC=1
   fi
   t2=$(date +%s)
   echo "ASan+UBSan: build $((t1 - t0)) s, tests $((t2 - t1)) s"
@@ -56,14 +57,15 @@ if [ "$DO_TSAN" = 1 ]; then
         -DPERIGEE_TESTS=ON -DPERIGEE_CUDA=OFF >/dev/null
   # Build only the test executables that hold a selected suite (the gtest binaries are named test_*).
   targets=$(ninja -C build-tsan -t targets all | sed -n 's/^\(test[-_][A-Za-z0-9_-]*\): phony$/\1/p' |
-            grep -E 'runtime|server|engine' || true)
+            grep -E '^test[-_](runtime|server)' || true)
   if [ -z "$targets" ]; then echo "TSan: no runtime/server test executables exist yet"; exit 0; fi
   ninja -C build-tsan -j "$JOBS" $targets
   t4=$(date +%s)
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPP/tsan.supp"
   export OMP_NUM_THREADS=1
-  ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 900 -R "$TSAN_REGEX" --no-tests=error
+  ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 900 -R "$TSAN_REGEX" --no-tests=error || RC=1
   t5=$(date +%s)
   echo "TSan: build $((t4 - t3)) s, tests $((t5 - t4)) s"
 fi
 echo "sanitizers: total $(( $(date +%s) - t0 )) s"
+exit $RC
