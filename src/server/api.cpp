@@ -1,6 +1,8 @@
 // OpenAI request parsing and validation. See api.h for the documented rules.
 #include "server/api.h"
 
+#include "tokenizer/utf8.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -394,6 +396,12 @@ json parse_tools(const json & t) {
 
 json parse_body(const std::string & body) {
     if (body.empty()) fail("", "the request body is empty (a JSON object is required)");
+    // JSON text is UTF-8 without NUL bytes; the JSON parser would stop at a NUL and silently ignore
+    // what follows (found by fuzz_server_request), so both are refused before parsing.
+    if (const size_t nul = body.find('\0'); nul != std::string::npos)
+        fail("", fmt::format("the request body contains a NUL byte at offset {}", nul));
+    if (size_t bad = 0; !tok::utf8_valid(body, &bad))
+        fail("", fmt::format("the request body is not valid UTF-8 (at byte offset {})", bad));
     if (max_depth(body) > k_max_json_depth)
         fail("", fmt::format("JSON nesting is deeper than {} levels", k_max_json_depth));
     std::vector<std::set<std::string>> keys;
