@@ -40,5 +40,7 @@ if [ "${PERIGEE_CI_SANITIZERS:-1}" = 1 ]; then
   # (a timing assumption, not a race; it runs in the normal and ASan suites).
   TSAN_REGEX='^([A-Za-z0-9_]+/)?(engine\.(continuous|preemption|concurrent|nan|submit)[a-z_]*|engine_[a-z_]+|scheduler|pools|prefix_[a-z_]+|batching|sampler)\.?' \
     bash scripts/test-sanitizers.sh --tsan-only --jobs "$JOBS"
-  bash scripts/fuzz.sh --seconds 30 --jobs "$JOBS"
+  # Replay only: time-bounded fuzzing is not deterministic, so it runs by hand (scripts/fuzz.sh --seconds N),
+  # not as a CI gate; each crash it finds becomes a committed regression input replayed here.
+  bash scripts/fuzz.sh --seconds 0 --jobs "$JOBS"
 fi
