@@ -168,6 +168,9 @@ void layers_from_lists(kimi_config & c, const std::vector<int64_t> & kda, const 
 }
 
 void derive_moe_layers(kimi_config & c) {
+    PG_CHECK(c.moe_layer_freq >= 1 && c.first_k_dense_replace >= 0,
+             "moe_layer_freq must be >= 1 and first_k_dense_replace >= 0 (got {} and {})", c.moe_layer_freq,
+             c.first_k_dense_replace);
     c.layer_is_moe.assign(size_t(c.num_hidden_layers), false);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l)
         c.layer_is_moe[size_t(l)] = c.num_experts > 0 && l >= c.first_k_dense_replace && l % c.moe_layer_freq == 0;
