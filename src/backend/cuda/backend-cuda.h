@@ -49,6 +49,13 @@ struct cuda_options {
     // ATTN_RES_MIX: candidate scores by one block per (row, candidate), then the mix by many blocks over the row.
     // false: the first kernel (one block per row, candidates serial; compare mode).
     bool attn_res_split = true;
+    // RMS_NORM over whole rows whose output feeds LINEAR(s) on the GEMV path: the norm node launches those GEMVs with
+    // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
+    // the same launch; the norm kernel launch is removed (fuse-plan.h). Off until its H200 run proves it.
+    bool fuse_norm_linear = false;
+    // ADD(y, r) after a LINEAR y on the GEMV path (and a second ADD of that sum): the GEMV epilogue writes y, y + r
+    // (and y + r + r2); the ADD launches are removed (fuse-plan.h). Off until its H200 run proves it.
+    bool fuse_add = false;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;
@@ -65,6 +72,10 @@ public:
     virtual void guard_corrupt_next(int node, int out) = 0;
     // LINEAR nodes the last run launched together with an earlier LINEAR over the same input (linear_group).
     virtual int linear_grouped() const = 0;
+    // Fusions the last run/capture executed (cuda_options::fuse_norm_linear / fuse_add): RMS_NORM launches folded into
+    // a GEMV, ADD launches folded into a GEMV epilogue.
+    virtual int fused_norms() const = 0;
+    virtual int fused_adds() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

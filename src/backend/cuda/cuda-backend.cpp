@@ -2,6 +2,8 @@
 // states, per-run output buffers from the stream-ordered allocator, cuBLASLt for LINEAR with many tokens.
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/cuda-ops.h"
+#include "backend/cuda/fuse-ops.h"
+#include "backend/cuda/fuse-plan.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -206,6 +208,7 @@ public:
         for (auto & [k, v] : weights_) cudaFree(v);
         for (auto & [k, v] : states_) cudaFree(v);
         for (auto & [k, v] : expert_tables_) cudaFree(v);
+        for (auto & [k, v] : norm_w32_) cudaFree(v);
         drop_graph();
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         if (arena_) cudaFree(arena_);
@@ -264,11 +267,9 @@ public:
         check_flags(g, n_err);
     }
 
-    int linear_grouped() const override {
-        int c = 0;
-        for (char m : lin_member_) c += m;
-        return c;
-    }
+    int linear_grouped() const override { return n_grouped_; }
+    int fused_norms() const override { return n_fused_norms_; }
+    int fused_adds() const override { return n_fused_adds_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -370,7 +371,7 @@ private:
             const op_type o = g.nodes[i].op;
             if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS) err_slot_[i] = n_err++;
         }
-        plan_linear_groups(g);
+        plan_fusions(g);
         err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
         return n_err;
     }
@@ -613,8 +614,12 @@ private:
             }
             default: break;
         }
-        if (!lin_member_.empty() && lin_member_[size_t(id)]) return;   // computed by its group's first LINEAR
+        if (!fplan_.done_by.empty() && fplan_.done_by[size_t(id)] >= 0) return;   // computed by an earlier fused launch
         for (const auto & o : n.outs) out.push_back(new_out(o.type, o.shape));
+        if (!fplan_.at.empty() && !fplan_.at[size_t(id)].empty()) {   // a fused launch (fuse-plan.h) at this node
+            run_fused(g, id);
+            return;
+        }
         float * y = static_cast<float *>(out.at(0).p);
         int * err = err_slot_[size_t(id)] >= 0 ? err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT : nullptr;
         const dtensor & x = in(n, 0);
@@ -644,10 +649,7 @@ private:
                     PG_CUDA_CHECK(cuda::launch_gated_rms_norm(f32_in(n, 0), f32_in(n, 1), R, N, w_in(n, 2), n.p.eps, y, st_));
                 break;
             }
-            case op_type::LINEAR:
-                if (!lin_group_.empty() && !lin_group_[size_t(id)].empty()) run_linear_group(g, n, y, lin_group_[size_t(id)]);
-                else run_linear(n, y);
-                break;
+            case op_type::LINEAR: run_linear(n, y); break;
             case op_type::ADD:
             case op_type::MUL:
             case op_type::SCALE:
@@ -820,66 +822,101 @@ private:
         }
     }
 
-    // LINEAR on the GEMV path: its weight leaf's type, else wtype::F32 with ok = false (not groupable).
-    bool gemv_linear(const graph & g, const node & n, dtype & wt, int64_t & K) const {
-        if (n.op != op_type::LINEAR || n.src.size() < 2) return false;
-        const node & wn = g.nodes[size_t(n.src[1].node)];
-        if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return false;
-        const auto & xs = g.out(n.src[0]).shape;
-        if (xs.size() != 2) return false;
-        wt = wn.leaf->type;
-        if (wt != dtype::BF16 && wt != dtype::F16 && wt != dtype::F32) return false;
-        if (!(xs[0] <= opt_.gemv_max_tokens || wt == dtype::F16)) return false;
-        K = xs[1];
-        return wn.leaf->shape[1] == K;
-    }
-    // Groups of LINEARs over the same input (cuda_options::linear_group): the first one launches all of them.
-    void plan_linear_groups(const graph & g) {
-        lin_group_.assign(g.nodes.size(), {});
-        lin_member_.assign(g.nodes.size(), 0);
-        if (!opt_.linear_group) return;
+    // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
+    void plan_fusions(const graph & g) {
+        fplan_ = cuda_fuse::plan_fusions(g, opt_);
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = 0;
+        // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
+        fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
-            dtype wt;
-            int64_t K;
-            if (lin_member_[i] || !gemv_linear(g, g.nodes[i], wt, K)) continue;
-            const node_ref src = g.nodes[i].src[0];
-            for (size_t j = i + 1; j < g.nodes.size() && lin_group_[i].size() + 1 < size_t(cuda::k_gemv_group_max); ++j) {
-                const node & m = g.nodes[j];
-                dtype wt2;
-                int64_t K2;
-                if (lin_member_[j] || m.op != op_type::LINEAR || m.src[0].node != src.node || m.src[0].out != src.out) continue;
-                if (!gemv_linear(g, m, wt2, K2) || wt2 != wt || K2 != K) continue;
-                lin_group_[i].push_back(int(j));
-                lin_member_[j] = 1;
+            const node & n = g.nodes[i];
+            if (fplan_.at[i].norm < 0 || n.src.size() < 2 || !n.src[1].valid()) continue;
+            const tensor & t = *g.at(n.src[1]).leaf;
+            const void * d = weight_dev(t);
+            if (t.type == dtype::F32) {
+                fnorm_w_[i] = static_cast<const float *>(d);
+                continue;
             }
+            auto it = norm_w32_.find(d);
+            if (it == norm_w32_.end()) {
+                void * p = nullptr;
+                PG_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(t.numel(), 4)) * 4));
+                PG_CUDA_CHECK(cuda::launch_weight_to_f32(dweight{d, wtype_of(t.type, n.name)}, t.numel(), static_cast<float *>(p), st_));
+                PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+                it = norm_w32_.emplace(d, static_cast<float *>(p)).first;
+            }
+            fnorm_w_[i] = it->second;
         }
     }
-    void run_linear_group(const graph & g, const node & n, float * y, const std::vector<int> & mates) {
-        const dtensor & x = in(n, 0);
-        const int64_t T = x.shape.at(0), K = x.shape.at(1);
-        const void * w[cuda::k_gemv_group_max];
-        float * ys[cuda::k_gemv_group_max];
-        int64_t out[cuda::k_gemv_group_max];
-        const dweight W0 = w_in(n, 1);
-        w[0] = W0.data;
-        ys[0] = y;
-        out[0] = in(n, 1).shape.at(0);
-        int k = 1;
-        for (int j : mates) {
-            const node & m = g.nodes[size_t(j)];
-            // the mate's weight node may come later in the graph (weights are declared at their use): bind it now
-            if (outs_[size_t(m.src[1].node)].empty()) run_node(g, m.src[1].node);
-            PG_CHECK(in(m, 1).shape.at(1) == K, "group mate '{}': weight {} for input {}", m.name, shape_str(in(m, 1).shape),
-                     shape_str(x.shape));
-            auto & o = outs_[size_t(j)];
-            PG_CHECK(o.empty(), "group mate '{}' already has outputs", m.name);
-            for (const auto & oo : m.outs) o.push_back(new_out(oo.type, oo.shape));
-            w[k] = in(m, 1).p;
-            ys[k] = static_cast<float *>(o.at(0).p);
-            out[k] = in(m, 1).shape.at(0);
-            ++k;
+    // The launches planned at node `id` (its own outputs are allocated): every LINEAR segment's output and its
+    // epilogue ADDs' outputs are allocated here, weights bound on demand (declared at their use, after this node).
+    void run_fused(const graph & g, int id) {
+        const node & n = g.nodes[size_t(id)];
+        const cuda_fuse::launch & L = fplan_.at[size_t(id)];
+        const bool norm = L.norm >= 0;
+        const dtensor & x = norm ? in(n, 0) : in(g.nodes[size_t(L.groups.at(0).at(0).linear)], 0);
+        PG_CHECK(x.shape.size() == 2, "fused launch: input {} is not [T, K]", shape_str(x.shape));
+        const int64_t T = x.shape[0], K = x.shape[1];
+        bool plain_group = !norm;   // a linear_group launch without epilogue: the measured grouped kernel
+        for (const auto & gr : L.groups)
+            for (const auto & sg : gr) plain_group &= sg.add[0] < 0;
+        for (size_t gi = 0; gi < L.groups.size(); ++gi) {
+            const auto & gr = L.groups[gi];
+            cuda::gemv_fused_seg segs[cuda::k_gemv_group_max];
+            const void * wp[cuda::k_gemv_group_max];
+            float * yp[cuda::k_gemv_group_max];
+            int64_t op[cuda::k_gemv_group_max];
+            PG_CHECK(!gr.empty() && gr.size() <= size_t(cuda::k_gemv_group_max), "fused launch of {} LINEARs", gr.size());
+            wtype wt = wtype::F32;
+            for (size_t k = 0; k < gr.size(); ++k) {
+                const node & m = g.nodes[size_t(gr[k].linear)];
+                if (outs_[size_t(m.src[1].node)].empty()) run_node(g, m.src[1].node);
+                const dtensor & w = in(m, 1);
+                PG_CHECK(w.shape.size() == 2 && w.shape[1] == K, "fused LINEAR '{}': weight {} for input {}", m.name,
+                         shape_str(w.shape), shape_str(x.shape));
+                const wtype t = wtype_of(w.type, m.name);
+                PG_CHECK(k == 0 || t == wt, "fused LINEAR '{}': weight dtype differs within its launch", m.name);
+                wt = t;
+                auto & o = outs_[size_t(gr[k].linear)];
+                if (gr[k].linear != id) {
+                    PG_CHECK(o.empty(), "fused LINEAR '{}' already has outputs", m.name);
+                    for (const auto & oo : m.outs) o.push_back(new_out(oo.type, oo.shape));
+                }
+                segs[k].w = w.p;
+                segs[k].y = static_cast<float *>(o.at(0).p);
+                segs[k].out = w.shape[0];
+                for (int a = 0; a < 2 && gr[k].add[a] >= 0; ++a) {
+                    const node & an = g.nodes[size_t(gr[k].add[a])];
+                    const node_ref r = gr[k].res[a];
+                    PG_CHECK(!outs_[size_t(r.node)].empty(), "fused ADD '{}': residual '{}' is not computed yet", an.name,
+                             g.at(r).name);
+                    auto & ao = outs_[size_t(gr[k].add[a])];
+                    PG_CHECK(ao.empty(), "fused ADD '{}' already has outputs", an.name);
+                    for (const auto & oo : an.outs) ao.push_back(new_out(oo.type, oo.shape));
+                    segs[k].res[a] = static_cast<const float *>(outs_[size_t(r.node)].at(size_t(r.out)).p);
+                    segs[k].z[a] = static_cast<float *>(ao.at(0).p);
+                    ++n_fused_adds_;
+                }
+                wp[k] = segs[k].w;
+                yp[k] = segs[k].y;
+                op[k] = segs[k].out;
+            }
+            n_grouped_ += int(gr.size()) - 1;
+            if (plain_group) {
+                PG_CUDA_CHECK(cuda::launch_linear_gemv_group(static_cast<const float *>(x.p), T, K, wt, wp, yp, op,
+                                                             int(gr.size()), st_));
+                continue;
+            }
+            cuda::gemv_norm nm;
+            if (norm) {
+                nm.on = true;
+                nm.w = fnorm_w_[size_t(id)];
+                nm.eps = n.p.eps;
+                nm.y = gi == 0 ? static_cast<float *>(outs_[size_t(id)].at(0).p) : nullptr;
+            }
+            PG_CUDA_CHECK(cuda::launch_linear_gemv_fused(static_cast<const float *>(x.p), T, K, wt, segs, int(gr.size()), nm, st_));
         }
-        PG_CUDA_CHECK(cuda::launch_linear_gemv_group(f32_in(n, 0), T, K, W0.type, w, ys, out, k, st_));
+        if (norm) ++n_fused_norms_;
     }
 
     void run_linear(const node & n, float * y) {
@@ -1039,8 +1076,10 @@ private:
     std::vector<std::vector<dtensor>> outs_;
     std::vector<void *> run_allocs_;
     std::vector<int> err_slot_;
-    std::vector<std::vector<int>> lin_group_;   // per LINEAR: the later LINEARs it launches with it (same input)
-    std::vector<char> lin_member_;               // launched by an earlier LINEAR of its group
+    cuda_fuse::plan fplan_;                      // fused launches of the current run (fuse-plan.h)
+    std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
+    std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
+    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

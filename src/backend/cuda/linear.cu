@@ -1,5 +1,6 @@
 // LINEAR (bandwidth GEMV for small T; cuBLASLt is driven from cuda-backend.cpp for larger T) and GET_ROWS.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fuse-ops.h"
 
 namespace perigee::cuda {
 
@@ -140,6 +141,130 @@ void gemv_chunk(const float * x, int64_t tt, int64_t in, dweight W, int64_t out,
     }
 }
 
+// ---- fused GEMV (fuse-plan.h): optional RMS_NORM prologue, residual-add epilogue ----
+struct fused_segs {
+    const void * w[k_gemv_group_max];
+    float * y[k_gemv_group_max];
+    const float * res0[k_gemv_group_max];
+    const float * res1[k_gemv_group_max];
+    float * z0[k_gemv_group_max];
+    float * z1[k_gemv_group_max];
+    int64_t out[k_gemv_group_max];
+    int64_t roff[k_gemv_group_max + 1];   // rows before segment s (the norm-output writers are numbered by row)
+    unsigned start[k_gemv_group_max + 1];
+    int n;
+};
+
+// One warp per output row over all segments. NORM: the warp also sums x^2 of each token's row while it streams the
+// row for the dot product (it reads the whole row anyway), so inv = rsqrt(mean(x^2) + eps) needs no extra pass:
+// y = inv * sum_c W[r, c] * (x[c] * nw[c]). Then the warp writes its share of the norm's output (yn) when given.
+template <wtype WT, int TT, bool NORM>
+__global__ void __launch_bounds__(k_gemv_warps * 32)
+    k_linear_gemv_fused(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw, float eps,
+                        float * __restrict__ yn) {
+    int s = 0;
+    while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
+    const int64_t row = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps + (threadIdx.x >> 5);
+    if (row >= g.out[s]) return;
+    constexpr int VN = wvec<WT>::n;
+    const int lane = threadIdx.x & 31;
+    const bool has_w = nw != nullptr;
+    float acc[TT], ss[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[t] = 0.0f, ss[t] = 0.0f;
+    const void * W = g.w[s];
+    const int64_t base = row * in;
+    if (in % VN == 0) {
+        for (int64_t c = int64_t(lane) * VN; c < in; c += 32 * VN) {
+            float wv[VN];
+            wvec<WT>::load(W, base + c, wv);
+            float nv[VN];
+            if (NORM) {
+#pragma unroll
+                for (int j = 0; j < VN; j += 4) {
+                    const float4 f = has_w ? *reinterpret_cast<const float4 *>(nw + c + j) : make_float4(1.f, 1.f, 1.f, 1.f);
+                    nv[j] = f.x, nv[j + 1] = f.y, nv[j + 2] = f.z, nv[j + 3] = f.w;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+                const float * xt = x + t * in + c;
+#pragma unroll
+                for (int j = 0; j < VN; j += 4) {
+                    const float4 xv = *reinterpret_cast<const float4 *>(xt + j);
+                    if (NORM) {
+                        ss[t] += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+                        acc[t] += wv[j] * (xv.x * nv[j]) + wv[j + 1] * (xv.y * nv[j + 1]) + wv[j + 2] * (xv.z * nv[j + 2]) +
+                                  wv[j + 3] * (xv.w * nv[j + 3]);
+                    } else {
+                        acc[t] += wv[j] * xv.x + wv[j + 1] * xv.y + wv[j + 2] * xv.z + wv[j + 3] * xv.w;
+                    }
+                }
+            }
+        }
+    } else {
+        const dweight Wd{W, WT};
+        for (int64_t c = lane; c < in; c += 32) {
+            const float wv = wload(Wd, base + c);
+            const float nc = NORM && has_w ? nw[c] : 1.0f;
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+                const float xv = x[t * in + c];
+                if (NORM) ss[t] += xv * xv;
+                acc[t] += wv * (NORM ? xv * nc : xv);
+            }
+        }
+    }
+    const int64_t ldy = g.out[s];
+    float inv[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        float v = warp_sum(acc[t]);
+        inv[t] = 1.0f;
+        if (NORM) {
+            inv[t] = rsqrtf(warp_sum(ss[t]) / float(in) + eps);
+            v *= inv[t];
+        }
+        if (lane == 0) {
+            const int64_t i = t * ldy + row;
+            g.y[s][i] = v;
+            if (g.z0[s]) {
+                v = v + g.res0[s][i];
+                g.z0[s][i] = v;
+                if (g.z1[s]) g.z1[s][i] = v + g.res1[s][i];
+            }
+        }
+    }
+    if (NORM && yn) {   // the norm's output: warp v of all segments' rows takes columns v*32+lane, v*32+lane + 32*rows, ...
+        const int64_t wv = g.roff[s] + row, stride = g.roff[g.n] * 32;
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            for (int64_t c = wv * 32 + lane; c < in; c += stride) yn[t * in + c] = x[t * in + c] * inv[t] * (has_w ? nw[c] : 1.0f);
+    }
+}
+
+template <wtype WT, bool NORM>
+void fused_chunk(const float * x, int64_t tt, int64_t in, const fused_segs & g, const float * nw, float eps, float * yn,
+                 cudaStream_t st) {
+    const unsigned blocks = g.start[g.n];
+    const int th = k_gemv_warps * 32;
+    switch (tt) {
+        case 1: k_linear_gemv_fused<WT, 1, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 2: k_linear_gemv_fused<WT, 2, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 3: k_linear_gemv_fused<WT, 3, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 4: k_linear_gemv_fused<WT, 4, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 5: k_linear_gemv_fused<WT, 5, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 6: k_linear_gemv_fused<WT, 6, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 7: k_linear_gemv_fused<WT, 7, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        default: k_linear_gemv_fused<WT, 8, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+    }
+}
+
+__global__ void k_weight_to_f32(dweight w, int64_t n, float * __restrict__ y) {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+        y[i] = wload(w, i);
+}
+
 __global__ void k_f32_to_bf16(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ y) {
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) {
@@ -208,6 +333,54 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
         const cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
+    return cudaGetLastError();
+}
+
+cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wtype wt, const gemv_fused_seg * segs, int n,
+                                     const gemv_norm & nm, cudaStream_t st) {
+    if (n < 1 || n > k_gemv_group_max || in < 1) return cudaErrorInvalidValue;
+    for (int s = 0; s < n; ++s)
+        if (segs[s].out < 1 || (segs[s].z[1] && !segs[s].z[0])) return cudaErrorInvalidValue;
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const int64_t tt = T - t0 < 8 ? T - t0 : 8;
+        fused_segs g{};
+        g.n = n;
+        for (int s = 0; s < n; ++s) {
+            const int64_t o = t0 * segs[s].out;
+            g.w[s] = segs[s].w;
+            g.y[s] = segs[s].y + o;
+            g.out[s] = segs[s].out;
+            g.res0[s] = segs[s].res[0] ? segs[s].res[0] + o : nullptr;
+            g.res1[s] = segs[s].res[1] ? segs[s].res[1] + o : nullptr;
+            g.z0[s] = segs[s].z[0] ? segs[s].z[0] + o : nullptr;
+            g.z1[s] = segs[s].z[1] ? segs[s].z[1] + o : nullptr;
+            g.start[s + 1] = g.start[s] + grid_for(segs[s].out, k_gemv_warps);
+            g.roff[s + 1] = g.roff[s] + segs[s].out;
+        }
+        const float * xc = x + t0 * in;
+        float * yn = nm.on && nm.y ? nm.y + t0 * in : nullptr;
+        switch (wt) {
+            case wtype::BF16:
+                if (nm.on) fused_chunk<wtype::BF16, true>(xc, tt, in, g, nm.w, nm.eps, yn, st);
+                else fused_chunk<wtype::BF16, false>(xc, tt, in, g, nullptr, 0.0f, nullptr, st);
+                break;
+            case wtype::F16:
+                if (nm.on) fused_chunk<wtype::F16, true>(xc, tt, in, g, nm.w, nm.eps, yn, st);
+                else fused_chunk<wtype::F16, false>(xc, tt, in, g, nullptr, 0.0f, nullptr, st);
+                break;
+            default:
+                if (nm.on) fused_chunk<wtype::F32, true>(xc, tt, in, g, nm.w, nm.eps, yn, st);
+                else fused_chunk<wtype::F32, false>(xc, tt, in, g, nullptr, 0.0f, nullptr, st);
+                break;
+        }
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t st) {
+    if (n > 0) k_weight_to_f32<<<grid_for(n, 256) > 1024 ? 1024 : grid_for(n, 256), 256, 0, st>>>(w, n, y);
     return cudaGetLastError();
 }
 

@@ -1,0 +1,31 @@
+// Host launchers of the fused decode kernels (fuse-plan.h plans them; private to backend/cuda and its tests).
+// Plain C++ on raw device pointers, like cuda-ops.h.
+#pragma once
+#include "backend/cuda/cuda-ops.h"
+
+namespace perigee::cuda {
+
+// One LINEAR of a fused GEMV launch: y [T, out] = x' W^T, then the epilogue's residual chain:
+// z[0] = y + res[0], z[1] = z[0] + res[1] (each [T, out]; nullptr: none).
+struct gemv_fused_seg {
+    const void * w = nullptr;
+    float * y = nullptr;
+    int64_t out = 0;
+    const float * res[2] = {nullptr, nullptr};
+    float * z[2] = {nullptr, nullptr};
+};
+// The RMS_NORM folded into the launch's prologue: x' = x * rsqrt(mean(x^2) + eps) * w (w: F32 [in], nullptr = none);
+// y: the norm's output [T, in] written by the same launch (nullptr: not written by this launch).
+struct gemv_norm {
+    bool on = false;
+    const float * w = nullptr;
+    float eps = 0.0f;
+    float * y = nullptr;
+};
+// Up to k_gemv_group_max segments over the same x [T, in], one weight type; any T (chunks of 8 tokens).
+cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wtype wt, const gemv_fused_seg * segs, int n,
+                                     const gemv_norm & nm, cudaStream_t st);
+// w (any float-like dtype) [n] -> F32 [n] (norm weights for the fused prologue).
+cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t st);
+
+} // namespace perigee::cuda

@@ -1,0 +1,218 @@
+// Backend-level fusions of the CUDA decode step, planned over the unchanged graph (the graph and the CPU reference
+// stay the single definition of the math). Host-only and header-only: the backend plans each run with it, and
+// bench-cuda-decode --dry counts what it folds on a machine without a GPU.
+//
+// Rules (each behind a cuda_options switch):
+//   linear_group      LINEARs on the GEMV path over the same input, same weight dtype and width: one launch of up to
+//                     k_group_max weight pointers, at the first of them (the others are "done by" it).
+//   fuse_norm_linear  RMS_NORM over whole rows [T, N] whose output feeds LINEAR(s) on the GEMV path (K == N): the norm
+//                     node launches those LINEARs itself (grouped as above, by weight dtype), the GEMV computes each
+//                     token's inverse RMS from the x row it reads anyway and scales the dot product by it; the same
+//                     launch writes the norm's output (spread over its warps) for the other consumers and for
+//                     node-by-node comparison. The norm kernel launch is removed. The LINEARs run at the norm's
+//                     position (earlier than in the graph): their only input is the norm's output, and weights are
+//                     bound on demand.
+//   fuse_add          ADD(y, r) with y the output of a LINEAR on the GEMV path (any of the above or a single one):
+//                     the GEMV epilogue writes y and y + r; a second ADD(y + r, r2) chains (y + r + r2, e.g. the
+//                     shared expert's down projection -> ffn_moe_out -> l_out). Only when r is computed before the
+//                     LINEAR's launch position. float addition commutes bitwise, so y + r is the CPU's value.
+#pragma once
+#include "backend/cuda/backend-cuda.h"
+#include "ir/graph.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace perigee::cuda_fuse {
+
+inline constexpr int k_group_max = 8;   // = cuda::k_gemv_group_max (cuda-ops.h)
+
+// One LINEAR of a launch and the ADDs its epilogue writes (chain: add[0] = y + res[0], add[1] = add[0] + res[1]).
+struct seg {
+    int linear = -1;
+    int add[2] = {-1, -1};
+    node_ref res[2];
+};
+// The kernels launched at one node: groups of segments (one launch each, one weight dtype per group); norm >= 0: the
+// RMS_NORM whose prologue is folded into every group (the first group writes its output).
+struct launch {
+    int norm = -1;
+    std::vector<std::vector<seg>> groups;
+    bool empty() const { return groups.empty(); }
+};
+
+struct plan {
+    std::vector<int> done_by;        // per node: the node at whose position its output is computed; -1: its own
+    std::vector<launch> at;          // per node: the fused launches it issues (empty: its ordinary kernel)
+    int linear_grouped = 0;          // LINEARs launched together with an earlier LINEAR of the same launch
+    int norms = 0;                   // RMS_NORM launches removed (folded into a GEMV)
+    int adds = 0;                    // ADD launches removed (written by a GEMV epilogue)
+    int launches_saved() const { return linear_grouped + norms + adds; }
+};
+
+// A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
+// [O, K], T <= gemv_max_tokens (F16 weights: any T).
+inline bool gemv_linear(const graph & g, const node & n, int gemv_max_tokens, dtype & wt, int64_t & K) {
+    if (n.op != op_type::LINEAR || n.src.size() < 2 || !n.src[0].valid() || !n.src[1].valid()) return false;
+    const node & wn = g.nodes[size_t(n.src[1].node)];
+    if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return false;
+    const auto & xs = g.out(n.src[0]).shape;
+    if (xs.size() != 2 || g.out(n.src[0]).type != dtype::F32) return false;
+    wt = wn.leaf->type;
+    if (wt != dtype::BF16 && wt != dtype::F16 && wt != dtype::F32) return false;
+    if (!(xs[0] <= gemv_max_tokens || wt == dtype::F16)) return false;
+    K = xs[1];
+    return wn.leaf->shape[1] == K;
+}
+
+inline plan plan_fusions(const graph & g, const cuda_options & o) {
+    const size_t N = g.nodes.size();
+    plan p;
+    p.done_by.assign(N, -1);
+    p.at.assign(N, {});
+    auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
+
+    // consumers of output 0 of each node, in graph order
+    std::vector<std::vector<int>> cons(N);
+    for (size_t i = 0; i < N; ++i)
+        for (const node_ref & r : g.nodes[i].src)
+            if (r.valid() && r.out == 0 && (cons[size_t(r.node)].empty() || cons[size_t(r.node)].back() != int(i)))
+                cons[size_t(r.node)].push_back(int(i));
+
+    // LINEARs (in order) -> launches of at most k_group_max, one weight dtype each (first-seen dtype order)
+    auto groups_of = [&](const std::vector<int> & lins) {
+        std::vector<std::vector<seg>> out;
+        std::vector<dtype> types;
+        for (int j : lins) {
+            const dtype t = g.nodes[size_t(g.nodes[size_t(j)].src[1].node)].leaf->type;
+            if (std::find(types.begin(), types.end(), t) == types.end()) types.push_back(t);
+        }
+        for (dtype t : types) {
+            std::vector<seg> cur;
+            for (int j : lins) {
+                if (g.nodes[size_t(g.nodes[size_t(j)].src[1].node)].leaf->type != t) continue;
+                cur.push_back(seg{j, {-1, -1}, {}});
+                if (int(cur.size()) == k_group_max) out.push_back(std::move(cur)), cur.clear();
+            }
+            if (!cur.empty()) out.push_back(std::move(cur));
+        }
+        return out;
+    };
+    auto count_grouped = [&](const std::vector<std::vector<seg>> & gs) {
+        for (const auto & gr : gs) p.linear_grouped += int(gr.size()) - 1;
+    };
+
+    // 1. RMS_NORM -> LINEAR(s)
+    if (o.fuse_norm_linear) {
+        for (size_t i = 0; i < N; ++i) {
+            const node & n = g.nodes[i];
+            if (n.op != op_type::RMS_NORM || n.src.empty() || !n.src[0].valid()) continue;
+            const auto & xs = g.out(n.src[0]).shape;
+            if (xs.size() != 2 || n.p.n != xs[1] || g.out(n.src[0]).type != dtype::F32) continue;   // whole rows only
+            if (n.src.size() > 1 && n.src[1].valid()) {
+                const node & wn = g.at(n.src[1]);
+                if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->numel() != xs[1]) continue;
+                const dtype t = wn.leaf->type;
+                if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
+            }
+            std::vector<int> lins;
+            for (int j : cons[i]) {
+                dtype wt;
+                int64_t K;
+                const node & m = g.nodes[size_t(j)];
+                if (p.done_by[size_t(j)] < 0 && gemv_linear(g, m, o.gemv_max_tokens, wt, K) && same(m.src[0], node_ref{int(i), 0}) &&
+                    K == xs[1])
+                    lins.push_back(j);
+            }
+            if (lins.empty()) continue;
+            p.at[i].norm = int(i);
+            p.at[i].groups = groups_of(lins);
+            for (int j : lins) p.done_by[size_t(j)] = int(i);
+            count_grouped(p.at[i].groups);
+            ++p.norms;
+        }
+    }
+
+    // 2. LINEARs over the same input (the first one launches the group)
+    if (o.linear_group) {
+        for (size_t i = 0; i < N; ++i) {
+            dtype wt;
+            int64_t K;
+            if (p.done_by[i] >= 0 || !gemv_linear(g, g.nodes[i], o.gemv_max_tokens, wt, K)) continue;
+            const node_ref src = g.nodes[i].src[0];
+            std::vector<seg> gr{seg{int(i), {-1, -1}, {}}};
+            for (size_t j = i + 1; j < N && int(gr.size()) < k_group_max; ++j) {
+                const node & m = g.nodes[j];
+                dtype wt2;
+                int64_t K2;
+                if (p.done_by[j] >= 0 || m.op != op_type::LINEAR || !same(m.src[0], src)) continue;
+                if (!gemv_linear(g, m, o.gemv_max_tokens, wt2, K2) || wt2 != wt || K2 != K) continue;
+                gr.push_back(seg{int(j), {-1, -1}, {}});
+                p.done_by[j] = int(i);
+            }
+            if (gr.size() > 1) {
+                p.linear_grouped += int(gr.size()) - 1;
+                p.at[i].groups.push_back(std::move(gr));
+            }
+        }
+    }
+
+    // 3. ADD into the producing GEMV's epilogue
+    if (o.fuse_add) {
+        auto ready = [&](int node) { return p.done_by[size_t(node)] >= 0 ? p.done_by[size_t(node)] : node; };
+        std::vector<int> add_lin(N, -1);   // fused ADD -> its LINEAR
+        auto find_seg = [&](int lin) -> seg * {
+            for (auto & gr : p.at[size_t(ready(lin))].groups)
+                for (auto & s : gr)
+                    if (s.linear == lin) return &s;
+            return nullptr;
+        };
+        for (size_t i = 0; i < N; ++i) {
+            const node & n = g.nodes[i];
+            if (n.op != op_type::ADD || n.src.size() != 2 || !n.src[0].valid() || !n.src[1].valid()) continue;
+            const int64_t numel = shape_numel(n.outs.at(0).shape);
+            int best_side = -1, best_lin = -1, best_slot = -1, best_pos = -1;
+            for (int s = 0; s < 2; ++s) {
+                const node_ref a = n.src[size_t(s)], r = n.src[size_t(1 - s)];
+                if (a.out != 0 || a.node == r.node) continue;
+                if (g.out(r).type != dtype::F32 || shape_numel(g.out(r).shape) != numel) continue;
+                const node & an = g.nodes[size_t(a.node)];
+                int lin = -1, slot = -1;
+                dtype wt;
+                int64_t K;
+                if (an.op == op_type::LINEAR && gemv_linear(g, an, o.gemv_max_tokens, wt, K)) {
+                    lin = a.node;
+                    slot = 0;
+                } else if (an.op == op_type::ADD && add_lin[size_t(a.node)] >= 0) {
+                    lin = add_lin[size_t(a.node)];
+                    slot = 1;
+                } else {
+                    continue;
+                }
+                if (shape_numel(g.nodes[size_t(lin)].outs.at(0).shape) != numel) continue;
+                const int pos = ready(lin);
+                if (ready(r.node) >= pos) continue;   // r must exist when the GEMV runs
+                if (const seg * sg = p.at[size_t(pos)].empty() ? nullptr : find_seg(lin)) {
+                    if (sg->add[slot] >= 0 || (slot == 1 && sg->add[0] != a.node)) continue;
+                } else if (slot != 0) {
+                    continue;
+                }
+                if (pos > best_pos) best_side = s, best_lin = lin, best_slot = slot, best_pos = pos;
+            }
+            if (best_side < 0) continue;
+            seg * sg = find_seg(best_lin);
+            if (!sg) {   // a single LINEAR: it launches itself as a one-segment group
+                p.at[size_t(best_lin)].groups.push_back({seg{best_lin, {-1, -1}, {}}});
+                sg = &p.at[size_t(best_lin)].groups.back().back();
+            }
+            sg->add[best_slot] = int(i);
+            sg->res[best_slot] = n.src[size_t(1 - best_side)];
+            p.done_by[i] = best_pos;
+            add_lin[i] = best_lin;
+            ++p.adds;
+        }
+    }
+    return p;
+}
+
+} // namespace perigee::cuda_fuse
