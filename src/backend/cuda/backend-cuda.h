@@ -49,6 +49,11 @@ struct cuda_options {
     // ATTN_RES_MIX: candidate scores by one block per (row, candidate), then the mix by many blocks over the row.
     // false: the first kernel (one block per row, candidates serial; compare mode).
     bool attn_res_split = true;
+    // KDA_SCAN nodes with chunk_size 64 (prefill graphs) run the chunked WY kernels (kda-chunked.cu: chunk-parallel
+    // intra-chunk work, then one state pass per (sequence, head, 32 columns)) when the step has at least this many
+    // tokens and K <= 128, K % 4 == 0, V <= 128. 0: off (the token recurrence, also the decode path and compare mode).
+    // Off until its H200 run (test-kda-cuda parity + timing) proves it.
+    int kda_chunk_min_tokens = 0;
     // RMS_NORM over whole rows whose output feeds LINEAR(s) on the GEMV path: the norm node launches those GEMVs with
     // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
     // the same launch; the norm kernel launch is removed (fuse-plan.h). Off until its H200 run proves it.

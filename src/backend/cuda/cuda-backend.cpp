@@ -722,7 +722,18 @@ private:
                          "state {} for {} heads x {} x {}", shape_str(sth.shape), n.p.n_head, n.p.head_dim_k, n.p.head_dim_v);
                 PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
                 slots_check(*g.b, sth.shape[0], "kda_scan");
-                // chunk_size 64 (prefill) runs the same recurrence: the chunked WY kernel is not written yet.
+                const int64_t kK = n.p.head_dim_k, kV = n.p.head_dim_v;
+                if (n.p.chunk_size == 64 && opt_.kda_chunk_min_tokens > 0 && x.shape.at(0) >= opt_.kda_chunk_min_tokens &&
+                    kK <= 128 && kK % 4 == 0 && kV <= 128) {   // chunked WY form (cuda_options::kda_chunk_min_tokens)
+                    int max_len = 0;
+                    for (int s = 0; s < g.b->n_seq(); ++s) max_len = std::max(max_len, g.b->seq_len(s));
+                    float * scratch = static_cast<float *>(
+                        alloc(size_t(cuda::kda_chunk_scratch_floats(x.shape.at(0), g.b->n_seq(), n.p.n_head, kK)) * 4));
+                    PG_CUDA_CHECK(cuda::launch_kda_scan_chunked(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), f32_in(n, 3),
+                                                                f32_in(n, 4), n.p.n_head, kK, kV, n.p.scale,
+                                                                state_in(g, n, 5), db_, max_len, scratch, y, st_));
+                    break;
+                }
                 PG_CUDA_CHECK(cuda::launch_kda_scan_recurrent(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), f32_in(n, 3),
                                                               f32_in(n, 4), n.p.n_head, n.p.head_dim_k, n.p.head_dim_v,
                                                               n.p.scale, state_in(g, n, 5), db_, y, st_));

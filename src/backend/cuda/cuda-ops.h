@@ -76,6 +76,14 @@ cudaError_t launch_kda_gate(const float * f, int64_t T, int64_t H, int64_t K, dw
 cudaError_t launch_kda_scan_recurrent(const float * q, const float * k, const float * v, const float * g,
                                       const float * beta, int64_t H, int64_t K, int64_t V, float scale, float * state,
                                       const dbatch & b, float * o, cudaStream_t st);
+// Chunked WY form (kda-chunked.cu; chunks of 64 from each sequence's first token), fp32; 4 <= K <= 128 with K % 4 == 0,
+// V <= 128. max_seq_len: the longest sequence of the batch. scratch: kda_chunk_scratch_floats(T, n_seq, H, K) floats.
+// o is used as scratch between the two kernels (it ends as the output).
+int64_t kda_chunk_scratch_floats(int64_t T, int64_t n_seq, int64_t H, int64_t K);
+cudaError_t launch_kda_scan_chunked(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                                    int64_t H, int64_t K, int64_t V, float scale, float * state, const dbatch & b,
+                                    int max_seq_len, float * scratch, float * o, cudaStream_t st);
+
 
 // ---- mla.cu ----
 struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_lora_rank; };
