@@ -2,7 +2,7 @@
 # One call on the GPU machine: (build) -> CUDA op parity -> compute-sanitizer -> compare-backends -> benchmark.
 # Logs go under $OUT. Usage (from the repo root, on the GPU machine):
 #   tools/gpu/run.sh                 # uses prebuilt binaries in .gpu-carry/ when present (see tools/gpu/README.md)
-# Steps can be skipped with SKIP="sanitizer racecheck compare bench decode"; CARRY names the prebuilt folder.
+# Steps can be skipped with SKIP="sanitizer racecheck initcheck synccheck compare bench decode"; CARRY names the prebuilt folder.
 # DECODE_ARGS are passed to bench-cuda-decode (the whole-step benchmark). COMPARE_LG=1 runs compare-backends a second
 # time with cuda_options::linear_group on. PREFILL_ARGS (e.g. "--preset k3-layers-4 --prefill 512,2048") adds a
 # prefill run of bench-cuda-decode; SIDE_LAYERS=N (+ SIDE_CTX) adds Perigee vs HF transformers' KimiLinear on the
@@ -40,6 +40,14 @@ log "1. CUDA op parity (test-ops-cuda)"
 $BIN/test-ops-cuda >"$OUT/ops.log" 2>&1 || status=1
 grep -E "passed, .* failed|FAILED|PASSED" "$OUT/ops.log" | tail -12 | tee -a "$OUT/summary.log"
 
+# The per-family parity executables (test-kda-cuda, test-moe-cuda, test-fuse-cuda, test-runtime-cuda), when built.
+for t in test-kda-cuda test-moe-cuda test-fuse-cuda test-runtime-cuda; do
+  [[ -x $BIN/$t ]] || { echo "$t: not in $BIN (skipped)" | tee -a "$OUT/summary.log"; continue; }
+  log "1b. $t"
+  $BIN/$t >"$OUT/$t.log" 2>&1 || status=1
+  grep -E "passed, .* failed|FAILED|PASSED|SKIPPED" "$OUT/$t.log" | tail -8 | tee -a "$OUT/summary.log"
+done
+
 if ! skip sanitizer && command -v compute-sanitizer >/dev/null; then
   log "2. compute-sanitizer memcheck on the op tests"
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN/test-ops-cuda \
@@ -54,6 +62,17 @@ if ! skip racecheck && command -v compute-sanitizer >/dev/null; then
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed, .* failed" "$OUT/racecheck.log" | tail -3 | tee -a "$OUT/summary.log"; echo "racecheck rc=$rc" | tee -a "$OUT/summary.log"
   [[ $rc == 0 ]] || status=1
 fi
+
+# initcheck (reads of uninitialised device memory) and synccheck (illegal __syncthreads/barrier use): issue 9 item 5.
+for tool in initcheck synccheck; do
+  if ! skip "$tool" && command -v compute-sanitizer >/dev/null; then
+    log "3b. compute-sanitizer $tool on the op tests"
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 $BIN/test-ops-cuda \
+      --gtest_filter='-*get_rows_and_linear*' >"$OUT/$tool.log" 2>&1; rc=$?
+    grep -E "ERROR SUMMARY|passed, .* failed" "$OUT/$tool.log" | tail -3 | tee -a "$OUT/summary.log"; echo "$tool rc=$rc" | tee -a "$OUT/summary.log"
+    [[ $rc == 0 ]] || status=1
+  fi
+done
 
 if ! skip compare; then
   log "4. compare-backends (CPU vs CUDA node by node; greedy tokens)"
