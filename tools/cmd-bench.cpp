@@ -101,7 +101,7 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
         sub.add_option("--decode", o->decode, "generated tokens per request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
         sub.add_option("--batch", o->batches, "comma-separated batch sizes")->capture_default_str();
         sub.add_option("--max-batched-tokens", o->budget, "per-step token budget")->capture_default_str();
-        sub.add_option("--backend", o->backend, "backend")->capture_default_str();
+        sub.add_option("--backend", o->backend, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
         return std::function<int()>([o] {
             PG_CHECK(o->model.empty() != o->synthetic.empty(), "bench: give exactly one of --model DIR or --synthetic PRESET");
             const auto batches = parse_batches(o->batches);

@@ -52,6 +52,7 @@ struct chat_args {
     int top_k = 0;
     int64_t seed = -1;
     bool debug_ids = false, no_color = false, hide_reasoning = false;
+    std::string backend = "cpu";
 };
 
 struct event_queue {
@@ -86,6 +87,7 @@ public:
         if (a.thinking_effort == "none") ro_.thinking_effort.reset();
         else ro_.thinking_effort = a.thinking_effort;
         runner_options opt;
+        opt.backend = a.backend;
         opt.n_slots = 1;
         opt.max_tokens = a.max_model_len;
         runner_ = std::make_unique<model_runner>(a.model, opt);
@@ -340,6 +342,7 @@ command_registrar reg{{"chat", "interactive terminal chat with a model (chat tem
         sub.add_option("--seed", a->seed, "sampling seed (turn i uses seed + i; default: random)");
         sub.add_flag("--no-color", a->no_color, "no ANSI colour (also when NO_COLOR is set or stdout is not a terminal)");
         sub.add_flag("--hide-reasoning", a->hide_reasoning, "do not print the reasoning channel");
+        sub.add_option("--backend", a->backend, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
         sub.add_flag("--debug-ids", a->debug_ids, "print each turn's generated ids and the id it ended on to stderr");
         return std::function<int()>([a] { return run_chat(*a); });
     }}};

@@ -26,10 +26,13 @@ command_registrar reg_logits{{"logits", "print the logits of a whole-sequence pr
     [](CLI::App & sub) {
         auto model = std::make_shared<std::string>(default_model_dir());
         auto ids = std::make_shared<std::string>();
+        auto be = std::make_shared<std::string>("cpu");
         sub.add_option("--model", *model, "model directory")->capture_default_str();
         sub.add_option("--ids", *ids, "comma-separated token ids")->required();
-        return std::function<int()>([model, ids] {
+        sub.add_option("--backend", *be, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
+        return std::function<int()>([model, ids, be] {
             runner_options opt;
+            opt.backend = *be;
             auto tok = parse_id_list(*ids);
             opt.max_tokens = int(tok.size());
             model_runner r(*model, opt);
@@ -56,7 +59,7 @@ command_registrar reg_logits{{"logits", "print the logits of a whole-sequence pr
 command_registrar reg_generate{{"generate", "generate tokens (greedy by default) after a prompt, through the engine",
     [](CLI::App & sub) {
         struct opts {
-            std::string model = default_model_dir(), ids, prompt;
+            std::string model = default_model_dir(), ids, prompt, backend = "cpu";
             int n = 16;
             bool print_ids = false, ignore_eos = false, raw = false;
             float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
@@ -78,6 +81,7 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
         sub.add_option("--top-p", o->top_p, "nucleus mass")->capture_default_str();
         sub.add_option("--min-p", o->min_p, "min-p floor")->capture_default_str();
         sub.add_option("--seed", o->seed, "sampling seed (default: random)");
+        sub.add_option("--backend", o->backend, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
         return std::function<int()>([o] {
             PG_CHECK(!o->ids.empty() || !o->prompt.empty(), "generate: give --ids or --prompt");
             // Text in and out go through the model's own tokenizer and chat format (src/tokenizer,
@@ -106,6 +110,7 @@ command_registrar reg_generate{{"generate", "generate tokens (greedy by default)
                 prompt = parse_id_list(o->ids);
             }
             runner_options opt;
+            opt.backend = o->backend;
             opt.max_tokens = int(prompt.size()) + o->n;
             model_runner r(o->model, opt);
             check_ids(prompt, r.config());

@@ -28,6 +28,7 @@ struct serve_args {
     double drain_timeout_s = 30.0;
     // TEST-ONLY fault drill (server/fault_drill.h): NaN logits for prompts containing this id.
     int test_nan_token = -1, test_nan_after = 2;
+    std::string backend = "cpu";
 };
 
 int run_serve(serve_args & a) {
@@ -77,6 +78,7 @@ int run_serve(serve_args & a) {
     } else {
 #ifdef PERIGEE_HAVE_ENGINE
         runner_options ro;
+        ro.backend = a.backend;
         ro.n_slots = a.so.max_num_seqs;
         ro.max_tokens = a.so.max_model_len;
         runner = std::make_unique<model_runner>(a.model, ro);
@@ -147,6 +149,7 @@ command_registrar reg{{"serve", "OpenAI-compatible HTTP server (chat, completion
         auto a = std::make_shared<serve_args>();
         sub.add_option("--model,-m", a->model, "model directory (weights + tiktoken.model + tokenizer_config.json)")->capture_default_str();
         sub.add_option("--host", a->so.host, "address to listen on")->capture_default_str();
+        sub.add_option("--backend", a->backend, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
         sub.add_option("--port", a->so.port, "port (0 = any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
         sub.add_option("--api-key", a->so.api_key, "require 'Authorization: Bearer KEY' (env PERIGEE_API_KEY)")->envname("PERIGEE_API_KEY");
         sub.add_option("--api-key-file", a->api_key_file, "read the API key from a file");

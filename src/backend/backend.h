@@ -4,12 +4,52 @@
 #pragma once
 #include "ir/graph.h"
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace perigee {
+
+// SLOT-INDEXED STATE POOLS. The runtime owns which sequence holds which KDA slot; the pools
+// themselves (model_state's conv windows and recurrent state: F32 tensors [n_slots, ...], one row
+// per slot) are STATE leaves that a device backend keeps resident after the first upload, so the
+// runtime never reads or writes those host tensors: it zeroes, saves and restores slots through the
+// backend (slot_zero, slot_snapshots). `pools` is a list of such tensors (all with the same
+// n_slots = dim 0); it is the same list, in the same order, for every call on one model.
+
+// A pool of n snapshots of one slot: each holds that slot's row of every pool, concatenated in
+// list order (bytes_per_snapshot() = sum over pools of nbytes / n_slots). It lives where the
+// backend keeps its states (CPU: host memory; CUDA: device memory). It refers to the backend that
+// made it and to the pool tensors: it must not outlive either.
+class slot_snapshots {
+public:
+    virtual ~slot_snapshots() = default;
+    virtual int capacity() const = 0;
+    virtual int64_t bytes_per_snapshot() const = 0;
+    // slot -> snapshot `snap` (every byte of the slot's rows).
+    virtual void save(int slot, int snap) = 0;
+    // snapshot `snap` -> slot (every byte of the slot's rows).
+    virtual void load(int snap, int slot) = 0;
+};
+
+// Checks a pool list (non-null, F32, rank >= 1, one n_slots, rows of whole floats); returns
+// n_slots (0 for an empty list). `who` names the caller in errors.
+inline int64_t slot_pools_check(const std::vector<tensor *> & pools, const char * who) {
+    int64_t n = 0;
+    for (size_t i = 0; i < pools.size(); ++i) {
+        const tensor * t = pools[i];
+        PG_CHECK(t != nullptr && !t->empty(), "{}: state pool {} is empty", who, i);
+        PG_CHECK(t->type == dtype::F32, "{}: state pool {} is {}, not F32", who, i, dtype_name(t->type));
+        PG_CHECK(!t->shape.empty() && t->dim(0) > 0, "{}: state pool {} has no slot dimension", who, i);
+        PG_CHECK(n == 0 || t->dim(0) == n, "{}: state pool {} has {} slots, pool 0 has {}", who, i, t->dim(0), n);
+        n = t->dim(0);
+        PG_CHECK(t->nbytes % (size_t(n) * sizeof(float)) == 0, "{}: state pool {} of {} bytes is not {} rows of floats", who,
+                 i, t->nbytes, n);
+    }
+    return n;
+}
 
 class backend {
 public:
@@ -24,6 +64,12 @@ public:
     virtual void run(const graph & g, const node_callback & cb = {}) = 0;
     // Host copy of an output of the last run.
     virtual tensor read(node_ref r) const = 0;
+
+    // Zeroes row `slot` of every pool (where the backend keeps them; CPU: the host tensors, bitwise
+    // what state_slot_zero does; CUDA: the device copies, uploading a pool first if it is not yet).
+    virtual void slot_zero(const std::vector<tensor *> & pools, int slot) = 0;
+    // A snapshot pool of n entries for these pools (see slot_snapshots).
+    virtual std::unique_ptr<slot_snapshots> slot_snapshots_new(const std::vector<tensor *> & pools, int n) = 0;
 };
 
 std::unique_ptr<backend> backend_cpu_init();

@@ -58,7 +58,7 @@ struct engine::impl {
     impl(model_runner & r, const engine_options & o, int n_pages)
         : runner(r), opt(o), cfg(r.config()), slots(o.max_num_seqs), pages(n_pages, o.page_size),
           cache(o.enable_prefix_caching ? std::make_unique<prefix_cache>(pages, n_snapshots(o), cfg.n_kda_layers() > 0) : nullptr),
-          snaps(o.enable_prefix_caching ? std::make_unique<snapshot_store>(r.state(), n_snapshots(o)) : nullptr),
+          snaps(o.enable_prefix_caching ? std::make_unique<snapshot_store>(r, n_snapshots(o)) : nullptr),
           sched({.max_num_batched_tokens = o.max_num_batched_tokens,
                  .max_prefill_chunk = o.max_prefill_chunk,
                  .snapshot_interval_pages = o.prefix_snapshot_interval},
@@ -136,7 +136,7 @@ struct engine::impl {
         auto b = step_prepare(plan, runner, cache.get(), snaps.get());
         tensor rows;
         try {
-            if (b->logits_rows.empty()) runner.step(b);
+            if (b->logits_rows.empty()) runner.advance(b);   // no logits needed: none read back
             else rows = runner.step_rows(b);
         } catch (const std::exception & e) {
             const std::string msg = fmt::format("forward step failed: {}", e.what());

@@ -18,13 +18,20 @@ struct runner_options {
     int max_tokens = 4096;     // per sequence, used to size pages when n_pages == 0
     int64_t memory_budget_bytes = 0;   // > 0: n_pages from this byte budget (runtime/block-manager.h
                                        //  plan_pools: n_slots slots first, the rest as pages)
-    std::string backend = "cpu";
+    std::string backend = "cpu";   // "cpu", or "cuda" in a build with the CUDA backend (PERIGEE_HAVE_CUDA)
+    int device = 0;                 // cuda: the device index
 };
+
+// The backends this build can run ("cpu" or "cpu, cuda"), for option help and errors.
+std::string runner_backends();
 
 class model_runner {
 public:
     model_runner(const std::string & model_dir, const runner_options & opt);
     const kimi_config & config() const { return cfg_; }
+    // The host state pools. With a device backend (cuda) they are stale after the first step: the
+    // backend keeps them resident; slots are zeroed/saved/restored only through zero_slot and
+    // new_snapshots below (the runtime never touches these host tensors).
     model_state & state() { return st_; }
     const model_weights & weights() const { return *w_; }
     backend & be() { return *be_; }
@@ -34,6 +41,10 @@ public:
     // indices), F32 [rows, vocab] in that order. Sets logits_rows on the batch it forwards, so a
     // forward that honours it computes only those rows; one that does not is sliced here.
     tensor step_rows(std::shared_ptr<const batch> b);
+    // Runs one step whose logits nobody reads (a prefill chunk that samples nothing): the forward
+    // computes the lm_head for one row only (logits_rows = the last token) and nothing is copied
+    // back. The state updates are those of step().
+    void advance(std::shared_ptr<const batch> b);
 
     // TEST HOOKS (never set in production):
     //  - logits_hook runs on the rows step_rows returns, before the caller sees them (tests
@@ -41,13 +52,21 @@ public:
     //  - skip_slot_zero makes zero_slot a no-op (the control for the recycled-slot test).
     std::function<void(const batch &, tensor & rows)> logits_hook;
     bool skip_slot_zero = false;
-    // Zeroes one KDA state slot in every layer (a recycled slot must not leak state).
+    // Zeroes one KDA state slot in every layer (a recycled slot must not leak state), through the
+    // backend (CPU: the host pools, bitwise state_slot_zero; CUDA: the device copies).
     void zero_slot(int slot);
+    // The slot-indexed KDA pools (conv_q, conv_k, conv_v, recurrent of every KDA layer, in layer
+    // order): what zero_slot and the snapshots cover.
+    const std::vector<tensor *> & slot_pools() const { return slot_pools_; }
+    // A pool of n KDA slot snapshots where the backend keeps its states (backend.h slot_snapshots);
+    // bytes_per_snapshot() == state_slot_bytes(config()).
+    std::unique_ptr<slot_snapshots> new_snapshots(int n);
 
 private:
     kimi_config cfg_;
     std::unique_ptr<model_weights> w_;
     model_state st_;
+    std::vector<tensor *> slot_pools_;
     std::unique_ptr<backend> be_;
 };
 

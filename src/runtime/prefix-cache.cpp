@@ -3,7 +3,6 @@
 #include "core/error.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace perigee {
 
@@ -204,46 +203,9 @@ prefix_cache_stats prefix_cache::stats() const { return st_; }
 
 // --- snapshot_store ---
 
-namespace {
-
-template <typename F> void for_each_kda_tensor(const model_state & st, F && f) {
-    for (const auto & ls : st.layers)
-        for (const tensor * t : {&ls.conv_q, &ls.conv_k, &ls.conv_v, &ls.recurrent})
-            if (!t->empty()) f(*t);
-}
-
-} // namespace
-
-snapshot_store::snapshot_store(const model_state & st, int n_snapshots) : n_(n_snapshots) {
+snapshot_store::snapshot_store(model_runner & r, int n_snapshots) {
     PG_CHECK(n_snapshots >= 0, "snapshot_store: {} snapshots", n_snapshots);
-    for_each_kda_tensor(st, [&](const tensor & t) {
-        PG_CHECK(t.type == dtype::F32 && t.nbytes % (size_t(st.n_slots) * sizeof(float)) == 0,
-                 "snapshot_store: KDA state tensor of {} bytes is not F32 [n_slots = {}, ...]", t.nbytes, st.n_slots);
-        floats_per_ += int64_t(t.nbytes / sizeof(float)) / st.n_slots;
-    });
-    data_.assign(size_t(floats_per_) * size_t(n_snapshots), 0.0f);
-}
-
-void snapshot_store::save(const model_state & st, int slot, int snap) {
-    PG_CHECK(snap >= 0 && snap < n_, "snapshot_store: snapshot {} outside the pool of {}", snap, n_);
-    PG_CHECK(slot >= 0 && slot < st.n_slots, "snapshot_store: slot {} outside the pool of {}", slot, st.n_slots);
-    float * dst = data_.data() + int64_t(snap) * floats_per_;
-    for_each_kda_tensor(st, [&](const tensor & t) {
-        const size_t per = t.nbytes / size_t(st.n_slots);
-        std::memcpy(dst, static_cast<const char *>(t.data) + per * size_t(slot), per);
-        dst += per / sizeof(float);
-    });
-}
-
-void snapshot_store::load(int snap, model_state & st, int slot) const {
-    PG_CHECK(snap >= 0 && snap < n_, "snapshot_store: snapshot {} outside the pool of {}", snap, n_);
-    PG_CHECK(slot >= 0 && slot < st.n_slots, "snapshot_store: slot {} outside the pool of {}", slot, st.n_slots);
-    const float * src = data_.data() + int64_t(snap) * floats_per_;
-    for_each_kda_tensor(st, [&](const tensor & t) {
-        const size_t per = t.nbytes / size_t(st.n_slots);
-        std::memcpy(static_cast<char *>(t.data) + per * size_t(slot), src, per);
-        src += per / sizeof(float);
-    });
+    pool_ = r.new_snapshots(n_snapshots);
 }
 
 } // namespace perigee

@@ -48,15 +48,17 @@
 // the forward's own chunking-invariance (tests: <= 1e-5 relative).
 //
 // Only prompt pages are indexed (generated tokens are not). Models without KDA layers need no
-// snapshots: any indexed page chain is a hit. The snapshot bytes are host memory copied from the
-// host state pools (the CPU backend's); a device backend needs a device-side copy here.
+// snapshots: any indexed page chain is a hit. The snapshot bytes live with the backend's state pools
+// (snapshot_store below: host memory for CPU, device memory for CUDA).
 #pragma once
 #include "model/state.h"
+#include "runtime/model-runner.h"
 #include "runtime/block-manager.h"
 #include "runtime/sequence.h"
 
 #include <cstdint>
 #include <list>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -136,19 +138,19 @@ private:
 };
 
 // The bytes of the snapshot pool: n snapshots of one KDA slot each (conv windows + recurrent state
-// of every KDA layer, F32 like the CPU pools; bytes_per_snapshot() == state_slot_bytes(cfg)).
+// of every KDA layer, F32 like the pools; bytes_per_snapshot() == state_slot_bytes(cfg)). They live
+// where the runner's backend keeps its states (backend.h slot_snapshots: host memory on CPU, device
+// memory on CUDA, where a save/load is a device-to-device copy); this wrapper only names the runner.
 class snapshot_store {
 public:
-    snapshot_store(const model_state & st, int n_snapshots);
-    int capacity() const { return n_; }
-    int64_t bytes_per_snapshot() const { return floats_per_ * int64_t(sizeof(float)); }
-    void save(const model_state & st, int slot, int snap);   // slot -> snapshot
-    void load(int snap, model_state & st, int slot) const;   // snapshot -> slot (every KDA byte)
+    snapshot_store(model_runner & r, int n_snapshots);
+    int capacity() const { return pool_->capacity(); }
+    int64_t bytes_per_snapshot() const { return pool_->bytes_per_snapshot(); }
+    void save(int slot, int snap) { pool_->save(slot, snap); }   // slot -> snapshot
+    void load(int snap, int slot) { pool_->load(snap, slot); }   // snapshot -> slot (every KDA byte)
 
 private:
-    int n_;
-    int64_t floats_per_ = 0;
-    std::vector<float> data_;
+    std::unique_ptr<slot_snapshots> pool_;
 };
 
 } // namespace perigee

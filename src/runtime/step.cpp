@@ -4,7 +4,7 @@
 
 namespace perigee {
 
-std::shared_ptr<batch> step_prepare(const step_plan & p, model_runner & runner, prefix_cache * cache, const snapshot_store * snaps,
+std::shared_ptr<batch> step_prepare(const step_plan & p, model_runner & runner, prefix_cache * cache, snapshot_store * snaps,
                                     bool all_rows) {
     auto b = std::make_shared<batch>();
     b->page_size = runner.state().page_size;
@@ -16,7 +16,7 @@ std::shared_ptr<batch> step_prepare(const step_plan & p, model_runner & runner, 
                 PG_CHECK(cache && snaps, "step: sequence {} has a prefix snapshot to restore but no cache is set", s.id);
                 PG_CHECK(s.snapshot_pin == it.restore_snapshot, "step: sequence {} does not hold snapshot {}", s.id,
                          it.restore_snapshot);
-                snaps->load(it.restore_snapshot, runner.state(), s.slot);
+                snaps->load(it.restore_snapshot, s.slot);
                 cache->unpin(it.restore_snapshot);
                 s.snapshot_pin = -1;
             } else {
@@ -43,7 +43,7 @@ void step_commit(const step_plan & p, scheduler & sched, model_runner & runner, 
         const int32_t end = it.pos0 + it.n_tokens;
         if (end % ps != 0 || end > s.n_prompt) continue;
         const int32_t snap = cache->snapshot_for(s, end / ps - 1);
-        if (snap >= 0) snaps->save(runner.state(), s.slot, snap);
+        if (snap >= 0) snaps->save(s.slot, snap);
     }
 }
 

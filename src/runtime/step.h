@@ -14,7 +14,7 @@ namespace perigee {
 // is prepared first: a prefix hit's snapshot is copied into it (and unpinned), otherwise it is
 // zeroed. logits_rows: the last row of every sampling sequence, or empty (all rows) if all_rows.
 // `cache` and `snaps` may be null (no prefix caching).
-std::shared_ptr<batch> step_prepare(const step_plan & p, model_runner & runner, prefix_cache * cache, const snapshot_store * snaps,
+std::shared_ptr<batch> step_prepare(const step_plan & p, model_runner & runner, prefix_cache * cache, snapshot_store * snaps,
                                     bool all_rows = false);
 
 // After a successful forward: scheduler::commit (which indexes newly full prompt pages), then for

@@ -155,8 +155,63 @@ tensor copy_tensor(const tensor & t) {
     return r;
 }
 
+// Slot snapshots in host memory: one contiguous block of floats per snapshot, the slot's rows of
+// every pool in list order (the byte layout the runtime's snapshot_store had before it moved here).
+class cpu_slot_snapshots final : public slot_snapshots {
+public:
+    cpu_slot_snapshots(const std::vector<tensor *> & pools, int n) : pools_(pools), n_(n) {
+        PG_CHECK(n >= 0, "slot_snapshots: {} snapshots", n);
+        n_slots_ = slot_pools_check(pools, "slot_snapshots");
+        for (const tensor * t : pools) per_ += t->nbytes / size_t(n_slots_);
+        data_.assign(per_ / sizeof(float) * size_t(n), 0.0f);
+    }
+    int capacity() const override { return n_; }
+    int64_t bytes_per_snapshot() const override { return int64_t(per_); }
+    void save(int slot, int snap) override {
+        check(slot, snap);
+        char * dst = reinterpret_cast<char *>(data_.data()) + per_ * size_t(snap);
+        for (const tensor * t : pools_) {
+            const size_t row = t->nbytes / size_t(n_slots_);
+            std::memcpy(dst, static_cast<const char *>(t->data) + row * size_t(slot), row);
+            dst += row;
+        }
+    }
+    void load(int snap, int slot) override {
+        check(slot, snap);
+        const char * src = reinterpret_cast<const char *>(data_.data()) + per_ * size_t(snap);
+        for (tensor * t : pools_) {
+            const size_t row = t->nbytes / size_t(n_slots_);
+            std::memcpy(static_cast<char *>(t->data) + row * size_t(slot), src, row);
+            src += row;
+        }
+    }
+
+private:
+    void check(int slot, int snap) const {
+        PG_CHECK(snap >= 0 && snap < n_, "slot_snapshots: snapshot {} outside the pool of {}", snap, n_);
+        PG_CHECK(slot >= 0 && slot < n_slots_, "slot_snapshots: slot {} outside the pool of {}", slot, n_slots_);
+    }
+    std::vector<tensor *> pools_;
+    int n_;
+    int64_t n_slots_ = 0;
+    size_t per_ = 0;
+    std::vector<float> data_;
+};
+
 class cpu_backend final : public backend {
 public:
+    void slot_zero(const std::vector<tensor *> & pools, int slot) override {
+        const int64_t n = slot_pools_check(pools, "slot_zero");
+        PG_CHECK(pools.empty() || (slot >= 0 && slot < n), "slot_zero: slot {} outside the pool of {}", slot, n);
+        for (tensor * t : pools) {
+            const size_t row = t->nbytes / size_t(n);
+            std::memset(static_cast<char *>(t->data) + row * size_t(slot), 0, row);
+        }
+    }
+    std::unique_ptr<slot_snapshots> slot_snapshots_new(const std::vector<tensor *> & pools, int n) override {
+        return std::make_unique<cpu_slot_snapshots>(pools, n);
+    }
+
     std::string name() const override { return "cpu"; }
 
     void check_supported(const graph & g) const override {

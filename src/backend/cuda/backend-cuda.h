@@ -4,7 +4,9 @@
 // is kept: BF16/F16/F32, MXFP4/NVFP4 experts as packed bytes + scales). STATE leaves (KDA state, conv windows,
 // MLA latent pages, indexer keys) are uploaded on first use and then stay on the device: the host tensors are
 // NOT updated by run(); call sync_state_to_host() to copy them back (parity comparisons, checkpointing), and
-// state_reload() after the host changed a pool (e.g. state_slot_zero) so the next run re-uploads it.
+// state_reload() after the host changed a pool (e.g. state_slot_zero) so the next run re-uploads it The runtime
+// does neither: it zeroes, saves and restores KDA slots on the device through backend::slot_zero/slot_snapshots_new
+// (state-ops.h; snapshots live in device memory).
 // Activations are F32. An op or shape this backend cannot run is an error naming the node and the op
 // (check_supported), never a CPU fallback (STYLE §3.6).
 #pragma once

@@ -4,6 +4,7 @@
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/fuse-ops.h"
 #include "backend/cuda/fuse-plan.h"
+#include "backend/cuda/state-ops.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -417,6 +418,13 @@ public:
         states_.clear();
     }
     void guard_corrupt_next(int node, int out) override { corrupt_ = {node, out}; }
+    // Slot operations on the resident STATE pools (state-ops.cpp).
+    void slot_zero(const std::vector<tensor *> & pools, int slot) override {
+        cuda::slot_zero(pools, slot, dev_, st_, [this](tensor & t) -> void * { return state_dev(t); });
+    }
+    std::unique_ptr<slot_snapshots> slot_snapshots_new(const std::vector<tensor *> & pools, int n) override {
+        return cuda::slot_snapshots_new(pools, n, dev_, st_, [this](tensor & t) -> void * { return state_dev(t); });
+    }
 
 private:
     static constexpr size_t k_lt_ws = 32u << 20;

@@ -330,7 +330,7 @@ struct rig {
     rig(model_runner & runner, bool cache, int n_snapshots = 8, int budget = 512, int n_pages = 0)
         : r(runner), slots(runner.state().n_slots), pages(n_pages > 0 ? n_pages : runner.state().n_pages, runner.state().page_size),
           pc(cache ? std::make_unique<prefix_cache>(pages, n_snapshots, true) : nullptr),
-          snaps(cache ? std::make_unique<snapshot_store>(runner.state(), n_snapshots) : nullptr),
+          snaps(cache ? std::make_unique<snapshot_store>(runner, n_snapshots) : nullptr),
           sch({.max_num_batched_tokens = budget}, slots, pages, pc.get()) {}
 
     sequence * add(const std::vector<int32_t> & prompt, int max_tokens) {
@@ -490,7 +490,7 @@ TEST_P(prefix_model, hit_equals_cold_run_exactly_including_a_mid_page_hit) {
         for (const auto & it : p.items)
             if (it.restore_snapshot >= 0) {
                 ASSERT_NE(it.restore_snapshot, other.snapshot);
-                g.snaps->load(other.snapshot, r.state(), it.seq->slot);
+                g.snaps->load(other.snapshot, it.seq->slot);
             }
     };
     sequence * b_wrong = g.run(b_prompt, N);
