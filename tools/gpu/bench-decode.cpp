@@ -13,6 +13,7 @@
 // (bytes read + written) and a cuBLASLt bf16 8192^3 GEMM. Per-op GPU time from an event-profiled replay follows.
 // Timings: host wall clock around N launches + one sync (graph) or N runs (eager), after warm-up; median of 3 reps.
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/fuse-plan.h"
 #include "core/error.h"
 #include "loader/checkpoint.h"
 #include "model/config.h"
@@ -316,6 +317,7 @@ struct opts {
     bool compare_moe = true, profile = true;
     int moe_mma = 0;   // --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
+    int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add for every pass (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
 
@@ -337,8 +339,10 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     // 4 "ares-1": ATTN_RES_MIX one block per row.
     // (The first router + per-slot expert kernels, moe_grouped/moe_route_fast = false, are no longer timed here:
     // 8% / 7% of the floor at batch 1, bench/RESULTS.md 2026-11-29.)
-    const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1"};
-    for (int pass = 0; pass < (o.compare_moe ? 5 : 1); ++pass) {
+    // Fusion passes (fuse-plan.h; both off by default until their H200 run): "+fnorm" RMS_NORM folded into the next
+    // GEMV(s), "+fadd" residual ADDs into the GEMV epilogue, "+fuse" both. --fuse 0|1 sets both for every pass.
+    const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", "+fnorm", "+fadd", "+fuse"};
+    for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
         cuda_options co;
         co.mla_split = pass != 1;
         co.moe_fp4_v2 = pass != 2;
@@ -346,6 +350,9 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         co.attn_res_split = pass != 4;
         co.moe_mma_tokens = o.moe_mma;
         const char * label = labels[pass];
+        if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = o.fuse != 0;
+        if (std::strcmp(label, "+fnorm") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_norm_linear = true;
+        if (std::strcmp(label, "+fadd") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_add = true;
         const double t0 = now_ms();
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
@@ -417,6 +424,8 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
                 graph g = forward_build(c, *w, st, b);
                 pb->run(g);
                 pb->run(g);
+                // fused launches (fuse-plan.h) carry the time of the nodes they fold: label them so
+                const auto fp = cuda_fuse::plan_fusions(g, cp);
                 const auto ms = pb->node_ms();
                 std::map<std::string, std::pair<double, int>> by_op;
                 double tot = 0;
@@ -428,6 +437,13 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
                     if (n.op == op_type::LINEAR) {   // split linears by weight size
                         const double mb = double(g.at(n.src[1]).leaf->nbytes) / 1e6;
                         key += mb >= 100 ? " (>=100MB)" : mb >= 10 ? " (10-100MB)" : " (<10MB)";
+                    }
+                    if (!fp.at[i].empty()) {
+                        bool adds = false;
+                        for (const auto & gr : fp.at[i].groups)
+                            for (const auto & sg : gr) adds |= sg.add[0] >= 0;
+                        if (fp.at[i].norm >= 0) key += " + its GEMVs (fused)";
+                        if (adds) key += " + ADD epilogue";
                     }
                     by_op[key].first += ms[i];
                     by_op[key].second += 1;
@@ -569,6 +585,54 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     }
 }
 
+// --dry: the fusion planner of the CUDA backend (fuse-plan.h, the code the backend runs) on the B=1 graph, rule by rule.
+// Launch counts are of nodes (an op with several kernels, e.g. MLA_ATTN or MOE_EXPERTS, counts once).
+void dry_fusions(const graph & g) {
+    int n_lin = 0, n_norm = 0, n_add = 0, n_launch = 0;
+    for (const node & n : g.nodes) {
+        n_lin += n.op == op_type::LINEAR;
+        n_norm += n.op == op_type::RMS_NORM;
+        n_add += n.op == op_type::ADD;
+        n_launch += n.op != op_type::WEIGHT && n.op != op_type::STATE && n.op != op_type::IDS;
+    }
+    std::printf("  B=1 graph: %d launching nodes; %d LINEAR, %d RMS_NORM, %d ADD\n", n_launch, n_lin, n_norm, n_add);
+    struct pass { const char * label; bool group, norm, add; };
+    int base = -1;
+    for (const pass & ps : {pass{"lin-1 (no grouping)", false, false, false}, pass{"linear_group (default)", true, false, false},
+                            pass{"+ fuse_norm_linear", true, true, false}, pass{"+ fuse_add", true, false, true},
+                            pass{"+ both fusions", true, true, true}}) {
+        cuda_options co;
+        co.linear_group = ps.group;
+        co.fuse_norm_linear = ps.norm;
+        co.fuse_add = ps.add;
+        const auto p = cuda_fuse::plan_fusions(g, co);
+        if (base < 0) base = p.launches_saved();
+        std::printf("  %-24s LINEARs grouped %3d, norms folded %3d of %d, adds folded %3d of %d: %4d node launches"
+                    " (%d fewer than lin-1)\n",
+                    ps.label, p.linear_grouped, p.norms, n_norm, p.adds, n_add, n_launch - p.launches_saved(),
+                    p.launches_saved() - base);
+        if (ps.norm && ps.add) {   // what stays unfolded, by the consumer/producer that blocks it
+            std::map<std::string, int> why;
+            for (size_t i = 0; i < g.nodes.size(); ++i) {
+                const node & n = g.nodes[i];
+                if (n.op == op_type::RMS_NORM && p.at[i].norm < 0) {
+                    std::string k = "norm '" + n.name.substr(n.name.rfind('.') + 1) + "' ->";
+                    for (size_t j = i + 1; j < g.nodes.size(); ++j)
+                        for (const node_ref & r : g.nodes[j].src)
+                            if (r.node == int(i)) { k += std::string(" ") + std::string(op_name(g.nodes[j].op)); break; }
+                    why[k]++;
+                }
+                if (n.op == op_type::ADD && p.done_by[i] < 0) {
+                    std::string k = "add '" + n.name.substr(n.name.rfind('.') + 1) + "' <-";
+                    for (const node_ref & r : n.src) k += std::string(" ") + std::string(op_name(g.at(r).op));
+                    why[k]++;
+                }
+            }
+            for (const auto & [k, v] : why) std::printf("    not folded: %3d x %s\n", v, k.c_str());
+        }
+    }
+}
+
 std::vector<int> parse_ints(const std::string & s) {
     std::vector<int> v;
     size_t p = 0;
@@ -601,10 +665,11 @@ int main(int argc, char ** argv) {
         else if (a == "--layers") g_layers = std::stoi(val());
         else if (a == "--prefill") o.prefill = parse_ints(val());
         else if (a == "--moe-mma") o.moe_mma = std::stoi(val());
+        else if (a == "--fuse") o.fuse = std::stoi(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--fuse 0|1] [--dry]\n");
             return 2;
         }
     }
@@ -627,38 +692,8 @@ int main(int argc, char ** argv) {
                 graph g = forward_build(c, *w, st, b);
                 std::printf("%s: %s; %zu tensors, graph of %zu nodes\n", p.c_str(), config_summary(c).c_str(), w->tensors.size(),
                             g.nodes.size());
-                // The rule of cuda_options::linear_group (backend plan_linear_groups), counted on the host: LINEARs
-                // with 2-D WEIGHT leaves of one dtype and width over the same input, at most 8 per launch.
-                std::vector<char> member(g.nodes.size(), 0);
-                int n_lin = 0, n_grouped = 0, n_groups = 0;
-                auto key = [&](const node & n, dtype & t, int64_t & K) {
-                    if (n.op != op_type::LINEAR) return false;
-                    const node & wn = g.nodes[size_t(n.src[1].node)];
-                    if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return false;
-                    t = wn.leaf->type;
-                    K = wn.leaf->shape[1];
-                    return t == dtype::BF16 || t == dtype::F16 || t == dtype::F32;
-                };
-                for (size_t i = 0; i < g.nodes.size(); ++i) {
-                    dtype t;
-                    int64_t K;
-                    if (g.nodes[i].op == op_type::LINEAR) ++n_lin;
-                    if (member[i] || !key(g.nodes[i], t, K)) continue;
-                    int mates = 0;
-                    for (size_t j = i + 1; j < g.nodes.size() && mates + 1 < 8; ++j) {
-                        dtype t2;
-                        int64_t K2;
-                        const node & m = g.nodes[j];
-                        if (member[j] || !key(m, t2, K2) || t2 != t || K2 != K) continue;
-                        if (m.src[0].node != g.nodes[i].src[0].node || m.src[0].out != g.nodes[i].src[0].out) continue;
-                        member[j] = 1;
-                        ++mates;
-                    }
-                    n_grouped += mates;
-                    n_groups += mates > 0;
-                }
-                std::printf("  linear_group at B=1: %d LINEARs; %d groups would launch %d of them with an earlier one"
-                            " (%d launches saved)\n", n_lin, n_groups, n_grouped, n_grouped);
+                // The backend's own planner (src/backend/cuda/fuse-plan.h), run on the host: what each rule folds at B=1.
+                dry_fusions(g);
             }
             return 0;
         }
