@@ -339,13 +339,17 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     // 4 "ares-1": ATTN_RES_MIX one block per row.
     // (The first router + per-slot expert kernels, moe_grouped/moe_route_fast = false, are no longer timed here:
     // 8% / 7% of the floor at batch 1, bench/RESULTS.md 2026-11-29.)
+    // 5 "fp4-v2": MXFP4 decode v2 (moe_fp4_v3 off; fp4-v1 turns both off); 6 "route-2": router GEMV + select as two
+    // launches (moe_route_fused off).
     // Fusion passes (fuse-plan.h; both off by default until their H200 run): "+fnorm" RMS_NORM folded into the next
     // GEMV(s), "+fadd" residual ADDs into the GEMV epilogue, "+fuse" both. --fuse 0|1 sets both for every pass.
-    const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", "+fnorm", "+fadd", "+fuse"};
+    const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", "fp4-v2", "route-2", "+fnorm", "+fadd", "+fuse"};
     for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
         cuda_options co;
         co.mla_split = pass != 1;
         co.moe_fp4_v2 = pass != 2;
+        co.moe_fp4_v3 = pass != 5;
+        co.moe_route_fused = pass != 6;
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
         co.moe_mma_tokens = o.moe_mma;
@@ -512,13 +516,16 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         b->block_table.push_back(bt);
         return b;
     };
-    // --moe-mma N: both passes split bf16, pass 1 with the tensor-core experts (moe_mma_tokens = N); else split vs one.
-    const std::string mma_label = "mma-" + std::to_string(o.moe_mma);
-    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "split-bf16", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16"};
-    for (int pass = 0; pass < 2; ++pass) {
+    // --moe-mma N: both passes split bf16, pass 1 with the tensor-core experts (moe_mma_tokens = N), pass 2 the same with
+    // the experts' activations as bf16 hi only (moe_mma_split off: the cost of the hi + lo split); else split vs one.
+    const std::string mma_label = "mma-" + std::to_string(o.moe_mma), hi_label = mma_label + "-hi";
+    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "split-bf16", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
+                             hi_label.c_str()};
+    for (int pass = 0; pass < (o.moe_mma > 0 ? 3 : 2); ++pass) {
         cuda_options co;
         co.linear_split_bf16 = pass == 0 || o.moe_mma > 0;
-        co.moe_mma_tokens = pass == 1 ? o.moe_mma : 0;
+        co.moe_mma_tokens = pass >= 1 ? o.moe_mma : 0;
+        co.moe_mma_split = pass != 2;
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
         for (int T : o.prefill) {

@@ -4,7 +4,7 @@
 // is kept: BF16/F16/F32, MXFP4/NVFP4 experts as packed bytes + scales). STATE leaves (KDA state, conv windows,
 // MLA latent pages, indexer keys) are uploaded on first use and then stay on the device: the host tensors are
 // NOT updated by run(); call sync_state_to_host() to copy them back (parity comparisons, checkpointing), and
-// state_reload() after the host changed a pool (e.g. state_slot_zero) so the next run re-uploads it The runtime
+// state_reload() after the host changed a pool (e.g. state_slot_zero) so the next run re-uploads it. The runtime
 // does neither: it zeroes, saves and restores KDA slots on the device through backend::slot_zero/slot_snapshots_new
 // (state-ops.h; snapshots live in device memory).
 // Activations are F32. An op or shape this backend cannot run is an error naming the node and the op
@@ -34,16 +34,27 @@ struct cuda_options {
     // MOE_ROUTE: logits by the GEMV over all SMs and a parallel per-token selection. false: the first kernel (one
     // block per token computes the logits and one thread selects; compare mode).
     bool moe_route_fast = true;
+    // MOE_ROUTE with one token (decode, with moe_route_fast): logits and selection in one launch (every block computes a
+    // slice of the logits, the last block to finish selects). false: the GEMV + select launches (compare mode).
+    bool moe_route_fused = true;
     // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
     // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
     bool mla_split = true;
     // MOE_EXPERTS grouped MXFP4 (decode, T == 1): raw 16-byte loads of every unit of a lane issued before any
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
+    // MOE_EXPERTS grouped MXFP4, T == 1: v3 kernels (no grouping launch: gate/up per slot; the combine folded into the
+    // down kernel, which sums the k slots per output row; E2M1 -> fp16 by bit placement, ~2 integer ops per value).
+    // false: v2 (compare mode). moe_fp4_v2 = false selects the first grouped kernel whatever this says.
+    bool moe_fp4_v3 = true;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
     // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).
     int moe_mma_tokens = 0;
+    // The tensor-core experts split the activations (x, and h between gate/up and down) into bf16 hi + lo, two mmas into
+    // the same fp32 accumulators: NMSE vs the fp32 CPU reference at the f32 level (MXFP4/BF16 weights are exact in
+    // bf16; NVFP4 E2M1 x E4M3 is too, its global scale applied in fp32). false: hi only (NMSE ~1e-5; compare mode).
+    bool moe_mma_split = true;
     // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
     // launch over several weight pointers, at the first of them. On since its H200 run (bench/RESULTS.md 2026-11-29,
     // late): compare-backends PASS on all 14 both ways; 48B decode 5.21 -> 4.65 ms. false: one launch per LINEAR.

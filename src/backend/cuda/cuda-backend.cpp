@@ -790,6 +790,14 @@ private:
                              n.p.topk_group, E / n.p.n_group, n.p.topk);
                 const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
                                      n.p.router == router_act::SOFTMAX ? 1 : 0};
+                if (opt_.moe_route_fast && opt_.moe_route_fused && x.shape.at(0) == 1) {
+                    float * logits = static_cast<float *>(alloc(size_t(E) * 4));
+                    auto * counter = static_cast<unsigned *>(alloc(4));
+                    PG_CUDA_CHECK(cuda::launch_moe_route_fused(f32_in(n, 0), x.shape.at(1), w_in(n, 1), bias, c, logits, counter,
+                                                               static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                                                               st_));
+                    break;
+                }
                 if (opt_.moe_route_fast) {
                     float * logits = static_cast<float *>(alloc(size_t(x.shape.at(0) * E) * 4));
                     PG_CUDA_CHECK(cuda::launch_moe_route_fast(f32_in(n, 0), x.shape.at(0), x.shape.at(1), w_in(n, 1), bias, c,
@@ -816,7 +824,8 @@ private:
                     auto * gw = static_cast<int32_t *>(alloc(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_,
-                                                                   opt_.moe_fp4_v2, opt_.moe_mma_tokens));
+                                                                   cuda::dmoe_opts{opt_.moe_fp4_v2, opt_.moe_fp4_v3,
+                                                                                   opt_.moe_mma_tokens, opt_.moe_mma_split}));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,

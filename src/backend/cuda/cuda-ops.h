@@ -84,7 +84,6 @@ cudaError_t launch_kda_scan_chunked(const float * q, const float * k, const floa
                                     int64_t H, int64_t K, int64_t V, float scale, float * state, const dbatch & b,
                                     int max_seq_len, float * scratch, float * o, cudaStream_t st);
 
-
 // ---- mla.cu ----
 struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_lora_rank; };
 // Absorbed-form MLA over the paged latent cache. n_split: blocks per (token, head) over contiguous key ranges
@@ -111,6 +110,10 @@ cudaError_t launch_moe_route(const float * x, int64_t T, int64_t D, dweight gate
 // with the serial rule's exact outcome (cuda_options::moe_route_fast).
 cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
                                   float * logits, int32_t * ids, float * w, cudaStream_t st);
+// T == 1 in one launch (cuda_options::moe_route_fused): every block computes a slice of the logits [E] (scratch), the
+// last block to finish (device counter, zeroed here by a memset on `st`) selects. counter: one device int.
+cudaError_t launch_moe_route_fused(const float * x, int64_t D, dweight gate, dweight bias, const droute & c, float * logits,
+                                   unsigned * counter, int32_t * ids, float * w, cudaStream_t st);
 // One expert matrix on the device: dense (F32/BF16/F16) or FP4 (fmt 1 = MXFP4, 2 = NVFP4).
 struct dexpert_matrix {
     const void * w = nullptr;          // dense [out, in]
@@ -132,11 +135,17 @@ cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const in
 // BF16 (Din, d_ff multiples of 8), 2 = MXFP4, 3 = NVFP4 (multiples of 32); every expert in that format; E <= 1024.
 // scratch as above; gw: moe_group_ints(T, k, E) ints.
 int64_t moe_group_ints(int64_t T, int64_t k, int64_t E);
+// Kernel choices of the grouped path (the MoE fields of cuda_options, backend-cuda.h).
+struct dmoe_opts {
+    bool fp4_v2 = true;     // MXFP4 at T == 1: the v2 kernels (when fp4_v3 is off)
+    bool fp4_v3 = true;     // MXFP4 at T == 1: the v3 kernels (no grouping, combine folded into down, fp16 dequant)
+    int mma_tokens = 0;     // > 0: experts with >= this many tokens on bf16 tensor cores
+    bool mma_split = true;  // tensor-core experts: activations as bf16 hi + lo (false: hi only)
+};
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
-                                       bool fp4_v2 = true,   // MXFP4 at T == 1: the v2 kernels (moe.cu)
-                                       int mma_tokens = 0);  // > 0: experts with >= this many tokens on bf16 tensor cores
+                                       const dmoe_opts & o = {});
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;

@@ -259,8 +259,8 @@ __global__ void __launch_bounds__(k_grp_threads) k_moe_group(const int32_t * __r
 constexpr uint32_t k_fp4_hi0 = 0x3F3F3F00u, k_fp4_hi1 = 0x40404040u;
 constexpr uint32_t k_fp4_lo0 = 0xC0800000u, k_fp4_lo1 = 0xC0804000u;
 
-// 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
-__device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
+// 8 E2M1 nibbles (low nibble first) -> 4 packed bf16 pairs (columns 0|1, 2|3, 4|5, 6|7; low half first), exact.
+__device__ __forceinline__ void fp4x8_pairs(uint32_t q, uint32_t (&p)[4]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const uint32_t c = (q >> (16 * h)) & 0xFFFFu;          // 4 nibbles
@@ -270,10 +270,19 @@ __device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
         uint32_t p0 = __byte_perm(lo, hi, 0x5140u), p1 = __byte_perm(lo, hi, 0x7362u);
         p0 |= ((c & 0x8u) << 12) | ((c & 0x80u) << 24);
         p1 |= ((c & 0x800u) << 4) | ((c & 0x8000u) << 16);
-        o[4 * h + 0] = __uint_as_float(p0 << 16);
-        o[4 * h + 1] = __uint_as_float(p0 & 0xFFFF0000u);
-        o[4 * h + 2] = __uint_as_float(p1 << 16);
-        o[4 * h + 3] = __uint_as_float(p1 & 0xFFFF0000u);
+        p[2 * h] = p0;
+        p[2 * h + 1] = p1;
+    }
+}
+
+// 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
+__device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
+    uint32_t p[4];
+    fp4x8_pairs(q, p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[2 * i] = __uint_as_float(p[i] << 16);
+        o[2 * i + 1] = __uint_as_float(p[i] & 0xFFFF0000u);
     }
 }
 
@@ -604,6 +613,188 @@ void launch_fp4_v2_stages(const float * x, int64_t Din, int64_t k, const dexpert
     }
 }
 
+// ---- MXFP4, decode (v3, cuda_options::moe_fp4_v3, T == 1): no grouping kernel and no combine kernel. The gate/up
+// kernel takes slot j = blockIdx.y and reads its expert id directly (T == 1: each slot is its own group); the down
+// kernel takes a tile of output rows over ALL k slots (two at a time, loads of both in flight) and sums w_j * y_j in
+// slot order in registers, so y is written once and the combine launch is gone: 2 launches per node instead of 4.
+// Dequant: E2M1 nibble -> fp16 by bit placement (magnitude bits to the fp16 exponent/mantissa boundary, sign to bit
+// 15: the fp16 value is exactly the E2M1 value * 2^-14, subnormals included), two nibbles per 32-bit op, converted to
+// fp32 for the FMA; the 2^14 is applied with the E8M0 scale once per 32 columns. ~2 integer ops per value (v2: ~4.5,
+// byte_perm LUT + sign + bf16 split), the integer pipe being half the FP32 rate on sm_90.
+
+// acc + sum_c w[c] x[c] * 2^-14 over the 8 columns of word q (nibble c = bits 4c..4c+3; x0: columns 0-3, x1: 4-7).
+__device__ __forceinline__ float fp4x8_dot_h(uint32_t q, float4 x0, float4 x1, float acc) {
+    const float xa[4] = {x0.x, x0.y, x0.z, x0.w}, xb[4] = {x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {   // pair i: nibble i (low half) and nibble i + 4 (high half)
+        const uint32_t mag = i < 3 ? (q << (9 - 4 * i)) : (q >> 3);
+        const uint32_t sgn = q << (12 - 4 * i);
+        const uint32_t hb = (mag & 0x0E000E00u) | (sgn & 0x80008000u);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hb));
+        acc = fmaf(f.x, xa[i], acc);
+        acc = fmaf(f.y, xb[i], acc);
+    }
+    return acc;
+}
+
+// fp4_rows_dot with one x per matrix (xps[m]) and the fp16 dequant; rows[m] = 0 reads nothing (acc 0).
+template <int NM, int R, int NU>
+__device__ __forceinline__ void fp4_rows_dot_v3(const dexpert_matrix * mats, const int64_t * rows, const float * const * xps,
+                                                int64_t r0, int64_t nu, float (&acc)[NM][R]) {
+    const int lane = threadIdx.x & 31;
+    const int64_t rb = nu * 16;
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    for (int64_t base = 0; base < nu; base += 32 * NU) {
+        uint4 q[NM][R][NU];
+        uint32_t sc[NM][R][NU];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < NU; ++i) {
+                    const int64_t u = base + lane + 32 * i, row = r0 + r;
+                    if (u < nu && row < rows[m]) {
+                        q[m][r][i] = __ldg(reinterpret_cast<const uint4 *>(mats[m].packed + row * rb) + u);
+                        sc[m][r][i] = __ldg(mats[m].scale + row * nu + u);
+                    } else {
+                        q[m][r][i] = make_uint4(0, 0, 0, 0);
+                        sc[m][r][i] = 127;
+                    }
+                }
+#pragma unroll
+        for (int i = 0; i < NU; ++i) {
+            const int64_t u = base + lane + 32 * i;
+            if (u >= nu) break;
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                if (rows[m] == 0) continue;
+                const float * xu = xps[m] + u * 32;
+                float4 xv[8];
+#pragma unroll
+                for (int wd = 0; wd < 8; ++wd) xv[wd] = *reinterpret_cast<const float4 *>(xu + 4 * wd);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint4 & qq = q[m][r][i];
+                    float part = 0.0f;
+                    part = fp4x8_dot_h(qq.x, xv[0], xv[1], part);
+                    part = fp4x8_dot_h(qq.y, xv[2], xv[3], part);
+                    part = fp4x8_dot_h(qq.z, xv[4], xv[5], part);
+                    part = fp4x8_dot_h(qq.w, xv[6], xv[7], part);
+                    acc[m][r] = fmaf(part * 16384.0f, e8m0_g(uint8_t(sc[m][r][i])), acc[m][r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+}
+
+constexpr int k_v3_warps = 8;
+
+// hbuf [k, F] for T == 1: grid (F / (8 R), k); slot j = blockIdx.y uses expert ids[j].
+template <int R, int NU>
+__global__ void __launch_bounds__(k_v3_warps * 32) k_moe_gate_up_fp4_v3(const float * __restrict__ x, int64_t Din,
+                                                                       const int32_t * __restrict__ ids,
+                                                                       const dexpert * __restrict__ ex, int64_t E,
+                                                                       dexperts_cfg c, float * __restrict__ hbuf,
+                                                                       int * err) {
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
+        return;
+    }
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v3_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_ff) return;
+    const dexpert_matrix mats[2] = {ex[e].gate, ex[e].up};
+    const int64_t rows[2] = {c.d_ff, c.d_ff};
+    const float * xps[2] = {x, x};
+    float acc[2][R];
+    fp4_rows_dot_v3<2, R, NU>(mats, rows, xps, r0, Din / 32, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r0 + r < c.d_ff)
+                hbuf[int64_t(j) * c.d_ff + r0 + r] =
+                    c.act == 1 ? situ_d(acc[0][r], acc[1][r], c.situ_beta, c.situ_linear_beta) : silu_d(acc[0][r]) * acc[1][r];
+    }
+}
+
+// y [1, Dout] = sum_j w[j] down_{ids[j]} h_j, slots in order (an invalid id contributes 0): grid (Dout / (8 R)).
+template <int R, int NU, int NS>
+__global__ void __launch_bounds__(k_v3_warps * 32) k_moe_down_comb_fp4_v3(const float * __restrict__ hbuf,
+                                                                         const int32_t * __restrict__ ids,
+                                                                         const float * __restrict__ w, int64_t k,
+                                                                         const dexpert * __restrict__ ex, int64_t E,
+                                                                         dexperts_cfg c, float * __restrict__ y) {
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v3_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_out) return;
+    float out[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = 0.0f;
+    for (int64_t j0 = 0; j0 < k; j0 += NS) {
+        dexpert_matrix mats[NS];
+        int64_t rows[NS];
+        const float * xps[NS];
+#pragma unroll
+        for (int m = 0; m < NS; ++m) {
+            const int64_t j = j0 + m;
+            const int32_t e = j < k ? ids[j] : -1;
+            const bool ok = e >= 0 && e < E;
+            mats[m] = ex[ok ? e : 0].down;
+            rows[m] = ok ? c.d_out : 0;
+            xps[m] = hbuf + (j < k ? j : 0) * c.d_ff;
+        }
+        float acc[NS][R];
+        fp4_rows_dot_v3<NS, R, NU>(mats, rows, xps, r0, c.d_ff / 32, acc);
+#pragma unroll
+        for (int m = 0; m < NS; ++m) {
+            if (j0 + m >= k) break;
+            const float wj = w[j0 + m];
+#pragma unroll
+            for (int r = 0; r < R; ++r) out[r] += wj * (rows[m] ? acc[m][r] : 0.0f);
+        }
+    }
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r0 + r < c.d_out) y[r0 + r] = out[r];
+    }
+}
+
+template <int NU> void launch_gate_up_v3(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts,
+                                         int64_t E, const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
+    constexpr int R = 2;
+    k_moe_gate_up_fp4_v3<R, NU><<<dim3(grid_for(c.d_ff, k_v3_warps * R), unsigned(k)), k_v3_warps * 32, 0, st>>>(
+        x, Din, ids, experts, E, c, hbuf, err);
+}
+template <int NU> void launch_down_v3(const float * hbuf, const int32_t * ids, const float * w, int64_t k,
+                                      const dexpert * experts, int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st) {
+    constexpr int R = 2, NS = 2;
+    k_moe_down_comb_fp4_v3<R, NU, NS><<<grid_for(c.d_out, k_v3_warps * R), k_v3_warps * 32, 0, st>>>(hbuf, ids, w, k, experts,
+                                                                                                     E, c, y);
+}
+
+void launch_fp4_v3(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
+                   int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st) {
+    switch (v2_nu(Din / 32)) {
+        case 1: launch_gate_up_v3<1>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+        case 2: launch_gate_up_v3<2>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+        default: launch_gate_up_v3<4>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+    }
+    switch (v2_nu(c.d_ff / 32)) {
+        case 1: launch_down_v3<1>(hbuf, ids, w, k, experts, E, c, y, st); break;
+        case 2: launch_down_v3<2>(hbuf, ids, w, k, experts, E, c, y, st); break;
+        default: launch_down_v3<4>(hbuf, ids, w, k, experts, E, c, y, st); break;
+    }
+}
+
 template <int FMT, int TT>
 void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
@@ -616,35 +807,78 @@ void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexper
 
 // ---- Tensor-core grouped experts (cuda_options::moe_mma_tokens): the experts with at least n_min tokens. A block
 // takes one active expert and 128 weight rows (gate/up: 64 rows of each; down: 128 rows) and walks the expert's tokens
-// in tiles of 32; per K-tile of 64 columns the rows are dequantized once into shared memory as bf16 (MXFP4 with its
-// E8M0 scale is exact in bf16; NVFP4 scale products and BF16 rows are rounded/kept) and the token tile's activations
-// are rounded to bf16; bf16 wmma 16x16x16 with fp32 accumulation; SiLU/SiTU GLU in the epilogue (fp32 hbuf).
+// in tiles of 32; per K-tile of 64 columns the rows are dequantized once into shared memory as bf16, exactly: MXFP4
+// (E2M1 x E8M0) and BF16 rows are exact in bf16, NVFP4 as E2M1 x E4M3 (at most 6 significant bits, exact) with the
+// per-matrix global scale applied in fp32 in the epilogue. The token tile's activations are split into bf16 hi + lo
+// (x = hi + lo to ~16 mantissa bits, as the cuBLASLt LINEAR path does) and both run through bf16 wmma 16x16x16 into
+// the same fp32 accumulators (xsplit = false: hi only, the first form; NMSE ~1e-5, compare mode). SiLU/SiTU GLU in
+// the epilogue (fp32 hbuf, which the down stage splits the same way). The raw weight bytes and activations of K-tile
+// i+1 are loaded into registers before tile i is dequantized and multiplied (one tile of loads in flight behind the
+// math; the first form issued each tile's loads only after the previous tile's mma).
 constexpr int k_mm_rows = 128, k_mm_m = 32, k_mm_k = 64, k_mm_ld = k_mm_k + 8, k_mm_threads = 128;
 
-// 32 columns [32 u, 32 u + 32) of a weight row, dequantized with the scales applied, as 16 packed bf16 pairs.
-template <int FMT>
-__device__ __forceinline__ void mm_row_chunk(const dexpert_matrix & m, int64_t row, int64_t u, uint32_t (&o)[16]) {
-    float w[32];
-    if constexpr (FMT == 1) {
+// The raw bytes of one 64-column K-tile of one weight row: BF16 8 x 16 B; MXFP4 2 x 16 B + 2 E8M0 bytes; NVFP4
+// 2 x 16 B + 4 E4M3 bytes. Units past the row's end load as zero.
+template <int FMT> struct mm_raw {
+    static constexpr int NQ = FMT == 1 ? 8 : 2;
+    uint4 q[NQ];
+    uint8_t s[4];
+    __device__ __forceinline__ void load(const dexpert_matrix & m, int64_t row, int64_t k0, bool ok) {
+        const int64_t K = m.in;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            wunit<1> q;
-            q.load(m, row, 4 * u + j);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) w[8 * j + i] = q.w[i];
+        for (int i = 0; i < NQ; ++i) {
+            const int64_t c0 = k0 + (FMT == 1 ? 8 : 32) * i;   // first column of this 16-byte unit
+            if (!ok || c0 >= K) {
+                q[i] = make_uint4(0u, 0u, 0u, 0u);
+                continue;
+            }
+            if constexpr (FMT == 1) q[i] = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(m.w) + row * K + c0));
+            else q[i] = __ldg(reinterpret_cast<const uint4 *>(m.packed + row * (K / 2) + c0 / 2));
         }
-    } else {
-        wunit<FMT> q;
-        q.load(m, row, u);
+        if constexpr (FMT == 2) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) w[i] = q.w[i] * ((FMT == 3 && i >= 16) ? q.s1 : q.s0);
-    }
+            for (int i = 0; i < 2; ++i) s[i] = (ok && k0 + 32 * i < K) ? __ldg(m.scale + row * (K / 32) + k0 / 32 + i) : uint8_t(127);
+        } else if constexpr (FMT == 3) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(w[2 * i], w[2 * i + 1]);
-        o[i] = *reinterpret_cast<const uint32_t *>(&b);
+            for (int i = 0; i < 4; ++i) s[i] = (ok && k0 + 16 * i < K) ? __ldg(m.scale + row * (K / 16) + k0 / 16 + i) : uint8_t(0x38);
+        }
     }
-}
+    // Columns [32 h, 32 h + 32) of the tile as 16 packed bf16 pairs (exact; NVFP4 without its global scale).
+    __device__ __forceinline__ void bf16(int h, uint32_t (&o)[16]) const {
+        if constexpr (FMT == 1) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 v = q[4 * h + i];
+                o[4 * i] = v.x;
+                o[4 * i + 1] = v.y;
+                o[4 * i + 2] = v.z;
+                o[4 * i + 3] = v.w;
+            }
+        } else {
+            // E2M1 pairs straight to bf16, times the scale as a bf16x2 product: exact (E8M0 is a power of two, E4M3 has 4
+            // significant bits, E2M1 2: the product fits bf16's 8; bf16 has fp32's exponent range, subnormals included).
+            const uint4 v = q[h];
+            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+            __nv_bfloat162 s0, s1;
+            if constexpr (FMT == 2) {
+                s0 = s1 = __float2bfloat162_rn(e8m0_g(s[h]));
+            } else {
+                s0 = __float2bfloat162_rn(e4m3_g(s[2 * h]));
+                s1 = __float2bfloat162_rn(e4m3_g(s[2 * h + 1]));
+            }
+#pragma unroll
+            for (int wi = 0; wi < 4; ++wi) {
+                uint32_t p[4];
+                fp4x8_pairs(words[wi], p);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), wi < 2 ? s0 : s1);
+                    o[4 * wi + i] = *reinterpret_cast<const uint32_t *>(&b);
+                }
+            }
+        }
+    }
+};
 
 // NM == 2: gate/up, xin = x [T, ldx], token row = slot / k_div, out = hbuf [S, d_ff] (GLU applied).
 // NM == 1: down, xin = hbuf [S, ldx], token row = slot, out = ybuf [S, d_out]. grid (rows / (128 / NM), A).
@@ -652,7 +886,7 @@ template <int FMT, int NM>
 __global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restrict__ xin, int64_t ldx, int64_t k_div,
                                                           const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                           const int32_t * __restrict__ gw, dexperts_cfg c, int n_min,
-                                                          float * __restrict__ out) {
+                                                          bool xsplit, float * __restrict__ out) {
     namespace wm = nvcuda::wmma;
     const int a = blockIdx.y;
     if (a >= gw[0]) return;
@@ -665,12 +899,17 @@ __global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restri
     const int64_t r0 = int64_t(blockIdx.x) * BN;
     const int tid = threadIdx.x, warp = tid >> 5;
     const dexpert_matrix wmat = (NM == 2 && tid >= BN) ? ex[e].up : (NM == 2 ? ex[e].gate : ex[e].down);
+    // NVFP4: the global scale of each output column's matrix, applied in the epilogue
+    const float gs0 = FMT == 3 ? (NM == 2 ? ex[e].gate.global_scale : ex[e].down.global_scale) : 1.0f;
+    const float gs1 = FMT == 3 && NM == 2 ? ex[e].up.global_scale : gs0;
     const int64_t wrow = r0 + tid % BN;
-    const int64_t K = wmat.in, nu = K / 32;
-    constexpr int tile_bytes = (k_mm_rows + k_mm_m) * k_mm_ld * 2, c_bytes = k_mm_m * k_mm_rows * 4;
-    __shared__ __align__(128) unsigned char smem[tile_bytes > c_bytes ? tile_bytes : c_bytes];   // 22.5 KB
+    const bool row_ok = wrow < n_rows;
+    const int64_t K = wmat.in;
+    constexpr int tile_bytes = (k_mm_rows + 2 * k_mm_m) * k_mm_ld * 2, c_bytes = k_mm_m * k_mm_rows * 4;
+    __shared__ __align__(128) unsigned char smem[tile_bytes > c_bytes ? tile_bytes : c_bytes];   // 27 KB
     __nv_bfloat16 * Ws = reinterpret_cast<__nv_bfloat16 *>(smem);            // [128][ld]: weight rows, K-tile
-    __nv_bfloat16 * Xs = Ws + k_mm_rows * k_mm_ld;                            // [32][ld]: tokens, K-tile
+    __nv_bfloat16 * Xh = Ws + k_mm_rows * k_mm_ld;                            // [32][ld]: tokens, K-tile, bf16 hi
+    __nv_bfloat16 * Xl = Xh + k_mm_m * k_mm_ld;                               // [32][ld]: x - hi, bf16
     float * Cs = reinterpret_cast<float *>(smem);                             // [32][128]: after the K loop
     const int xt = tid >> 2, xc = (tid & 3) * 16;   // activation tile: token xt, 16 columns from xc
     for (int t0 = 0; t0 < n; t0 += k_mm_m) {
@@ -680,32 +919,54 @@ __global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restri
 #pragma unroll
             for (int j = 0; j < 2; ++j) wm::fill_fragment(acc[i][j], 0.0f);
         const float * xrow = t0 + xt < n ? xin + int64_t(slots[t0 + xt] / k_div) * ldx : nullptr;
+        mm_raw<FMT> raw;
+        float4 xv[4];
+        auto load_x = [&](int64_t k0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                xv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (xrow && k0 + xc + 4 * i < K) xv[i] = *reinterpret_cast<const float4 *>(xrow + k0 + xc + 4 * i);
+            }
+        };
+        raw.load(wmat, wrow, 0, row_ok);
+        load_x(0);
         for (int64_t k0 = 0; k0 < K; k0 += k_mm_k) {
+            const mm_raw<FMT> cur = raw;
+            float4 xcur[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xcur[i] = xv[i];
+            if (k0 + k_mm_k < K) {   // the next tile's loads, in flight during this tile's dequant and mma
+                raw.load(wmat, wrow, k0 + k_mm_k, row_ok);
+                load_x(k0 + k_mm_k);
+            }
 #pragma unroll
             for (int h = 0; h < k_mm_k / 32; ++h) {
                 uint32_t o[16];
-                const int64_t u = k0 / 32 + h;
-                if (wrow < n_rows && u < nu) mm_row_chunk<FMT>(wmat, wrow, u, o);
-                else
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) o[i] = 0u;
+                cur.bf16(h, o);
                 uint4 * dst = reinterpret_cast<uint4 *>(Ws + tid * k_mm_ld + 32 * h);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
             }
             {
-                uint32_t o[8];
+                uint32_t oh[8], ol[8];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (xrow && k0 + xc + 4 * i < K) v = *reinterpret_cast<const float4 *>(xrow + k0 + xc + 4 * i);
-                    const __nv_bfloat162 b0 = __floats2bfloat162_rn(v.x, v.y), b1 = __floats2bfloat162_rn(v.z, v.w);
-                    o[2 * i] = *reinterpret_cast<const uint32_t *>(&b0);
-                    o[2 * i + 1] = *reinterpret_cast<const uint32_t *>(&b1);
+                    const float4 v = xcur[i];
+                    const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+                    const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
+                    const __nv_bfloat162 l0 = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+                    const __nv_bfloat162 l1 = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+                    oh[2 * i] = *reinterpret_cast<const uint32_t *>(&h0);
+                    oh[2 * i + 1] = *reinterpret_cast<const uint32_t *>(&h1);
+                    ol[2 * i] = *reinterpret_cast<const uint32_t *>(&l0);
+                    ol[2 * i + 1] = *reinterpret_cast<const uint32_t *>(&l1);
                 }
-                uint4 * dst = reinterpret_cast<uint4 *>(Xs + xt * k_mm_ld + xc);
-                dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-                dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+                uint4 * dh = reinterpret_cast<uint4 *>(Xh + xt * k_mm_ld + xc);
+                uint4 * dl = reinterpret_cast<uint4 *>(Xl + xt * k_mm_ld + xc);
+                dh[0] = make_uint4(oh[0], oh[1], oh[2], oh[3]);
+                dh[1] = make_uint4(oh[4], oh[5], oh[6], oh[7]);
+                dl[0] = make_uint4(ol[0], ol[1], ol[2], ol[3]);
+                dl[1] = make_uint4(ol[4], ol[5], ol[6], ol[7]);
             }
             __syncthreads();
 #pragma unroll
@@ -713,13 +974,21 @@ __global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restri
                 wm::fragment<wm::matrix_a, 16, 16, 16, __nv_bfloat16, wm::row_major> fa[2];
                 wm::fragment<wm::matrix_b, 16, 16, 16, __nv_bfloat16, wm::col_major> fb[2];
 #pragma unroll
-                for (int i = 0; i < 2; ++i) wm::load_matrix_sync(fa[i], Xs + (16 * i) * k_mm_ld + kk, k_mm_ld);
-#pragma unroll
                 for (int j = 0; j < 2; ++j) wm::load_matrix_sync(fb[j], Ws + (warp * 32 + 16 * j) * k_mm_ld + kk, k_mm_ld);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) wm::load_matrix_sync(fa[i], Xh + (16 * i) * k_mm_ld + kk, k_mm_ld);
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
 #pragma unroll
                     for (int j = 0; j < 2; ++j) wm::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+                if (xsplit) {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) wm::load_matrix_sync(fa[i], Xl + (16 * i) * k_mm_ld + kk, k_mm_ld);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+#pragma unroll
+                        for (int j = 0; j < 2; ++j) wm::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+                }
             }
             __syncthreads();
         }
@@ -734,10 +1003,10 @@ __global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restri
             if (t0 + t >= n || r0 + rr >= n_rows) continue;
             float v;
             if constexpr (NM == 2) {
-                const float g = Cs[t * k_mm_rows + rr], up = Cs[t * k_mm_rows + BN + rr];
+                const float g = Cs[t * k_mm_rows + rr] * gs0, up = Cs[t * k_mm_rows + BN + rr] * gs1;
                 v = c.act == 1 ? situ_d(g, up, c.situ_beta, c.situ_linear_beta) : silu_d(g) * up;
             } else {
-                v = Cs[t * k_mm_rows + rr];
+                v = Cs[t * k_mm_rows + rr] * gs0;
             }
             out[int64_t(slots[t0 + t]) * n_rows + r0 + rr] = v;
         }
@@ -747,11 +1016,12 @@ __global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restri
 
 template <int FMT>
 void launch_mma_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
-                       const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_min) {
+                       const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_min,
+                       bool xsplit) {
     k_moe_mma<FMT, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
-        x, Din, k, experts, A, S, gw, c, n_min, hbuf);
+        x, Din, k, experts, A, S, gw, c, n_min, xsplit, hbuf);
     k_moe_mma<FMT, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
-        hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, ybuf);
+        hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, xsplit, ybuf);
 }
 
 } // namespace
@@ -763,9 +1033,10 @@ int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
 
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
-                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st, bool fp4_v2,
-                                       int mma_tokens) {
+                                       float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
+                                       const dmoe_opts & o) {
     const int64_t S = T * k;
+    const int mma_tokens = o.mma_tokens;
     if (S == 0) return cudaGetLastError();
     if (E > 1024 || vfmt < 1 || vfmt > 3) return cudaErrorInvalidValue;
     const int64_t A = S < E ? S : E;
@@ -773,8 +1044,12 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     if (Din % C != 0 || c.d_ff % C != 0) return cudaErrorInvalidValue;
     float * hbuf = scratch;
     float * ybuf = scratch + S * c.d_ff;
-    k_moe_group<<<1, k_grp_threads, 0, st>>>(ids, S, E, A, gw, err);
     const bool one = T == 1;
+    if (vfmt == 2 && one && o.fp4_v2 && o.fp4_v3) {   // 2 launches: gate/up per slot, down + combine (fp4_v2 off: first)
+        launch_fp4_v3(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
+        return cudaGetLastError();
+    }
+    k_moe_group<<<1, k_grp_threads, 0, st>>>(ids, S, E, A, gw, err);
     // Experts with >= mma_tokens tokens take the tensor-core kernels, the others the grouped GEMV kernels (each kernel
     // skips the other's experts on the device). T == 1: every expert has one token, GEMV only.
     const bool mma = mma_tokens > 0 && !one && S >= mma_tokens;
@@ -782,8 +1057,8 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
 #define PG_GRP(F)                                                                                              \
     if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);              \
     else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);                  \
-    if (mma) launch_mma_stages<F>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens);
-    if (vfmt == 2 && one && fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
+    if (mma) launch_mma_stages<F>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens, o.mma_split);
+    if (vfmt == 2 && one && o.fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
     else if (vfmt == 1) { PG_GRP(1) } else if (vfmt == 2) { PG_GRP(2) } else { PG_GRP(3) }
 #undef PG_GRP
     const int64_t n = T * c.d_out;
@@ -803,18 +1078,19 @@ namespace {
 
 constexpr int k_sel_threads = 256;
 
-__global__ void __launch_bounds__(k_sel_threads) k_moe_select(const float * __restrict__ logits, dweight bias, droute c,
-                                                              int32_t * __restrict__ ids, float * __restrict__ w) {
+// Token t's selection from its logits row (read with ld.cg: the fused router's rows were written by other blocks).
+// Block of k_sel_threads threads; every thread must call it.
+__device__ void route_select(const float * __restrict__ lrow, int64_t t, dweight bias, const droute & c,
+                             int32_t * __restrict__ ids, float * __restrict__ w) {
     __shared__ float score[1024];
     __shared__ float biased[1024];
     __shared__ unsigned char taken[1024];
     __shared__ float red_v[k_sel_threads / 32];
     __shared__ int red_i[k_sel_threads / 32], red_f[k_sel_threads / 32];
-    const int64_t t = blockIdx.x;
     const int E = int(c.n_expert);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        score[e] = logits[t * E + e];
+        score[e] = __ldcg(lrow + e);
         taken[e] = 0;
     }
     __syncthreads();
@@ -903,7 +1179,65 @@ __global__ void __launch_bounds__(k_sel_threads) k_moe_select(const float * __re
     }
 }
 
+__global__ void __launch_bounds__(k_sel_threads) k_moe_select(const float * __restrict__ logits, dweight bias, droute c,
+                                                              int32_t * __restrict__ ids, float * __restrict__ w) {
+    const int64_t t = blockIdx.x;
+    route_select(logits + t * c.n_expert, t, bias, c, ids, w);
+}
+
+// T == 1: logits by a warp per expert row (grid-strided over the blocks), then the last block to finish selects.
+__global__ void __launch_bounds__(k_sel_threads) k_moe_route_fused(const float * __restrict__ x, int64_t D, dweight gate,
+                                                                   dweight bias, droute c, float * __restrict__ logits,
+                                                                   unsigned * __restrict__ counter,
+                                                                   int32_t * __restrict__ ids, float * __restrict__ w) {
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, nw = k_sel_threads / 32;
+    const int64_t E = c.n_expert;
+    const bool vec = gate.type == wtype::BF16 && D % 8 == 0;
+    for (int64_t e = int64_t(blockIdx.x) * nw + (threadIdx.x >> 5); e < E; e += int64_t(gridDim.x) * nw) {
+        float acc = 0.0f;
+        if (vec) {
+            const uint4 * row = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(gate.data) + e * D);
+            for (int64_t u = lane; u < D / 8; u += 32) {
+                const uint4 q = __ldg(row + u);
+                const float4 x0 = *reinterpret_cast<const float4 *>(x + 8 * u);
+                const float4 x1 = *reinterpret_cast<const float4 *>(x + 8 * u + 4);
+                acc = fmaf(__uint_as_float(q.x << 16), x0.x, acc);
+                acc = fmaf(__uint_as_float(q.x & 0xFFFF0000u), x0.y, acc);
+                acc = fmaf(__uint_as_float(q.y << 16), x0.z, acc);
+                acc = fmaf(__uint_as_float(q.y & 0xFFFF0000u), x0.w, acc);
+                acc = fmaf(__uint_as_float(q.z << 16), x1.x, acc);
+                acc = fmaf(__uint_as_float(q.z & 0xFFFF0000u), x1.y, acc);
+                acc = fmaf(__uint_as_float(q.w << 16), x1.z, acc);
+                acc = fmaf(__uint_as_float(q.w & 0xFFFF0000u), x1.w, acc);
+            }
+        } else {
+            for (int64_t i = lane; i < D; i += 32) acc = fmaf(wload(gate, e * D + i), x[i], acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) logits[e] = acc;
+    }
+    __threadfence();   // this block's logits are visible device-wide before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    route_select(logits, 0, bias, c, ids, w);
+}
+
 } // namespace
+
+cudaError_t launch_moe_route_fused(const float * x, int64_t D, dweight gate, dweight bias, const droute & c, float * logits,
+                                   unsigned * counter, int32_t * ids, float * w, cudaStream_t st) {
+    if (c.n_expert > 1024 || c.n_group > 64) return cudaErrorInvalidValue;
+    const cudaError_t me = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
+    if (me != cudaSuccess) return me;
+    constexpr int nw = k_sel_threads / 32;
+    const int64_t blocks = (c.n_expert + nw - 1) / nw;
+    k_moe_route_fused<<<unsigned(blocks), k_sel_threads, 0, st>>>(x, D, gate, bias, c, logits, counter, ids, w);
+    return cudaGetLastError();
+}
 
 cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
                                   float * logits, int32_t * ids, float * w, cudaStream_t st) {
