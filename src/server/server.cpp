@@ -10,11 +10,8 @@
 
 #include <httplib.h>
 
-#include <arpa/inet.h>
-#include <dirent.h>
-#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -52,48 +49,81 @@ std::string random_id(const char * prefix) {
 }
 
 // ---- the connection's socket (for disconnect detection while nothing is written) ----
+//
+// httplib (0.11.x) runs a connection entirely on one worker thread: Server::process_and_close_socket(sock) is
+// the task the listener enqueues after accept(); it loops over the keep-alive requests (process_request runs
+// routing, the handler and the response writer, chunked content providers included) and only then shuts the
+// socket down and closes it, on that same thread. conn_server overrides that virtual entry point (the
+// extension point httplib's own SSLServer uses) with the same loop, and publishes `sock` to the handler in a
+// thread_local for exactly the span of process_request. So a handler reads the fd of ITS OWN connection,
+// and that fd cannot be closed or reused while the handler or its content provider polls it: the only close
+// is below, after process_request has returned. (Replaces a /proc/self/fd scan matched by address pair,
+// which fstat()ed other workers' descriptors while they closed them: a data race and a TOCTOU.)
+thread_local int t_conn_fd = -1;
 
-std::string addr_string(const sockaddr_storage & ss, int & port) {
-    char buf[INET6_ADDRSTRLEN] = {};
-    if (ss.ss_family == AF_INET) {
-        const auto * a = reinterpret_cast<const sockaddr_in *>(&ss);
-        inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
-        port = ntohs(a->sin_port);
-    } else if (ss.ss_family == AF_INET6) {
-        const auto * a = reinterpret_cast<const sockaddr_in6 *>(&ss);
-        inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
-        port = ntohs(a->sin6_port);
-    } else {
-        port = -1;
+// The fd of the connection whose request this thread is handling; -1 outside a conn_server request.
+int connection_fd() { return t_conn_fd; }
+
+// true when `sock` has something to read (a request, or EOF) within timeout_s; false on timeout, error,
+// or when the server stops listening meanwhile (so stop() does not wait out idle keep-alive connections).
+bool wait_next_request(socket_t sock, time_t timeout_s, const std::atomic<socket_t> & listening) {
+    const auto until = steady::now() + std::chrono::seconds(timeout_s);
+    while (listening != INVALID_SOCKET) {
+        pollfd p{sock, POLLIN, 0};
+        const int n = ::poll(&p, 1, 10);
+        if (n > 0) return true;
+        if (n < 0 && errno != EINTR) return false;
+        if (steady::now() >= until) return false;
     }
-    return buf;
+    return false;
 }
 
-// Finds the fd of the request's TCP connection by its address pair; -1 if not found.
-int find_socket(const httplib::Request & req) {
-    DIR * d = opendir("/proc/self/fd");
-    if (!d) return -1;
-    int found = -1;
-    while (dirent * e = readdir(d)) {
-        if (e->d_name[0] == '.') continue;
-        const int fd = std::atoi(e->d_name);
-        struct stat st {};
-        if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-        sockaddr_storage peer{}, local{};
-        socklen_t pl = sizeof peer, ll = sizeof local;
-        if (getpeername(fd, reinterpret_cast<sockaddr *>(&peer), &pl) != 0) continue;
-        if (getsockname(fd, reinterpret_cast<sockaddr *>(&local), &ll) != 0) continue;
-        int pport = -1, lport = -1;
-        const std::string paddr = addr_string(peer, pport);
-        addr_string(local, lport);
-        if (pport == req.remote_port && lport == req.local_port && paddr == req.remote_addr) {
-            found = fd;
-            break;
+class conn_server : public httplib::Server {
+public:
+    // Parses one request in memory (no handlers are installed yet, so it is a plain 404 written into a buffer)
+    // so that the function-local statics on httplib's request path (the method set in parse_request_line, the
+    // Range regex in parse_range_header) are initialised on this thread, before any worker thread exists.
+    // Why: libcpp-httplib.so is not instrumented, so ThreadSanitizer does not see the inline acquire load of a
+    // static's guard byte; when two workers parse their first requests at once, the one that skips the
+    // initialisation reads the set TSan saw the other write (memcpy/memcmp interceptors) without a
+    // happens-before edge and reports a race (server_http.queue_full_is_503_with_retry_after). The library is
+    // correct (guard acquire/release per the C++ ABI); initialising here gives TSan the edge through thread
+    // creation, without a suppression that would hide real races in everything called from httplib.
+    conn_server() {
+        httplib::detail::BufferStream s;
+        const std::string req = "GET / HTTP/1.1\r\nHost: localhost\r\nRange: bytes=0-1\r\n\r\n";
+        s.write(req.data(), req.size());
+        bool closed = false;
+        process_request(s, true, closed, nullptr);
+    }
+
+private:
+    // Same as httplib 0.11.4's Server::process_and_close_socket (checked against the disassembly of the Debian
+    // libcpp-httplib.so: keep-alive loop while listening, count > 0 and the next request arrives in time; one
+    // SocketStream per request with the read/write timeouts; the last allowed request closes the connection;
+    // then shutdown + close), plus the thread_local fd around process_request.
+    bool process_and_close_socket(socket_t sock) override {
+        bool ret = false;
+        for (size_t left = keep_alive_max_count_;
+             left > 0 && svr_sock_ != INVALID_SOCKET && wait_next_request(sock, keep_alive_timeout_sec_, svr_sock_); --left) {
+            const bool close_connection = left == 1;
+            bool connection_closed = false;
+            ret = httplib::detail::process_client_socket(
+                sock, read_timeout_sec_, read_timeout_usec_, write_timeout_sec_, write_timeout_usec_,
+                [&](httplib::Stream & strm) {
+                    t_conn_fd = sock;
+                    struct reset {
+                        ~reset() { t_conn_fd = -1; }
+                    } r;
+                    return process_request(strm, close_connection, connection_closed, nullptr);
+                });
+            if (!ret || connection_closed) break;
         }
+        ::shutdown(sock, SHUT_RDWR);
+        httplib::detail::close_socket(sock);
+        return ret;
     }
-    closedir(d);
-    return found;
-}
+};
 
 // true when the peer has closed (EOF or error); data waiting (a pipelined request) is not a close.
 bool peer_closed(int fd) {
@@ -278,7 +308,7 @@ struct http_server::impl {
     const tok::tokenizer & tok;
     const chat::chat_template & ct;
     metrics met;
-    httplib::Server svr;
+    conn_server svr;
     std::thread thread;
     int bound_port = -1;
     parse_limits lim;
@@ -485,8 +515,8 @@ struct http_server::impl {
             const uint64_t id = eng.submit(engine_request(*prep), [q](const token_event & e) { q->push(e); });
             auto tracked = track_id(id);
             met.request_started();
-            if (prep->r.stream) stream_response(req, res, kind, prep, q, id, {flight, tracked});
-            else blocking_response(req, res, kind, *prep, q, id);
+            if (prep->r.stream) stream_response(res, kind, prep, q, id, {flight, tracked});
+            else blocking_response(res, kind, *prep, q, id);
         });
     }
 
@@ -496,9 +526,9 @@ struct http_server::impl {
                              st.completion_tokens(), st.elapsed());
     }
 
-    void blocking_response(const httplib::Request & req, httplib::Response & res, endpoint kind, const prepared & p,
+    void blocking_response(httplib::Response & res, endpoint kind, const prepared & p,
                            const std::shared_ptr<event_queue> & q, uint64_t id) {
-        const int fd = find_socket(req);
+        const int fd = connection_fd();
         gen_state st(tok, p.r, make_parser(p), met);
         piece all;
         while (!st.finished()) {
@@ -624,7 +654,7 @@ struct http_server::impl {
         return out;
     }
 
-    void stream_response(const httplib::Request & req, httplib::Response & res, endpoint kind,
+    void stream_response(httplib::Response & res, endpoint kind,
                          const std::shared_ptr<prepared> & p, const std::shared_ptr<event_queue> & q, uint64_t id,
                          std::vector<std::shared_ptr<void>> holds) {
         auto c = std::make_shared<stream_ctx>();
@@ -636,7 +666,7 @@ struct http_server::impl {
         c->st = std::make_unique<gen_state>(tok, p->r, make_parser(*p), met);
         c->resp_id = random_id(kind == endpoint::chat ? "chatcmpl-" : "cmpl-");
         c->created = int64_t(std::time(nullptr));
-        c->fd = find_socket(req);
+        c->fd = connection_fd();   // valid for the provider too: it runs inside this request's process_request
         res.set_header("Cache-Control", "no-cache");
         res.set_header("X-Accel-Buffering", "no");
         res.set_chunked_content_provider(
