@@ -783,14 +783,18 @@ template <int NU> void launch_down_v3(const float * hbuf, const int32_t * ids, c
 
 void launch_fp4_v3(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
                    int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st) {
-    switch (v2_nu(Din / 32)) {
+    // units per lane: 1..4 (3 fits K3's 3072-wide down rows, 96 units, without idle registers; longer rows loop)
+    auto nu_of = [](int64_t nu) { return nu <= 32 ? 1 : nu <= 64 ? 2 : nu <= 96 ? 3 : 4; };
+    switch (nu_of(Din / 32)) {
         case 1: launch_gate_up_v3<1>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
         case 2: launch_gate_up_v3<2>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+        case 3: launch_gate_up_v3<3>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
         default: launch_gate_up_v3<4>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
     }
-    switch (v2_nu(c.d_ff / 32)) {
+    switch (nu_of(c.d_ff / 32)) {
         case 1: launch_down_v3<1>(hbuf, ids, w, k, experts, E, c, y, st); break;
         case 2: launch_down_v3<2>(hbuf, ids, w, k, experts, E, c, y, st); break;
+        case 3: launch_down_v3<3>(hbuf, ids, w, k, experts, E, c, y, st); break;
         default: launch_down_v3<4>(hbuf, ids, w, k, experts, E, c, y, st); break;
     }
 }
@@ -883,7 +887,7 @@ template <int FMT> struct mm_raw {
 // NM == 2: gate/up, xin = x [T, ldx], token row = slot / k_div, out = hbuf [S, d_ff] (GLU applied).
 // NM == 1: down, xin = hbuf [S, ldx], token row = slot, out = ybuf [S, d_out]. grid (rows / (128 / NM), A).
 template <int FMT, int NM>
-__global__ void __launch_bounds__(k_mm_threads) k_moe_mma(const float * __restrict__ xin, int64_t ldx, int64_t k_div,
+__global__ void __launch_bounds__(k_mm_threads, FMT == 1 ? 3 : 4) k_moe_mma(const float * __restrict__ xin, int64_t ldx, int64_t k_div,
                                                           const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                           const int32_t * __restrict__ gw, dexperts_cfg c, int n_min,
                                                           bool xsplit, float * __restrict__ out) {

@@ -159,9 +159,10 @@ TEST(cuda_moe, mma_split_prefill_f32_tolerance) {
 }
 
 // ---- 2. MXFP4 decode v3 (cuda_options::moe_fp4_v3; T == 1) ----
-// Rows of 4224 columns (132 units: one 128-unit pass + a 4-unit tail), 2048 and 7168 (K3's hidden width, 224 units);
-// d_ff 96 / 1536 / 2080 (down rows of 3, 48, 65 units); k = 3 (an odd slot count: the down kernel takes slots two at a
-// time, the last pair half empty) and k = 16 (K3's top-k); SiLU and SiTU; E8M0 scales over a wide range (100..140,
+// Rows of 4224 columns (132 units: one 128-unit pass + a 4-unit tail), 1024, 2048, 3584 (K3's expert width: 112 units)
+// and 7168 (224: two passes); d_ff 96 / 1536 / 2080 / 2560 / 3072 (down rows of 3, 48, 65, 80, 96 units: 1, 2, 3 and 4
+// units per lane); k = 3 and 5 (odd slot counts: the down kernel takes slots two at a time, the last pair half empty)
+// and k = 16 (K3's top-k, the K3 expert shape 3584 x 3072); SiLU and SiTU; E8M0 scales over a wide range (100..140,
 // E2M1 values near fp32's extremes stay exact through the fp16 placement). Checks: v3 vs CPU (f32 tolerance), v2 vs
 // CPU, and v3 vs v2 directly (f32 tolerance). Controls that must FAIL: v3 vs v2 bitwise (a different summation order
 // shows that the v3 kernels really ran), the comparator family. Ids must match the CPU exactly.
@@ -169,7 +170,7 @@ TEST(cuda_moe, mxfp4_decode_v3) {
     NEED_GPU();
     struct shape { int D, F, E, k, act, s_lo, s_hi; };
     const shape shapes[] = {{4224, 96, 8, 3, 1, 114, 120}, {2048, 1536, 24, 16, 0, 100, 140}, {7168, 2080, 6, 3, 0, 116, 122},
-                            {7168, 1536, 20, 16, 1, 118, 121}};
+                            {3584, 3072, 16, 16, 1, 118, 121}, {1024, 2560, 5, 5, 0, 116, 122}};
     for (const shape & sh : shapes) {
         const int T = 1, D = sh.D, F = sh.F, E = sh.E, k = sh.k;
         rng r(9500 + uint32_t(D) + uint32_t(F) + uint32_t(k));
