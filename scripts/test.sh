@@ -29,16 +29,16 @@ export OMP_WAIT_POLICY=PASSIVE
 export PERIGEE_SERVER_SOAK_S=${PERIGEE_SERVER_SOAK_S:-60}
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 900
 
-# Reliability (issue 9). ASan+UBSan over the whole CPU suite; TSan over the runtime's concurrency
-# tests (the server suites are left out of TSan for now: its /proc/self/fd socket scan races with
-# httplib's workers — tests/fuzz/LEDGER.md); every fuzz corpus and regression input replayed, then
+# Reliability (issue 9). ASan+UBSan over the whole CPU suite; TSan over the runtime's and the server's
+# concurrency tests (in-process server on the mock engine, and the drills against a TSan `perigee serve`);
+# every fuzz corpus and regression input replayed, then
 # each libFuzzer target for a bounded 30 s. PERIGEE_CI_SANITIZERS=0 skips this part on a dev machine.
 if [ "${PERIGEE_CI_SANITIZERS:-1}" = 1 ]; then
   bash scripts/test-sanitizers.sh --asan-only --jobs "$JOBS"
   # engine.cancel_while_queued_prefilling_decoding_frees_everything is left out under TSan only: it
   # assumes the second request is admitted within two engine steps, which TSan's slowdown breaks
   # (a timing assumption, not a race; it runs in the normal and ASan suites).
-  TSAN_REGEX='^([A-Za-z0-9_]+/)?(engine\.(continuous|preemption|concurrent|nan|submit)[a-z_]*|engine_[a-z_]+|scheduler|pools|prefix_[a-z_]+|batching|sampler)\.?' \
+  TSAN_REGEX='^([A-Za-z0-9_]+/)?(engine\.(continuous|preemption|concurrent|nan|submit)[a-z_]*|engine_[a-z_]+|scheduler|pools|prefix_[a-z_]+|batching|sampler|server_[a-z_]+)\.?' \
     bash scripts/test-sanitizers.sh --tsan-only --jobs "$JOBS"
   # Replay only: time-bounded fuzzing is not deterministic, so it runs by hand (scripts/fuzz.sh --seconds N),
   # not as a CI gate; each crash it finds becomes a committed regression input replayed here.
