@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <string>
@@ -30,7 +31,9 @@ namespace {
 
 using namespace perigee;
 
-const std::string k_root = PERIGEE_REPO_ROOT;
+// The repository root: the current directory when it holds the models (tests run from the repo root; binaries are
+// built on one machine and carried to the GPU machine, where PERIGEE_REPO_ROOT names a path that does not exist).
+const std::string k_root = std::filesystem::exists("models/default/config.json") ? std::string(".") : std::string(PERIGEE_REPO_ROOT);
 
 bool have_gpu() {
     int n = 0;
