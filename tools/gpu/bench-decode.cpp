@@ -317,6 +317,7 @@ struct opts {
     bool compare_moe = true, profile = true;
     int moe_mma = 0;   // --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
+    int kda_chunk = 0;   // --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add for every pass (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
@@ -519,13 +520,18 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     // --moe-mma N: both passes split bf16, pass 1 with the tensor-core experts (moe_mma_tokens = N), pass 2 the same with
     // the experts' activations as bf16 hi only (moe_mma_split off: the cost of the hi + lo split); else split vs one.
     const std::string mma_label = "mma-" + std::to_string(o.moe_mma), hi_label = mma_label + "-hi";
+    // --kda-chunk N: one more pass, the last one's settings (or pass 1's) with the chunked KDA prefill from N tokens.
+    const std::string kda_label = "kda-" + std::to_string(o.kda_chunk);
     const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "split-bf16", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
-                             hi_label.c_str()};
-    for (int pass = 0; pass < (o.moe_mma > 0 ? 3 : 2); ++pass) {
+                             hi_label.c_str(), kda_label.c_str()};
+    for (int pass = 0; pass < 4; ++pass) {
+        if (pass == 2 && o.moe_mma <= 0) continue;
+        if (pass == 3 && o.kda_chunk <= 0) continue;
         cuda_options co;
-        co.linear_split_bf16 = pass == 0 || o.moe_mma > 0;
-        co.moe_mma_tokens = pass >= 1 ? o.moe_mma : 0;
+        co.linear_split_bf16 = pass != 1 || o.moe_mma > 0;
+        co.moe_mma_tokens = pass == 1 || pass == 2 || (pass == 3 && o.moe_mma > 0) ? o.moe_mma : 0;
         co.moe_mma_split = pass != 2;
+        co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
         for (int T : o.prefill) {
@@ -556,6 +562,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     cuda_options cp;
     cp.profile_nodes = true;
     cp.moe_mma_tokens = o.moe_mma;
+    cp.kda_chunk_min_tokens = o.kda_chunk;
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
     for (int T : o.prefill) {
@@ -673,10 +680,11 @@ int main(int argc, char ** argv) {
         else if (a == "--prefill") o.prefill = parse_ints(val());
         else if (a == "--moe-mma") o.moe_mma = std::stoi(val());
         else if (a == "--fuse") o.fuse = std::stoi(val());
+        else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--fuse 0|1] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--kda-chunk N] [--fuse 0|1] [--dry]\n");
             return 2;
         }
     }

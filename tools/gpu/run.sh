@@ -8,7 +8,7 @@
 # prefill run of bench-cuda-decode; SIDE_LAYERS=N (+ SIDE_CTX) adds Perigee vs HF transformers' KimiLinear on the
 # 48B geometry cut to N layers (tools/gpu/hf_side_by_side.py; decode, and a prefill of SIDE_CTX tokens), both in
 # side.log; SIDE_HF=0 leaves out the HF half. COMPARE_MMA=N runs compare-backends a second time with --moe-mma N
-# (tensor-core experts from N tokens); DECODE_ARGS2 runs bench-cuda-decode a second time (decode2.log).
+# (tensor-core experts from N tokens); COMPARE_EXTRA="--fuse 1;--kda-chunk 16" adds one run per flag set; DECODE_ARGS2 runs bench-cuda-decode a second time (decode2.log).
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
@@ -89,6 +89,13 @@ if ! skip compare; then
         timeout 60 $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 --moe-mma "$COMPARE_MMA" >>"$OUT/compare.log" 2>&1 || status=1
         echo "  moe_mma_tokens $COMPARE_MMA: $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
       fi
+      # COMPARE_EXTRA="--fuse 1;--kda-chunk 16": one more compare-backends run per ';'-separated flag set.
+      IFS=';' read -ra extra <<<"${COMPARE_EXTRA:-}"
+      for fl in "${extra[@]}"; do
+        [[ -n $fl ]] || continue
+        timeout 60 $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 $fl >>"$OUT/compare.log" 2>&1 || status=1
+        echo "  $fl: $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
+      done
       if [[ ${COMPARE_LG:-0} == 1 ]]; then
         $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 --linear-group 1 >>"$OUT/compare.log" 2>&1 || status=1
         echo "  linear_group on: $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
