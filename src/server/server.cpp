@@ -96,7 +96,11 @@ void init_httplib_statics() {
             httplib::detail::BufferStream s;
             s.write(request.data(), request.size());
             bool closed = false;
+            // the chunked writer stops as soon as the server is not listening (svr_sock_ == INVALID_SOCKET); this
+            // one never listens, so it holds a placeholder for the run (never polled, accepted on or closed)
+            svr_sock_ = 0;
             process_request(s, true, closed, nullptr);
+            svr_sock_ = INVALID_SOCKET;
         }
     } p;
     p.Get("/chunked", [](const httplib::Request &, httplib::Response & res) {

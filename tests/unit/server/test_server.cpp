@@ -694,8 +694,10 @@ TEST(server_http, queue_full_is_503_with_retry_after) {
     test_server s(mo);
     std::vector<std::thread> th;
     for (int i = 0; i < 2; ++i)
-        th.emplace_back([&, i] { s.post("/v1/completions", json{{"prompt", "busy " + std::to_string(i)}, {"max_tokens", 20}}.dump()); });
-    const bool busy = wait_for([&] { return s.stats().running == 1 && s.stats().waiting == 1; }, 3);
+        th.emplace_back([&, i] { s.post("/v1/completions", json{{"prompt", "busy " + std::to_string(i)}, {"max_tokens", 60}}.dump()); });
+    // each holder decodes for ~3 s, so both are in the engine together even when the second post is late
+    // (a loaded machine, TSan's slowdown)
+    const bool busy = wait_for([&] { return s.stats().running == 1 && s.stats().waiting == 1; }, 5);
     if (!busy)
         for (auto & t : th) t.join();   // (leaving with joinable threads would terminate the test binary)
     ASSERT_TRUE(busy) << "running " << s.stats().running << ", waiting " << s.stats().waiting;
