@@ -315,9 +315,9 @@ struct opts {
     std::vector<int> batches = {1, 8, 64};
     int ctx = 1024, steps = 20, page = 64;
     bool compare_moe = true, profile = true;
-    int moe_mma = 0;   // --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
+    int moe_mma = -1;   // -1: the backend's default; --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
-    int kda_chunk = 0;   // --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
+    int kda_chunk = -1;   // -1: the backend's default; --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add for every pass (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
@@ -340,20 +340,22 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     // 4 "ares-1": ATTN_RES_MIX one block per row.
     // (The first router + per-slot expert kernels, moe_grouped/moe_route_fast = false, are no longer timed here:
     // 8% / 7% of the floor at batch 1, bench/RESULTS.md 2026-11-29.)
-    // 5 "fp4-v2": MXFP4 decode v2 (moe_fp4_v3 off; fp4-v1 turns both off); 6 "route-2": router GEMV + select as two
-    // launches (moe_route_fused off).
+    // 5: MXFP4 decode v3 flipped from its default ("fp4-v3" when the default is v2; fp4-v1 turns v2 off); 6: the decode
+    // router flipped from its default ("route-1": one fused launch, "route-2": GEMV + select).
     // Fusion passes (fuse-plan.h; both off by default until their H200 run): "+fnorm" RMS_NORM folded into the next
     // GEMV(s), "+fadd" residual ADDs into the GEMV epilogue, "+fuse" both. --fuse 0|1 sets both for every pass.
-    const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", "fp4-v2", "route-2", "+fnorm", "+fadd", "+fuse"};
+    const cuda_options defaults;
+    const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", defaults.moe_fp4_v3 ? "fp4-v2" : "fp4-v3",
+                             defaults.moe_route_fused ? "route-2" : "route-1", "+fnorm", "+fadd", "+fuse"};
     for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
         cuda_options co;
         co.mla_split = pass != 1;
         co.moe_fp4_v2 = pass != 2;
-        co.moe_fp4_v3 = pass != 5;
-        co.moe_route_fused = pass != 6;
+        if (pass == 5) co.moe_fp4_v3 = !defaults.moe_fp4_v3;
+        if (pass == 6) co.moe_route_fused = !defaults.moe_route_fused;
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
-        co.moe_mma_tokens = o.moe_mma;
+        if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
         const char * label = labels[pass];
         if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = o.fuse != 0;
         if (std::strcmp(label, "+fnorm") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_norm_linear = true;
@@ -522,16 +524,17 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     const std::string mma_label = "mma-" + std::to_string(o.moe_mma), hi_label = mma_label + "-hi";
     // --kda-chunk N: one more pass, the last one's settings (or pass 1's) with the chunked KDA prefill from N tokens.
     const std::string kda_label = "kda-" + std::to_string(o.kda_chunk);
-    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "split-bf16", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
+    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "default", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
                              hi_label.c_str(), kda_label.c_str()};
     for (int pass = 0; pass < 4; ++pass) {
         if (pass == 2 && o.moe_mma <= 0) continue;
         if (pass == 3 && o.kda_chunk <= 0) continue;
         cuda_options co;
         co.linear_split_bf16 = pass != 1 || o.moe_mma > 0;
-        co.moe_mma_tokens = pass == 1 || pass == 2 || (pass == 3 && o.moe_mma > 0) ? o.moe_mma : 0;
+        // Without --moe-mma / --kda-chunk every pass keeps the backend's defaults for those switches.
+        if (o.moe_mma > 0) co.moe_mma_tokens = pass == 0 ? 0 : o.moe_mma;
         co.moe_mma_split = pass != 2;
-        co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
+        if (o.kda_chunk > 0) co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
         for (int T : o.prefill) {
@@ -561,8 +564,8 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     if (!o.profile) return;
     cuda_options cp;
     cp.profile_nodes = true;
-    cp.moe_mma_tokens = o.moe_mma;
-    cp.kda_chunk_min_tokens = o.kda_chunk;
+    if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma;
+    if (o.kda_chunk >= 0) cp.kda_chunk_min_tokens = o.kda_chunk;
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
     for (int T : o.prefill) {

@@ -35,8 +35,10 @@ struct cuda_options {
     // block per token computes the logits and one thread selects; compare mode).
     bool moe_route_fast = true;
     // MOE_ROUTE with one token (decode, with moe_route_fast): logits and selection in one launch (every block computes a
-    // slice of the logits, the last block to finish selects). false: the GEMV + select launches (compare mode).
-    bool moe_route_fused = true;
+    // slice of the logits, the last block to finish selects). false: the GEMV + select launches.
+    // Off: its H200 run (bench/RESULTS.md 2026-11-29, round 1) measured no gain (48B B=1 graph 4.715 ms fused vs 4.656
+    // ms two launches; k3-layers-4 equal). Parity passes (test-moe-cuda), so it stays as a switch.
+    bool moe_route_fused = false;
     // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
     // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
     bool mla_split = true;
@@ -45,12 +47,16 @@ struct cuda_options {
     bool moe_fp4_v2 = true;
     // MOE_EXPERTS grouped MXFP4, T == 1: v3 kernels (no grouping launch: gate/up per slot; the combine folded into the
     // down kernel, which sums the k slots per output row; E2M1 -> fp16 by bit placement, ~2 integer ops per value).
-    // false: v2 (compare mode). moe_fp4_v2 = false selects the first grouped kernel whatever this says.
-    bool moe_fp4_v3 = true;
+    // false: v2. moe_fp4_v2 = false selects the first grouped kernel whatever this says.
+    // Off: slower than v2 on the H200 (round 1: k3-layers-4 B=1 graph 3.749 ms with v3, 3.487 ms with v2; expert node
+    // 0.32 vs ~0.27 ms per layer). Parity passes (test-moe-cuda); kept as a switch for the next attempt.
+    bool moe_fp4_v3 = false;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
     // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).
-    int moe_mma_tokens = 0;
+    // 8 since its H200 run with the hi + lo split (round 1): compare-backends PASS on all 14 with identical greedy
+    // tokens, test-moe-cuda at the f32 tolerance; k3-layers-4 prefill T=512 635 -> 107 ms, T=2048 2550 -> 331 ms.
+    int moe_mma_tokens = 8;
     // The tensor-core experts split the activations (x, and h between gate/up and down) into bf16 hi + lo, two mmas into
     // the same fp32 accumulators: NMSE vs the fp32 CPU reference at the f32 level (MXFP4/BF16 weights are exact in
     // bf16; NVFP4 E2M1 x E4M3 is too, its global scale applied in fp32). false: hi only (NMSE ~1e-5; compare mode).
@@ -65,8 +71,9 @@ struct cuda_options {
     // KDA_SCAN nodes with chunk_size 64 (prefill graphs) run the chunked WY kernels (kda-chunked.cu: chunk-parallel
     // intra-chunk work, then one state pass per (sequence, head, 32 columns)) when the step has at least this many
     // tokens and K <= 128, K % 4 == 0, V <= 128. 0: off (the token recurrence, also the decode path and compare mode).
-    // Off until its H200 run (test-kda-cuda parity + timing) proves it.
-    int kda_chunk_min_tokens = 0;
+    // 64 since its H200 run (round 1): test-kda-cuda 5/5 (RMS error ratio <= 2e-5 vs the CPU, controls fail), compare-backends
+    // PASS on all 14 with --kda-chunk 16; k3-layers-4 prefill KDA_SCAN x3 5.2 -> 3.2 ms (T=512), 20.9 -> 13.1 ms (T=2048).
+    int kda_chunk_min_tokens = 64;
     // RMS_NORM over whole rows whose output feeds LINEAR(s) on the GEMV path: the norm node launches those GEMVs with
     // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
     // the same launch; the norm kernel launch is removed (fuse-plan.h). Off until its H200 run proves it.
