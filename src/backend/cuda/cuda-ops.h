@@ -146,6 +146,11 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
                                        const dmoe_opts & o = {});
+// moe-mma.cu: the tensor-core stages of the grouped path (gate/up into hbuf, down into ybuf) for the experts with at
+// least n_min tokens; gw grouped by k_moe_group. vfmt as above. Called by launch_moe_experts_grouped.
+void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                           const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
+                           int n_min, const dmoe_opts & o);
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;
