@@ -1035,3 +1035,15 @@ cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight
 }
 
 } // namespace perigee::cuda
+
+// The selection alone, from logits the caller computed (prefill-ops.h; the prefill router's cuBLASLt logits).
+namespace perigee::cuda {
+
+cudaError_t launch_moe_select(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                              cudaStream_t st) {
+    if (c.n_expert > 1024 || c.n_group > 64) return cudaErrorInvalidValue;
+    if (T > 0) k_moe_select<<<unsigned(T), k_sel_threads, 0, st>>>(logits, bias, c, ids, w);
+    return cudaGetLastError();
+}
+
+} // namespace perigee::cuda

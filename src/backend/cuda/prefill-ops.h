@@ -1,0 +1,33 @@
+// Prefill kernels outside the GEMMs (issue 7): the router's logits as a GEMM, the MLA prefill in expanded form with a
+// flash-attention kernel. Host launchers; the backend (cuda-backend.cpp) drives the cuBLASLt GEMMs between them.
+#pragma once
+#include "backend/cuda/cuda-ops.h"
+
+namespace perigee::cuda {
+
+// ---- route-prefill.cu ----
+// x [n] -> three bf16 parts p0 + p1 + p2 (each the bf16 rounding of what the earlier parts left): 24 mantissa bits, so
+// a GEMM over the three parts with exact bf16 weights and fp32 accumulation carries x at fp32 accuracy.
+cudaError_t launch_f32_to_bf16_split3(const float * x, int64_t n, uint16_t * p0, uint16_t * p1, uint16_t * p2,
+                                      cudaStream_t st);
+// MOE_ROUTE's selection alone (moe.cu k_moe_select: the decode-fast router's parallel per-token selection) from the
+// logits [T, E] the backend computed: ids [T, topk], w [T, topk].
+cudaError_t launch_moe_select(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                              cudaStream_t st);
+
+// ---- mla-prefill.cu ----
+// MLA_ATTN prefill without a selection (cuda_options::mla_prefill_tokens), the CPU reference's expanded form:
+// 1. launch_mla_prefill_gather: writes every token's [c | kr] into its page, then gathers the cached rows of all
+//    positions 0..pos0+len-1 of every sequence s, packed by sequence (sequence s from row sum_{s'<s} (pos0 + len)),
+//    into cg [P, L] and krg [P, dr] (P = that sum over the batch).
+// 2. (backend) kv [P, H * (dn + dv)] = cg W^T, W = kv_b [H * (dn + dv), L]: per head k_nope (dn) then v (dv).
+// 3. launch_mla_prefill_attn: per (64-token query tile of one sequence, head) a causal flash-attention pass over the key
+//    tiles (fp32 SIMT, online softmax): o [T, H, dv].
+cudaError_t launch_mla_prefill_gather(const float * c, const float * kr, int64_t L, int64_t dr, float * cache, const dbatch & b,
+                                      int64_t P, float * cg, float * krg, cudaStream_t st);
+// Dynamic shared memory the attention kernel needs; 0 when the shape is unsupported (dn + dr > 256 or dv > 128).
+size_t mla_prefill_smem(const mla_shape & d);
+cudaError_t launch_mla_prefill_attn(const float * q, const float * kv, const float * krg, const mla_shape & d, float scale,
+                                    const dbatch & b, float * o, cudaStream_t st);
+
+} // namespace perigee::cuda
