@@ -81,6 +81,16 @@ struct cuda_options {
     // ADD(y, r) after a LINEAR y on the GEMV path (and a second ADD of that sum): the GEMV epilogue writes y, y + r
     // (and y + r + r2); the ADD launches are removed (fuse-plan.h). Off until its H200 run proves it.
     bool fuse_add = false;
+    // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
+    // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
+    // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV
+    // path, moe_route_fast; compare mode). Off until its H200 run proves it.
+    int moe_route_gemm_tokens = 0;
+    // MLA_ATTN without a selection with at least this many tokens (prefill): the expanded form (cached latent rows
+    // gathered, k_nope / v expanded by one cuBLASLt GEMM, split bf16 hi + lo for BF16 kv_b) and a causal flash-attention
+    // kernel per (64-token query tile, head) (mla-prefill.cu). Needs dn + dr <= 256, dv <= 128, all multiples of 4; else
+    // the absorbed kernels run. 0: off (the absorbed kernels; compare mode). Off until its H200 run proves it.
+    int mla_prefill_tokens = 0;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;
