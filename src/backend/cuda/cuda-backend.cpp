@@ -4,6 +4,7 @@
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/fuse-ops.h"
 #include "backend/cuda/fuse-plan.h"
+#include "backend/cuda/prefill-ops.h"
 #include "backend/cuda/state-ops.h"
 
 #include <cublasLt.h>
@@ -756,6 +757,11 @@ private:
                 PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
                 paging_check(*g.b, ch.shape[0], "mla_attn");
                 const bool has_sel = n.src.size() > 5 && n.src[5].valid();
+                if (opt_.mla_prefill_tokens > 0 && !has_sel && x.shape.at(0) >= opt_.mla_prefill_tokens &&
+                    (w_in(n, 3).type == wtype::BF16 || w_in(n, 3).type == wtype::F32) && cuda::mla_prefill_smem(d) > 0) {
+                    run_mla_prefill(g, n, d, y);
+                    break;
+                }
                 const int ns = cuda::mla_split_for(x.shape.at(0), d, opt_.mla_split);
                 float * scratch = static_cast<float *>(alloc(size_t(cuda::mla_scratch_floats(x.shape.at(0), d, ns)) * 4));
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
@@ -790,6 +796,23 @@ private:
                              n.p.topk_group, E / n.p.n_group, n.p.topk);
                 const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
                                      n.p.router == router_act::SOFTMAX ? 1 : 0};
+                if (opt_.moe_route_gemm_tokens > 0 && x.shape.at(0) >= opt_.moe_route_gemm_tokens &&
+                    (w_in(n, 1).type == wtype::BF16 || w_in(n, 1).type == wtype::F32)) {   // prefill: logits by one GEMM
+                    const int64_t T = x.shape.at(0), D = x.shape.at(1);
+                    const dweight gw = w_in(n, 1);
+                    float * logits = static_cast<float *>(alloc(size_t(T * E) * 4));
+                    if (gw.type == wtype::F32) {
+                        lt_matmul(gw.data, x.p, CUDA_R_32F, logits, E, T, D, 0.0f);
+                    } else {   // x = p0 + p1 + p2 (24 bits), smallest part first into the fp32 accumulator
+                        auto * xb = static_cast<uint16_t *>(alloc(size_t(T * D) * 2 * 3));
+                        PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split3(f32_in(n, 0), T * D, xb, xb + T * D, xb + 2 * T * D, st_));
+                        for (int k = 2; k >= 0; --k)
+                            lt_matmul(gw.data, xb + k * T * D, CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
+                    }
+                    PG_CUDA_CHECK(cuda::launch_moe_select(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
+                                                          static_cast<float *>(out[1].p), st_));
+                    break;
+                }
                 if (opt_.moe_route_fast && opt_.moe_route_fused && x.shape.at(0) == 1) {
                     float * logits = static_cast<float *>(alloc(size_t(E) * 4));
                     auto * counter = static_cast<unsigned *>(alloc(4));
@@ -945,6 +968,33 @@ private:
             PG_CUDA_CHECK(cuda::launch_linear_gemv_fused(static_cast<const float *>(x.p), T, K, wt, segs, int(gr.size()), nm, st_));
         }
         if (norm) ++n_fused_norms_;
+    }
+
+    // MLA_ATTN prefill in the expanded form (cuda_options::mla_prefill_tokens; prefill-ops.h): gather the cached latent
+    // rows of every sequence's positions, kv [P, H * (dn + dv)] = cg kv_b^T (BF16: cg split hi + lo, two GEMMs), then
+    // the causal flash-attention kernel.
+    void run_mla_prefill(const graph & g, const node & n, const cuda::mla_shape & d, float * y) {
+        const batch & hb = *g.b;
+        int64_t P = 0;   // positions 0..pos0+len-1 of every sequence, packed by sequence
+        for (int s = 0; s < hb.n_seq(); ++s) P += hb.pos0[size_t(s)] + hb.seq_len(s);
+        const int64_t L = d.kv_lora_rank, dr = d.head_dim_rope, M = d.n_head * (d.head_dim_nope + d.head_dim_v);
+        PG_CHECK(w_in(n, 3).type == wtype::F32 || w_in(n, 3).type == wtype::BF16, "mla_attn prefill: kv_b must be F32 or BF16");
+        PG_CHECK(shape_numel(in(n, 3).shape) == M * L, "kv_b {} for {} heads x {} wide x {} latent", shape_str(in(n, 3).shape),
+                 d.n_head, d.head_dim_nope + d.head_dim_v, L);
+        float * cg = static_cast<float *>(alloc(size_t(P * L) * 4));
+        float * krg = static_cast<float *>(alloc(size_t(P * dr) * 4));
+        float * kv = static_cast<float *>(alloc(size_t(P * M) * 4));
+        PG_CUDA_CHECK(cuda::launch_mla_prefill_gather(f32_in(n, 1), f32_in(n, 2), L, dr, state_in(g, n, 4), db_, P, cg, krg, st_));
+        const dweight W = w_in(n, 3);
+        if (W.type == wtype::F32) {
+            lt_matmul(W.data, cg, CUDA_R_32F, kv, M, P, L, 0.0f);
+        } else {
+            auto * xb = static_cast<uint16_t *>(alloc(size_t(P * L) * 2 * 2));
+            PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(cg, P * L, xb, xb + P * L, st_));
+            lt_matmul(W.data, xb + P * L, CUDA_R_16BF, kv, M, P, L, 0.0f);
+            lt_matmul(W.data, xb, CUDA_R_16BF, kv, M, P, L, 1.0f);
+        }
+        PG_CUDA_CHECK(cuda::launch_mla_prefill_attn(f32_in(n, 0), kv, krg, d, n.p.scale, db_, y, st_));
     }
 
     void run_linear(const node & n, float * y) {
