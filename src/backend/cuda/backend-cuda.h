@@ -61,6 +61,11 @@ struct cuda_options {
     // the same fp32 accumulators: NMSE vs the fp32 CPU reference at the f32 level (MXFP4/BF16 weights are exact in
     // bf16; NVFP4 E2M1 x E4M3 is too, its global scale applied in fp32). false: hi only (NMSE ~1e-5; compare mode).
     bool moe_mma_split = true;
+    // The tensor-core experts, MXFP4/NVFP4 with Din and d_ff multiples of 128: v2 (moe-mma.cu k_moe_mma2: one block per
+    // (expert, 256 weight rows) over all the expert's tokens, raw FP4 + scales + activations through a 3-stage cp.async
+    // pipeline, A fragments of mma.sync m16n8k16 dequantized from the raw bytes in registers, tokens 8 per mma).
+    // false: v1 (k_moe_mma). Off until its H200 run (parity test-moe-cuda moe_mma_v2_*; speed bench-cuda-decode --prefill).
+    bool moe_mma_v2 = false;
     // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
     // launch over several weight pointers, at the first of them. On since its H200 run (bench/RESULTS.md 2026-11-29,
     // late): compare-backends PASS on all 14 both ways; 48B decode 5.21 -> 4.65 ms. false: one launch per LINEAR.

@@ -141,6 +141,7 @@ struct dmoe_opts {
     bool fp4_v3 = true;     // MXFP4 at T == 1: the v3 kernels (no grouping, combine folded into down, fp16 dequant)
     int mma_tokens = 0;     // > 0: experts with >= this many tokens on bf16 tensor cores
     bool mma_split = true;  // tensor-core experts: activations as bf16 hi + lo (false: hi only)
+    bool mma_v2 = false;    // tensor-core experts, MXFP4/NVFP4 with K % 128 == 0: k_moe_mma2 (moe-mma.cu); false: v1
 };
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,

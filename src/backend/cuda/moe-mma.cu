@@ -255,14 +255,296 @@ void launch_mma_stages(const float * x, int64_t Din, int64_t k, const dexpert * 
         hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, xsplit, ybuf);
 }
 
+// ---- v2 (cuda_options::moe_mma_v2): MXFP4/NVFP4 with K a multiple of 128 (the others keep v1). Limiter model of v1
+// (bench/RESULTS.md): every 32-token tile costs 2 x 32-token wmma work per weight (9 real tokens at T=512), the raw
+// bytes of a K-tile come through one register stage per thread (34 B in flight per thread, 4 blocks of 128 threads
+// per SM at 128 registers: ~17 KB per SM, under the ~30 KB HBM needs at ~1 us), the row-per-thread 16-byte loads touch
+// 32 B of each of 128 rows per K-tile, and every tile goes bf16 -> shared -> wmma fragments.
+// v2: one block of 256 threads per (expert, 256 weight rows: gate/up 128 + 128, down 256), all the expert's tokens
+// (up to 64 per pass) in one walk over K, so each weight byte leaves HBM once. The raw FP4 bytes + scales and the fp32
+// activations of 128-column K-tiles stream into shared memory through a 3-stage cp.async pipeline (64 B contiguous per
+// row per stage). The activations are split once per tile into bf16 hi + lo in shared memory. Each warp owns 32 rows
+// and dequantizes its A fragments of mma.sync m16n8k16 straight from the raw bytes in registers (E2M1 pairs x scale,
+// exact); tokens are the n side, 8 per mma, so a 9-token expert pads to 16, not 32. The k order inside each 32-column
+// scale block is permuted the same way for A and B (lane q takes the 8 columns of 32-bit word q), which leaves the
+// sum unchanged and lets a lane's A fragments come from one 32-bit word per row.
+constexpr int k_m2_rows = 256, k_m2_kt = 128, k_m2_tok = 64, k_m2_threads = 256, k_m2_stages = 3;
+constexpr int k_m2_wld = 80;                       // bytes per weight row per stage (64 + 16: conflict-free LDS.32)
+constexpr int k_m2_sld = 8;                        // scale bytes per row per stage (MXFP4 4, NVFP4 8)
+constexpr int k_m2_xld = k_m2_kt * 4 + 16;         // bytes per token row of the fp32 stage
+constexpr int k_m2_hld = k_m2_kt + 32;             // bf16 per token row of Xh / Xl (320 B: conflict-free LDS.128)
+constexpr int k_m2_cld = k_m2_rows + 4;            // floats per token row of the epilogue tile
+constexpr int k_m2_stage_bytes = k_m2_rows * k_m2_wld + k_m2_rows * k_m2_sld + k_m2_tok * k_m2_xld;
+constexpr int k_m2_pipe_bytes = k_m2_stages * k_m2_stage_bytes;
+constexpr int k_m2_c_bytes = k_m2_tok * k_m2_cld * 4;
+constexpr int k_m2_smem = (k_m2_pipe_bytes > k_m2_c_bytes ? k_m2_pipe_bytes : k_m2_c_bytes) + 2 * k_m2_tok * k_m2_hld * 2;
+
+__device__ __forceinline__ uint32_t smem_u32(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(void * dst, const void * src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async8(void * dst, const void * src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async4(void * dst, const void * src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// D += A B, m16n8k16, bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// FMT 2 (MXFP4) / 3 (NVFP4). NM, xin, k_div, out as k_moe_mma. grid (ceil(rows / (256 / NM)), A); dynamic smem k_m2_smem.
+template <int FMT, int NM>
+__global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __restrict__ xin, int64_t ldx, int64_t k_div,
+                                                               const dexpert * __restrict__ ex, int64_t A, int64_t S,
+                                                               const int32_t * __restrict__ gw, dexperts_cfg c, int n_min,
+                                                               bool xsplit, float * __restrict__ out) {
+    static_assert(FMT == 2 || FMT == 3, "v2: FP4 only");
+    extern __shared__ __align__(128) unsigned char sm2[];
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int n = gw[2 + 2 * A + S + a];
+    if (n < n_min) return;
+    const int e = gw[1 + a];
+    const int32_t * slots = gw + 2 + 2 * A + gw[1 + A + a];
+    constexpr int BN = k_m2_rows / NM;   // output rows per block
+    constexpr int SPR = FMT == 2 ? 4 : 8;   // scale bytes per row per stage
+    const int64_t n_rows = NM == 2 ? c.d_ff : c.d_out;
+    const int64_t r0 = int64_t(blockIdx.x) * BN;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const dexpert_matrix m0 = NM == 2 ? ex[e].gate : ex[e].down;
+    const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
+    const float gs0 = FMT == 3 ? m0.global_scale : 1.0f, gs1 = FMT == 3 ? m1.global_scale : 1.0f;
+    const int64_t K = m0.in;
+    const int nk = int(K / k_m2_kt);
+    unsigned char * Xh_b = sm2 + (k_m2_pipe_bytes > k_m2_c_bytes ? k_m2_pipe_bytes : k_m2_c_bytes);
+    __nv_bfloat16 * Xh = reinterpret_cast<__nv_bfloat16 *>(Xh_b);
+    __nv_bfloat16 * Xl = Xh + k_m2_tok * k_m2_hld;
+    float * Cs = reinterpret_cast<float *>(sm2);
+    // scale rows aligned for 4/8-byte cp.async (else byte copies); per matrix, uniform
+    const bool sc_al0 = (reinterpret_cast<uintptr_t>(m0.scale) % SPR) == 0 && ((K / (FMT == 2 ? 32 : 16)) % SPR) == 0;
+    const bool sc_al1 = (reinterpret_cast<uintptr_t>(m1.scale) % SPR) == 0 && ((K / (FMT == 2 ? 32 : 16)) % SPR) == 0;
+
+    for (int t0 = 0; t0 < n; t0 += k_m2_tok) {
+        const int nt = min(k_m2_tok, n - t0);   // tokens of this pass
+        const int nj = (nt + 7) >> 3;            // 8-token mma tiles
+        // stage st <- K-tile kt (raw weights, scales, fp32 activations of the pass's tokens)
+        auto issue = [&](int kt, int st) {
+            unsigned char * base = sm2 + st * k_m2_stage_bytes;
+            unsigned char * Wst = base;
+            unsigned char * Sst = base + k_m2_rows * k_m2_wld;
+            unsigned char * Xst = Sst + k_m2_rows * k_m2_sld;
+            const int64_t k0 = int64_t(kt) * k_m2_kt;
+            // weights: 256 rows x 4 chunks of 16 B
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int ch = tid + i * k_m2_threads, row = ch >> 2, part = ch & 3;
+                const int mi = NM == 2 ? row / BN : 0;
+                const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+                if (wr < n_rows) {
+                    const dexpert_matrix & m = mi ? m1 : m0;
+                    cp_async16(Wst + row * k_m2_wld + part * 16, m.packed + wr * (K / 2) + k0 / 2 + part * 16);
+                }
+            }
+            // scales: one row per thread
+            {
+                const int row = tid;
+                const int mi = NM == 2 ? row / BN : 0;
+                const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+                if (wr < n_rows) {
+                    const dexpert_matrix & m = mi ? m1 : m0;
+                    const bool al = mi ? sc_al1 : sc_al0;
+                    const uint8_t * src = m.scale + wr * (K / (FMT == 2 ? 32 : 16)) + k0 / (FMT == 2 ? 32 : 16);
+                    if (al) {
+                        if constexpr (FMT == 2) cp_async4(Sst + row * k_m2_sld, src);
+                        else cp_async8(Sst + row * k_m2_sld, src);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < SPR; ++i) Sst[row * k_m2_sld + i] = __ldg(src + i);
+                    }
+                }
+            }
+            // activations: nt rows x 32 chunks of 16 B
+            for (int ch = tid; ch < nt * 32; ch += k_m2_threads) {
+                const int t = ch >> 5, part = ch & 31;
+                const float * xr = xin + int64_t(slots[t0 + t] / k_div) * ldx + k0 + part * 4;
+                cp_async16(Xst + t * k_m2_xld + part * 16, xr);
+            }
+        };
+
+        float acc[2][8][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[mi][j][r] = 0.0f;
+
+#pragma unroll
+        for (int s = 0; s < k_m2_stages - 1; ++s) {
+            if (s < nk) issue(s, s);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < nk; ++kt) {
+            cp_async_wait<k_m2_stages - 2>();
+            __syncthreads();   // stage kt landed for every thread; every warp is done with tile kt - 1
+            if (kt + k_m2_stages - 1 < nk) issue(kt + k_m2_stages - 1, (kt + k_m2_stages - 1) % k_m2_stages);
+            cp_async_commit();
+            const int st = kt % k_m2_stages;
+            const unsigned char * Wst = sm2 + st * k_m2_stage_bytes;
+            const unsigned char * Sst = Wst + k_m2_rows * k_m2_wld;
+            const unsigned char * Xst = Sst + k_m2_rows * k_m2_sld;
+            // fp32 activations -> bf16 hi + lo (rows nt .. 8 nj - 1 zero)
+            for (int ch = tid; ch < nj * 8 * 32; ch += k_m2_threads) {
+                const int t = ch >> 5, part = ch & 31;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (t < nt) v = *reinterpret_cast<const float4 *>(Xst + t * k_m2_xld + part * 16);
+                const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+                const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
+                const __nv_bfloat162 l0 = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+                const __nv_bfloat162 l1 = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+                uint2 hv, lv;
+                hv.x = *reinterpret_cast<const uint32_t *>(&h0);
+                hv.y = *reinterpret_cast<const uint32_t *>(&h1);
+                lv.x = *reinterpret_cast<const uint32_t *>(&l0);
+                lv.y = *reinterpret_cast<const uint32_t *>(&l1);
+                *reinterpret_cast<uint2 *>(Xh + t * k_m2_hld + part * 4) = hv;
+                *reinterpret_cast<uint2 *>(Xl + t * k_m2_hld + part * 4) = lv;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int kb = 0; kb < k_m2_kt / 32; ++kb) {
+                // A fragments of this warp's two m16 tiles for the two k16 steps of scale block kb
+                uint32_t af[2][2][4];   // [mi][step][reg]
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
+                        const int row = warp * 32 + mi * 16 + g + 8 * hr;
+                        const uint32_t wv = *reinterpret_cast<const uint32_t *>(Wst + row * k_m2_wld + kb * 16 + q * 4);
+                        uint8_t sb;
+                        if constexpr (FMT == 2) sb = Sst[row * k_m2_sld + kb];
+                        else sb = Sst[row * k_m2_sld + 2 * kb + (q >> 1)];
+                        const __nv_bfloat162 sc = __float2bfloat162_rn(FMT == 2 ? e8m0_g(sb) : e4m3_g(sb));
+                        uint32_t p[4];
+                        fp4x8_pairs(wv, p);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
+                            p[i] = *reinterpret_cast<const uint32_t *>(&b);
+                        }
+                        // step s: reg (hr) = columns 4s + {0,1} (logical 2q..), reg (2 + hr) = 4s + {2,3} (logical 8 + 2q..)
+                        af[mi][0][hr] = p[0];
+                        af[mi][0][2 + hr] = p[1];
+                        af[mi][1][hr] = p[2];
+                        af[mi][1][2 + hr] = p[3];
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (j < nj) {
+                        const int tok = 8 * j + g;
+                        const uint4 bh = *reinterpret_cast<const uint4 *>(Xh + tok * k_m2_hld + kb * 32 + q * 8);
+#pragma unroll
+                        for (int mi = 0; mi < 2; ++mi) {
+                            mma_bf16(acc[mi][j], af[mi][0], bh.x, bh.y);
+                            mma_bf16(acc[mi][j], af[mi][1], bh.z, bh.w);
+                        }
+                        if (xsplit) {
+                            const uint4 bl = *reinterpret_cast<const uint4 *>(Xl + tok * k_m2_hld + kb * 32 + q * 8);
+#pragma unroll
+                            for (int mi = 0; mi < 2; ++mi) {
+                                mma_bf16(acc[mi][j], af[mi][0], bl.x, bl.y);
+                                mma_bf16(acc[mi][j], af[mi][1], bl.z, bl.w);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();   // the pipeline's memory becomes the epilogue tile
+        // Cs [token][row]: acc[mi][j] = rows warp*32 + mi*16 + g (+8), tokens 8j + 2q (+1)
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j < nj) {
+                    const int row = warp * 32 + mi * 16 + g, tok = 8 * j + 2 * q;
+                    Cs[tok * k_m2_cld + row] = acc[mi][j][0];
+                    Cs[(tok + 1) * k_m2_cld + row] = acc[mi][j][1];
+                    Cs[tok * k_m2_cld + row + 8] = acc[mi][j][2];
+                    Cs[(tok + 1) * k_m2_cld + row + 8] = acc[mi][j][3];
+                }
+            }
+        __syncthreads();
+        for (int i = tid; i < nt * BN; i += k_m2_threads) {
+            const int t = i / BN, rr = i % BN;
+            if (r0 + rr >= n_rows) continue;
+            float v;
+            if constexpr (NM == 2) {
+                const float gt = Cs[t * k_m2_cld + rr] * gs0, up = Cs[t * k_m2_cld + BN + rr] * gs1;
+                v = c.act == 1 ? situ_d(gt, up, c.situ_beta, c.situ_linear_beta) : silu_d(gt) * up;
+            } else {
+                v = Cs[t * k_m2_cld + rr] * gs0;
+            }
+            out[int64_t(slots[t0 + t]) * n_rows + r0 + rr] = v;
+        }
+        __syncthreads();   // Cs is the next pass's pipeline
+    }
+}
+
+template <int FMT, int NM>
+void launch_mma2(const float * xin, int64_t ldx, int64_t k_div, const dexpert * experts, int64_t A, int64_t S,
+                 const int32_t * gw, const dexperts_cfg & c, int n_min, bool xsplit, float * out, cudaStream_t st) {
+    static bool attr = false;   // one-time opt-in above 48 KB of dynamic shared memory (per instantiation)
+    if (!attr) {
+        cudaFuncSetAttribute(k_moe_mma2<FMT, NM>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_m2_smem);
+        attr = true;
+    }
+    constexpr int BN = k_m2_rows / NM;
+    const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
+    k_moe_mma2<FMT, NM><<<dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m2_threads, k_m2_smem, st>>>(
+        xin, ldx, k_div, experts, A, S, gw, c, n_min, xsplit, out);
+}
+
 } // namespace
 
 void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
                            int n_min, const dmoe_opts & o) {
+    // v2: FP4 stages whose K is a multiple of its 128-column tile (gate/up K = Din, down K = d_ff); the others v1.
+    const bool v2 = o.mma_v2 && (vfmt == 2 || vfmt == 3);
+    const bool v2_gu = v2 && Din % k_m2_kt == 0, v2_dn = v2 && c.d_ff % k_m2_kt == 0;
+    if (v2_gu || v2_dn) {
+        if (vfmt == 2) {
+            if (v2_gu) launch_mma2<2, 2>(x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf, st);
+            else k_moe_mma<2, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
+                x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf);
+            if (v2_dn) launch_mma2<2, 1>(hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf, st);
+            else k_moe_mma<2, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
+                hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf);
+        } else {
+            if (v2_gu) launch_mma2<3, 2>(x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf, st);
+            else k_moe_mma<3, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
+                x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf);
+            if (v2_dn) launch_mma2<3, 1>(hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf, st);
+            else k_moe_mma<3, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
+                hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf);
+        }
+        return;
+    }
     if (vfmt == 1) launch_mma_stages<1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split);
     else if (vfmt == 2) launch_mma_stages<2>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split);
     else launch_mma_stages<3>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split);
 }
 
 } // namespace perigee::cuda
+

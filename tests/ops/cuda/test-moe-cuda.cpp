@@ -158,6 +158,83 @@ TEST(cuda_moe, mma_split_prefill_f32_tolerance) {
     }
 }
 
+// ---- 1b. Tensor-core experts v2 (cuda_options::moe_mma_v2: k_moe_mma2, MXFP4/NVFP4 stages with K % 128 == 0) ----
+// v2 vs the CPU reference at the f32 tolerance, and v2 vs v1 (the kernel it replaces) directly at the same tolerance.
+// Shapes: T 8 D 128 F 128 (one K-tile: the pipeline prologue only), T 64 D 256 F 384 (E 16 top-4, ~16 tokens per
+// expert: two 8-token mma tiles; down rows 256 = one full row tile), T 96 D 1024 F 640 (E 8 top-2: 8 and 5 K-tiles,
+// more than the 3 stages; 24 tokens), T 300 D 384 F 256 (E 8 top-4: ~150 tokens per expert, three 64-token passes, the
+// last partial; down rows 384: a half-empty second row tile), T 64 D 96 F 256 and D 256 F 96 (one stage v2, the other
+// falls back to v1: K not a multiple of 128). Threshold 1 (all on mma) and 8 at T = 64 (mma + GEMV experts mixed).
+// Controls that must FAIL: v2 hi-only (moe_mma_split off) against the f32 tolerance (the v2 mma ran and the split
+// matters); v2 bitwise equal to v1 (another kernel really ran: different summation order); perturbed / negative
+// threshold. BF16 experts with the switch on must be bitwise equal to v1 (v2 takes FP4 only: the fallback).
+TEST(cuda_moe, mma_v2_prefill_f32_tolerance) {
+    NEED_GPU();
+    struct shape { int T, D, F, E, k; };
+    const shape shapes[] = {{8, 128, 128, 16, 4}, {64, 256, 384, 16, 4}, {96, 1024, 640, 8, 2},
+                            {300, 384, 256, 8, 4}, {64, 96, 256, 16, 4}, {64, 256, 96, 16, 4}};
+    for (int fmt : {1, 2, 0}) {
+        for (int act : {0, 1}) {
+            for (const shape & sh : shapes) {
+                if (fmt == 0 && (act == 1 || sh.T != 64 || sh.D != 256 || sh.F != 384)) continue;   // BF16: the fallback, once
+                const int T = sh.T, D = sh.D, F = sh.F, E = sh.E, k = sh.k;
+                const bool big = D >= 1024;
+                rng r(9700 + uint32_t(fmt) * 1000 + uint32_t(act) * 500 + uint32_t(T) + uint32_t(D) + uint32_t(F));
+                arena a;
+                builder bd(batch_simple(T));
+                auto xv = r.vec(size_t(T * D)), gw = r.vec(size_t(E * D), -0.3f, 0.3f);
+                auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+                expert_maker mk{a, r, fmt, fmt == 1 ? 118 : (big ? 0x01 : 0x20), fmt == 1 ? 124 : (big ? 0x5F : 0x48)};
+                for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+                const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f), "x");
+                auto [ids, w] = bd.moe_route(x, bd.weight(a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, true, 1.0f, router_act::SIGMOID});
+                const node_ref y = bd.name(bd.moe_experts(x, ids, w, {act == 1 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}),
+                                           "experts");
+                graph g = bd.finish(y);
+                const std::string nm = fmt::format("moe-mma-v2/{}/{}/T{}/D{}/F{}", fmt_name(fmt), act == 1 ? "situ" : "silu", T, D, F);
+                const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {y, metric::NMSE, k_tol_f32}};
+                cuda_options v2{true, 8};
+                v2.moe_mma_tokens = 1;
+                v2.moe_mma_v2 = true;
+                cuda_options v1 = v2;
+                v1.moe_mma_v2 = false;
+                EXPECT_TRUE(parity(nm + "/all-mma", g, oc, v2)) << nm;
+                if (T == 64 && fmt != 0) {
+                    cuda_options mix = v2;
+                    mix.moe_mma_tokens = 8;
+                    EXPECT_TRUE(parity(nm + "/mixed-8", g, oc, mix)) << nm;
+                }
+                const auto got2 = run_cuda(g, y, v2), got1 = run_cuda(g, y, v1);
+                const bool vv = check(nm + "/v2-vs-v1", to_f64(got1), got2, metric::NMSE, k_tol_f32);
+                EXPECT_TRUE(vv) << nm;
+                tally(vv);
+                const bool same = got1.size() == got2.size() && std::memcmp(got1.data(), got2.data(), got1.size() * 4) == 0;
+                if (fmt == 0) {
+                    std::printf("[%s/v2 switch on BF16 bitwise equal to v1] %s (must be EQUAL: the fallback)\n", nm.c_str(),
+                                same ? "EQUAL" : "DIFFERENT");
+                    EXPECT_TRUE(same) << nm;
+                    tally(same);
+                    continue;
+                }
+                std::printf("[%s/control(v2 bitwise equal to v1)] %s (must be DIFFERENT: another kernel ran)\n", nm.c_str(),
+                            same ? "EQUAL" : "DIFFERENT");
+                EXPECT_FALSE(same) << nm;
+                tally(!same);
+                auto cpu = backend_cpu_init();
+                cpu->run(g);
+                const auto ref = read_f32(*cpu, y);
+                cuda_options hi = v2;
+                hi.moe_mma_split = false;
+                const auto got_hi = run_cuda(g, y, hi);
+                const bool hi_ok = check(nm + "/control(v2 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
+                EXPECT_FALSE(hi_ok) << nm << ": bf16 hi-only activations must show at the f32 tolerance";
+                tally(!hi_ok);
+                if (T == 300 || big) controls(nm + "/v2", ref, got2, metric::NMSE, k_tol_f32);
+            }
+        }
+    }
+}
+
 // ---- 2. MXFP4 decode v3 (cuda_options::moe_fp4_v3; T == 1) ----
 // Rows of 4224 columns (132 units: one 128-unit pass + a 4-unit tail), 1024, 2048, 3584 (K3's expert width: 112 units)
 // and 7168 (224: two passes); d_ff 96 / 1536 / 2080 / 2560 / 3072 (down rows of 3, 48, 65, 80, 96 units: 1, 2, 3 and 4
