@@ -83,6 +83,15 @@ struct cuda_options {
     // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
     // the same launch; the norm kernel launch is removed (fuse-plan.h). Off until its H200 run proves it.
     bool fuse_norm_linear = false;
+    // The folded norm's prologue staged once per block in shared memory (x' = x * inv_rms * w), the GEMV inner loop
+    // unchanged (linear.cu k_linear_gemv_norm_staged); the planner folds only when min(T, 8) * K * 4 bytes fit the
+    // 48 KiB stage (decode B=1: K <= 12288). false: the round-1 in-warp prologue at any T (compare mode; it lost
+    // 0.27 ms on k3-layers-4, its 7168-wide GEMVs turned compute-bound).
+    bool fuse_norm_staged = true;
+    // The planner keeps the norm launch when the LINEARs it would fold into read more weight bytes than this: a folded
+    // norm saves one launch (~5-9 us measured per RMS_NORM at decode), while a 1% slower pass over 1 GiB at ~4.3 TB/s
+    // costs ~2.5 us and a 3% one ~7.5 us: past 1 GiB (k3's lm_head 2.35 GB) the saving is not worth the risk.
+    int64_t fuse_norm_max_weight_bytes = int64_t(1) << 30;
     // ADD(y, r) after a LINEAR y on the GEMV path (and a second ADD of that sum): the GEMV epilogue writes y, y + r
     // (and y + r + r2); the ADD launches are removed (fuse-plan.h). Off until its H200 run proves it.
     bool fuse_add = false;
@@ -116,6 +125,8 @@ public:
     // a GEMV, ADD launches folded into a GEMV epilogue.
     virtual int fused_norms() const = 0;
     virtual int fused_adds() const = 0;
+    // Launches of the staged-norm GEMV kernel (cuda_options::fuse_norm_staged) the last run/capture executed.
+    virtual int fused_norm_staged_launches() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

@@ -272,6 +272,7 @@ public:
     int linear_grouped() const override { return n_grouped_; }
     int fused_norms() const override { return n_fused_norms_; }
     int fused_adds() const override { return n_fused_adds_; }
+    int fused_norm_staged_launches() const override { return n_norm_staged_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -877,7 +878,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -962,11 +963,13 @@ private:
             cuda::gemv_norm nm;
             if (norm) {
                 nm.on = true;
+                nm.staged = opt_.fuse_norm_staged;
                 nm.w = fnorm_w_[size_t(id)];
                 nm.eps = n.p.eps;
                 nm.y = gi == 0 ? static_cast<float *>(outs_[size_t(id)].at(0).p) : nullptr;
             }
-            PG_CUDA_CHECK(cuda::launch_linear_gemv_fused(static_cast<const float *>(x.p), T, K, wt, segs, int(gr.size()), nm, st_));
+            PG_CUDA_CHECK(cuda::launch_linear_gemv_fused(static_cast<const float *>(x.p), T, K, wt, segs, int(gr.size()), nm, st_,
+                                                         &n_norm_staged_));
         }
         if (norm) ++n_fused_norms_;
     }
@@ -1158,7 +1161,7 @@ private:
     cuda_fuse::plan fplan_;                      // fused launches of the current run (fuse-plan.h)
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
-    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0;
+    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

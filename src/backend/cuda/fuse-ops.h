@@ -16,15 +16,21 @@ struct gemv_fused_seg {
 };
 // The RMS_NORM folded into the launch's prologue: x' = x * rsqrt(mean(x^2) + eps) * w (w: F32 [in], nullptr = none);
 // y: the norm's output [T, in] written by the same launch (nullptr: not written by this launch).
+// staged: x' computed once per block into shared memory, then the plain GEMV loop (needs T_chunk * in * 4 <=
+// k_gemv_norm_stage_max and in % 4 == 0, else the in-warp kernel runs); false: the round-1 in-warp kernel (every warp
+// sums x^2 of the row it streams and scales by w per weight; compare mode).
+inline constexpr int64_t k_gemv_norm_stage_max = 48 * 1024;   // bytes of x' per block (no dynamic-smem opt-in)
 struct gemv_norm {
     bool on = false;
+    bool staged = true;
     const float * w = nullptr;
     float eps = 0.0f;
     float * y = nullptr;
 };
 // Up to k_gemv_group_max segments over the same x [T, in], one weight type; any T (chunks of 8 tokens).
+// staged_launches (optional): incremented per launch of the staged-norm kernel (the tests' proof that it ran).
 cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wtype wt, const gemv_fused_seg * segs, int n,
-                                     const gemv_norm & nm, cudaStream_t st);
+                                     const gemv_norm & nm, cudaStream_t st, int * staged_launches = nullptr);
 // w (any float-like dtype) [n] -> F32 [n] (norm weights for the fused prologue).
 cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t st);
 

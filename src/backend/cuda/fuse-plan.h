@@ -6,10 +6,12 @@
 //   linear_group      LINEARs on the GEMV path over the same input, same weight dtype and width: one launch of up to
 //                     k_group_max weight pointers, at the first of them (the others are "done by" it).
 //   fuse_norm_linear  RMS_NORM over whole rows [T, N] whose output feeds LINEAR(s) on the GEMV path (K == N): the norm
-//                     node launches those LINEARs itself (grouped as above, by weight dtype), the GEMV computes each
-//                     token's inverse RMS from the x row it reads anyway and scales the dot product by it; the same
-//                     launch writes the norm's output (spread over its warps) for the other consumers and for
-//                     node-by-node comparison. The norm kernel launch is removed. The LINEARs run at the norm's
+//                     node launches those LINEARs itself (grouped as above, by weight dtype); each resident block
+//                     stages x' = x * inv_rms * w in shared memory once and runs the plain GEMV loop over it
+//                     (fuse_norm_staged; the round-1 in-warp prologue otherwise); the same launch writes the norm's
+//                     output for the other consumers and for node-by-node comparison. The norm kernel launch is
+//                     removed. Kept (not folded): min(T, 8) * K * 4 > 48 KiB (the stage), or the LINEARs' weights
+//                     > fuse_norm_max_weight_bytes (1 GiB: one launch saved is not worth a risk on a long pass). The LINEARs run at the norm's
 //                     position (earlier than in the graph): their only input is the norm's output, and weights are
 //                     bound on demand.
 //   fuse_add          ADD(y, r) with y the output of a LINEAR on the GEMV path (any of the above or a single one):
@@ -26,6 +28,7 @@
 namespace perigee::cuda_fuse {
 
 inline constexpr int k_group_max = 8;   // = cuda::k_gemv_group_max (cuda-ops.h)
+inline constexpr int64_t k_norm_stage_max = 48 * 1024;   // = cuda::k_gemv_norm_stage_max (fuse-ops.h)
 
 // One LINEAR of a launch and the ADDs its epilogue writes (chain: add[0] = y + res[0], add[1] = add[0] + res[1]).
 struct seg {
@@ -47,6 +50,8 @@ struct plan {
     int linear_grouped = 0;          // LINEARs launched together with an earlier LINEAR of the same launch
     int norms = 0;                   // RMS_NORM launches removed (folded into a GEMV)
     int adds = 0;                    // ADD launches removed (written by a GEMV epilogue)
+    int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
+    int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
     int launches_saved() const { return linear_grouped + norms + adds; }
 };
 
@@ -125,6 +130,20 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                     lins.push_back(j);
             }
             if (lins.empty()) continue;
+            // the staged prologue holds min(T, 8) rows of x' in shared memory (linear.cu); past that, keep the norm
+            if (o.fuse_norm_staged && (std::min<int64_t>(xs[0], 8) * xs[1] * 4 > k_norm_stage_max || xs[1] % 4 != 0)) {
+                ++p.norms_kept_stage;
+                continue;
+            }
+            int64_t wbytes = 0;
+            for (int j : lins) {
+                const tensor & wl = *g.nodes[size_t(g.nodes[size_t(j)].src[1].node)].leaf;
+                wbytes += wl.numel() * dtype_bits(wl.type) / 8;
+            }
+            if (wbytes > o.fuse_norm_max_weight_bytes) {   // a launch saved is not worth the risk on a long pass
+                ++p.norms_kept_big;
+                continue;
+            }
             p.at[i].norm = int(i);
             p.at[i].groups = groups_of(lins);
             for (int j : lins) p.done_by[size_t(j)] = int(i);

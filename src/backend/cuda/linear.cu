@@ -2,6 +2,8 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fuse-ops.h"
 
+#include <algorithm>
+
 namespace perigee::cuda {
 
 namespace {
@@ -243,6 +245,170 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     }
 }
 
+// The NORM prologue staged once per block (fuse_norm_linear, round 2): the block reduces x^2 over each token's row,
+// writes x' = (x * inv) * nw (the norm kernel's order) into shared memory [TT, in], and its warps then run the plain
+// GEMV inner loop over x' from shared memory: per weight the same arithmetic as the unfused GEMV (the round-1 kernel
+// summed x^2 and multiplied by nw in every warp, per output row: compute-bound on 7168-wide rows). The grid is at most
+// the resident blocks (persistent: block b takes virtual blocks b, b + gridDim, ...), so the staging is paid once per
+// resident block, not per 8 rows. TT * in * 4 <= k_gemv_norm_stage_max (no dynamic-smem opt-in; the planner keeps the
+// norm launch otherwise). The norm's output yn is the staged x', written by all blocks (slices of TT * in).
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(k_gemv_warps * 32)
+    k_linear_gemv_norm_staged(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw,
+                              float eps, float * __restrict__ yn) {
+    extern __shared__ float4 stage4[];
+    float * xs = reinterpret_cast<float *>(stage4);   // [TT, in]
+    __shared__ float red[TT][k_gemv_warps];
+    __shared__ float inv_s[TT];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int NT = k_gemv_warps * 32;
+    const bool vec4 = in % 4 == 0;
+    {
+        float ss[TT];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
+        if (vec4) {
+            const int64_t n4 = in / 4;
+#pragma unroll
+            for (int t = 0; t < TT; ++t)
+                for (int64_t c = tid; c < n4; c += NT) {
+                    const float4 v = reinterpret_cast<const float4 *>(x + t * in)[c];
+                    reinterpret_cast<float4 *>(xs + t * in)[c] = v;
+                    ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+        } else {
+#pragma unroll
+            for (int t = 0; t < TT; ++t)
+                for (int64_t c = tid; c < in; c += NT) {
+                    const float v = x[t * in + c];
+                    xs[t * in + c] = v;
+                    ss[t] += v * v;
+                }
+        }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            const float v = warp_sum(ss[t]);
+            if (lane == 0) red[t][warp] = v;
+        }
+    }
+    __syncthreads();
+    if (tid < TT) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < k_gemv_warps; ++w) s += red[tid][w];
+        inv_s[tid] = rsqrtf(s / float(in) + eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        const float inv = inv_s[t];
+        for (int64_t c = tid; c < in; c += NT) {
+            float v = xs[t * in + c] * inv;
+            if (nw) v *= nw[c];
+            xs[t * in + c] = v;
+        }
+    }
+    __syncthreads();
+    if (yn)
+        for (int64_t i = int64_t(blockIdx.x) * NT + tid; i < int64_t(TT) * in; i += int64_t(gridDim.x) * NT) yn[i] = xs[i];
+
+    constexpr int VN = wvec<WT>::n;
+    // 16-bit weights: a lane's 8 x' values are two float4s 32 bytes apart from the next lane's; lanes 4-7 of each
+    // quarter warp read their second half first, so each LDS.128 phase touches 32 distinct banks.
+    const int sw = VN == 8 ? ((lane >> 2) & 1) * 4 : 0;
+    const unsigned total = g.start[g.n];
+    for (unsigned vb = blockIdx.x; vb < total; vb += gridDim.x) {
+        int s = 0;
+        while (s + 1 < g.n && vb >= g.start[s + 1]) ++s;
+        const int64_t row = int64_t(vb - g.start[s]) * k_gemv_warps + warp;
+        if (row >= g.out[s]) continue;
+        float acc[TT];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+        const void * W = g.w[s];
+        const int64_t base = row * in;
+        if (in % VN == 0) {
+            for (int64_t c = int64_t(lane) * VN; c < in; c += 32 * VN) {
+                float wv[VN];
+                wvec<WT>::load(W, base + c, wv);
+#pragma unroll
+                for (int t = 0; t < TT; ++t) {
+                    const float * xt = xs + t * in + c;
+                    if (VN == 8) {
+                        const float4 p = *reinterpret_cast<const float4 *>(xt + sw);
+                        const float4 q = *reinterpret_cast<const float4 *>(xt + (sw ^ 4));
+                        const float4 a = sw ? q : p, b = sw ? p : q;
+                        acc[t] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w;
+                        acc[t] += wv[VN - 4] * b.x + wv[VN - 3] * b.y + wv[VN - 2] * b.z + wv[VN - 1] * b.w;
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < VN; j += 4) {
+                            const float4 xv = *reinterpret_cast<const float4 *>(xt + j);
+                            acc[t] += wv[j] * xv.x + wv[j + 1] * xv.y + wv[j + 2] * xv.z + wv[j + 3] * xv.w;
+                        }
+                    }
+                }
+            }
+        } else {
+            const dweight Wd{W, WT};
+            for (int64_t c = lane; c < in; c += 32) {
+                const float wv = wload(Wd, base + c);
+#pragma unroll
+                for (int t = 0; t < TT; ++t) acc[t] += wv * xs[t * in + c];
+            }
+        }
+        const int64_t ldy = g.out[s];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            float v = warp_sum(acc[t]);
+            if (lane == 0) {
+                const int64_t i = t * ldy + row;
+                g.y[s][i] = v;
+                if (g.z0[s]) {
+                    v = v + g.res0[s][i];
+                    g.z0[s][i] = v;
+                    if (g.z1[s]) g.z1[s][i] = v + g.res1[s][i];
+                }
+            }
+        }
+    }
+}
+
+template <wtype WT, int TT>
+void staged_launch(const float * x, int64_t in, const fused_segs & g, const float * nw, float eps, float * yn,
+                   cudaStream_t st) {
+    const auto kern = k_linear_gemv_norm_staged<WT, TT>;
+    const size_t smem = size_t(TT) * size_t(in) * 4;
+    const int th = k_gemv_warps * 32;
+    static bool carveout_set = false;   // prefer the largest shared-memory carve-out (a hint; once per instantiation)
+    if (!carveout_set) {
+        cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+        carveout_set = true;
+    }
+    int dev = 0, sms = 0, occ = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
+    const unsigned total = g.start[g.n];
+    const unsigned resident = unsigned(std::max(1, sms) * std::max(1, occ));
+    kern<<<std::min(total, resident), th, smem, st>>>(x, in, g, nw, eps, yn);
+}
+
+template <wtype WT>
+void staged_chunk(const float * x, int64_t tt, int64_t in, const fused_segs & g, const float * nw, float eps, float * yn,
+                  cudaStream_t st) {
+    switch (tt) {
+        case 1: staged_launch<WT, 1>(x, in, g, nw, eps, yn, st); break;
+        case 2: staged_launch<WT, 2>(x, in, g, nw, eps, yn, st); break;
+        case 3: staged_launch<WT, 3>(x, in, g, nw, eps, yn, st); break;
+        case 4: staged_launch<WT, 4>(x, in, g, nw, eps, yn, st); break;
+        case 5: staged_launch<WT, 5>(x, in, g, nw, eps, yn, st); break;
+        case 6: staged_launch<WT, 6>(x, in, g, nw, eps, yn, st); break;
+        case 7: staged_launch<WT, 7>(x, in, g, nw, eps, yn, st); break;
+        default: staged_launch<WT, 8>(x, in, g, nw, eps, yn, st); break;
+    }
+}
+
 template <wtype WT, bool NORM>
 void fused_chunk(const float * x, int64_t tt, int64_t in, const fused_segs & g, const float * nw, float eps, float * yn,
                  cudaStream_t st) {
@@ -337,7 +503,7 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
 }
 
 cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wtype wt, const gemv_fused_seg * segs, int n,
-                                     const gemv_norm & nm, cudaStream_t st) {
+                                     const gemv_norm & nm, cudaStream_t st, int * staged_launches) {
     if (n < 1 || n > k_gemv_group_max || in < 1) return cudaErrorInvalidValue;
     for (int s = 0; s < n; ++s)
         if (segs[s].out < 1 || (segs[s].z[1] && !segs[s].z[0])) return cudaErrorInvalidValue;
@@ -359,6 +525,17 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
         }
         const float * xc = x + t0 * in;
         float * yn = nm.on && nm.y ? nm.y + t0 * in : nullptr;
+        if (nm.on && nm.staged && tt * in * 4 <= k_gemv_norm_stage_max && in % 4 == 0) {
+            switch (wt) {
+                case wtype::BF16: staged_chunk<wtype::BF16>(xc, tt, in, g, nm.w, nm.eps, yn, st); break;
+                case wtype::F16: staged_chunk<wtype::F16>(xc, tt, in, g, nm.w, nm.eps, yn, st); break;
+                default: staged_chunk<wtype::F32>(xc, tt, in, g, nm.w, nm.eps, yn, st); break;
+            }
+            const cudaError_t e = cudaGetLastError();
+            if (e != cudaSuccess) return e;
+            if (staged_launches) ++*staged_launches;
+            continue;
+        }
         switch (wt) {
             case wtype::BF16:
                 if (nm.on) fused_chunk<wtype::BF16, true>(xc, tt, in, g, nm.w, nm.eps, yn, st);

@@ -16,6 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace perigee::test {
@@ -33,13 +34,16 @@ bool have_gpu() {
 #define NEED_GPU() \
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA fusion tests need the GPU machine"
 
-cuda_options fuse_opts(bool norm, bool add, bool guard = true) {
+cuda_options fuse_opts(bool norm, bool add, bool guard = true, bool staged = true) {
     cuda_options o;
     o.guard = guard;
     o.fuse_norm_linear = norm;
     o.fuse_add = add;
+    o.fuse_norm_staged = staged;
     return o;
 }
+// Whether the planner folds a norm over [T, K] with the staged prologue (fuse-plan.h: min(T, 8) rows of x' in 48 KiB).
+bool stage_fits(int T, int K) { return int64_t(std::min(T, 8)) * K * 4 <= cuda_fuse::k_norm_stage_max && K % 4 == 0; }
 
 std::vector<float> as_f32(const tensor & t) {
     std::vector<float> v(size_t(t.numel()));
@@ -126,13 +130,20 @@ void build_norm_graph(norm_graph & ng, rng & r, int T, int N, dtype wt, float ep
     ng.g = bd.finish(bd.name(acc, "sum"));
 }
 
+// Staged prologue (default) and the round-1 in-warp prologue (staged = false): N 1028 (in % 8 = 4: the scalar inner
+// loop of the 16-bit path), 2304 (48B), 7168 (K3); T 8 at 2304/7168 does not fit the stage: the norm is kept (0 folded,
+// the projections still grouped) unless staged = false.
 TEST(cuda_fuse, norm_into_grouped_linears) {
     NEED_GPU();
-    for (int N : {2304, 7168})
+    for (int staged = 1; staged >= 0; --staged)
+    for (int N : {1028, 2304, 7168})
         for (dtype wt : {dtype::BF16, dtype::F32})
             for (int T : {1, 2, 5, 8}) {
                 if (N == 7168 && (T == 2 || T == 5)) continue;   // keep the CPU reference short
-                const std::string nm = fmt::format("norm_linear/N{}/{}/T{}", N, dtype_name(wt), T);
+                if (N == 1028 && (T == 2 || T == 8)) continue;
+                if (!staged && N == 1028) continue;
+                const std::string nm = fmt::format("norm_linear/{}/N{}/{}/T{}", staged ? "staged" : "inwarp", N, dtype_name(wt), T);
+                const bool fold = !staged || stage_fits(T, N);
                 rng r(9100 + uint32_t(N) + uint32_t(T) * 7 + (wt == dtype::BF16 ? 0u : 3u));
                 const float eps = 1e-5f;
                 auto xv = r.vec(size_t(T) * size_t(N), -0.006f, 0.006f);
@@ -142,13 +153,18 @@ TEST(cuda_fuse, norm_into_grouped_linears) {
                 build_norm_graph(ng, r, T, N, wt, eps, xv, nwv, wvs);
                 const auto ref = cpu_outputs(ng.g, ng.outs);
                 bool ok_f = false, ok_u = false;
-                auto fused = gpu_check(nm + "/fused", ng.g, ng.outs, ref, fuse_opts(true, false), ok_f);
+                auto fused = gpu_check(nm + "/fused", ng.g, ng.outs, ref, fuse_opts(true, false, true, staged != 0), ok_f);
                 EXPECT_TRUE(ok_f) << nm;
-                // the two norms folded; their launches: [8 x wt] + [1 x wt] + [1 x other] and [1 x wt]
-                EXPECT_EQ(fused->fused_norms(), 2) << nm;
+                // the two norms folded; their launches: [8 x wt] + [1 x wt] + [1 x other] and [1 x wt] (4 staged
+                // launches); kept when the stage does not fit (the projections are grouped either way)
+                const int want_n = fold ? 2 : 0, want_s = fold && staged ? 4 : 0;
+                EXPECT_EQ(fused->fused_norms(), want_n) << nm;
+                EXPECT_EQ(fused->fused_norm_staged_launches(), want_s) << nm;
                 EXPECT_EQ(fused->linear_grouped(), 7) << nm;
-                tally(fused->fused_norms() == 2 && fused->linear_grouped() == 7);
-                std::printf("[%s] fused_norms %d (want 2), linear_grouped %d (want 7)\n", nm.c_str(), fused->fused_norms(),
+                tally(fused->fused_norms() == want_n && fused->fused_norm_staged_launches() == want_s &&
+                      fused->linear_grouped() == 7);
+                std::printf("[%s] fused_norms %d (want %d), staged launches %d (want %d), linear_grouped %d (want 7)\n",
+                            nm.c_str(), fused->fused_norms(), want_n, fused->fused_norm_staged_launches(), want_s,
                             fused->linear_grouped());
                 auto plain = gpu_check(nm + "/unfused", ng.g, ng.outs, ref, fuse_opts(false, false), ok_u);
                 EXPECT_TRUE(ok_u) << nm;
@@ -158,7 +174,17 @@ TEST(cuda_fuse, norm_into_grouped_linears) {
                 const bool agree = check(nm + "/fused-vs-unfused/lin0", to_f64(read_f32(*plain, ng.lin0)), got, metric::NMSE, k_tol_f32);
                 EXPECT_TRUE(agree);
                 tally(agree);
-                if (T == 1 || T == 8) {
+                if (staged && fold) {   // staged vs the round-1 in-warp kernel on the GPU
+                    bool ok_w = false;
+                    auto inwarp = gpu_check(nm + "/inwarp", ng.g, ng.outs, ref, fuse_opts(true, false, true, false), ok_w);
+                    EXPECT_TRUE(ok_w) << nm;
+                    EXPECT_EQ(inwarp->fused_norm_staged_launches(), 0) << nm;
+                    const bool ag2 = check(nm + "/staged-vs-inwarp/lin0", to_f64(read_f32(*inwarp, ng.lin0)), got, metric::NMSE,
+                                           k_tol_f32);
+                    EXPECT_TRUE(ag2);
+                    tally(ag2 && inwarp->fused_norm_staged_launches() == 0);
+                }
+                if (fold && (T == 1 || T == 8 || N == 1028)) {
                     // control: the same graph with a wrong eps on the CPU must not match the fused output
                     norm_graph bad;
                     rng r2(1);
@@ -184,6 +210,30 @@ TEST(cuda_fuse, norm_into_grouped_linears) {
         tally(gpu->fused_norms() == 0);
         std::printf("[norm_linear/T19] fused_norms %d (want 0: cuBLASLt path)\n", gpu->fused_norms());
     }
+}
+
+// fuse_norm_max_weight_bytes: with a threshold below the projections' weights the norm is kept (counter 0) and the
+// result still matches; at the default it folds.
+TEST(cuda_fuse, norm_kept_for_big_weights) {
+    NEED_GPU();
+    const int T = 1, N = 2304;
+    rng r(9150);
+    auto xv = r.vec(size_t(T) * size_t(N), -0.006f, 0.006f);
+    auto nwv = r.vec(size_t(N), 0.8f, 1.2f);
+    std::vector<std::vector<float>> wvs;
+    norm_graph ng;
+    build_norm_graph(ng, r, T, N, dtype::BF16, 1e-5f, xv, nwv, wvs);
+    const auto ref = cpu_outputs(ng.g, ng.outs);
+    cuda_options o = fuse_opts(true, false);
+    o.fuse_norm_max_weight_bytes = int64_t(128) * N * 2;   // w_h2 [128, N] BF16 exactly: h2 folds, h (1736 rows) not
+    bool ok = false;
+    auto gpu = gpu_check("norm_kept_big", ng.g, ng.outs, ref, o, ok);
+    EXPECT_TRUE(ok);
+    EXPECT_EQ(gpu->fused_norms(), 1);
+    EXPECT_EQ(gpu->fused_norm_staged_launches(), 1);
+    tally(ok && gpu->fused_norms() == 1 && gpu->fused_norm_staged_launches() == 1);
+    std::printf("[norm_kept_big] fused_norms %d (want 1), staged launches %d (want 1)\n", gpu->fused_norms(),
+                gpu->fused_norm_staged_launches());
 }
 
 // ---- LINEAR -> ADD (-> ADD) ----
@@ -240,7 +290,7 @@ TEST(cuda_fuse, residual_add_into_gemv_epilogue) {
                 build_add_graph(ag, r, T, K, wt);
                 const auto ref = cpu_outputs(ag.g, ag.outs);
                 for (int mode = 0; mode < 3; ++mode) {   // add only, add + norm, neither
-                    const bool add = mode < 2, norm = mode == 1;
+                    const bool add = mode < 2, norm = mode == 1, nfold = norm && stage_fits(T, K);
                     const std::string m = nm + (mode == 0 ? "/add" : mode == 1 ? "/add+norm" : "/unfused");
                     bool ok = false;
                     auto gpu = gpu_check(m, ag.g, ag.outs, ref, fuse_opts(norm, add), ok);
@@ -248,10 +298,10 @@ TEST(cuda_fuse, residual_add_into_gemv_epilogue) {
                     // folds: z1, z2, z3 (chain), z5 (group segment), z6 (norm launch or its own); z4 never (late r)
                     const int want = add ? 5 : 0;
                     EXPECT_EQ(gpu->fused_adds(), want) << m;
-                    EXPECT_EQ(gpu->fused_norms(), norm ? 1 : 0) << m;
-                    tally(gpu->fused_adds() == want && gpu->fused_norms() == (norm ? 1 : 0));
-                    std::printf("[%s] fused_adds %d (want %d), fused_norms %d\n", m.c_str(), gpu->fused_adds(), want,
-                                gpu->fused_norms());
+                    EXPECT_EQ(gpu->fused_norms(), nfold ? 1 : 0) << m;   // kept when min(T, 8) rows exceed the stage
+                    tally(gpu->fused_adds() == want && gpu->fused_norms() == (nfold ? 1 : 0));
+                    std::printf("[%s] fused_adds %d (want %d), fused_norms %d (want %d)\n", m.c_str(), gpu->fused_adds(), want,
+                                gpu->fused_norms(), nfold ? 1 : 0);
                     if (mode == 1 && (T == 1 || T == 8)) {
                         const auto z1 = read_f32(*gpu, ag.outs[1]), z3 = read_f32(*gpu, ag.outs[4]);
                         must_fail(m + "/control(residual dropped: z1 vs y1)", ref[0], z1);
@@ -319,6 +369,31 @@ TEST(cuda_fuse, planner_rules) {
         const auto pb = cuda_fuse::plan_fusions(big.g, fuse_opts(true, true, false));
         EXPECT_EQ(pb.norms + pb.adds + pb.linear_grouped, 0);
         tally(pb.norms + pb.adds + pb.linear_grouped == 0);
+    }
+    {   // the staged prologue's limit (min(T, 8) * K * 4 <= 48 KiB) and the weight-bytes threshold
+        rng r(9502);
+        std::vector<std::vector<float>> wvs;
+        for (int T : {1, 8}) {
+            const int N = 7168;
+            auto xv = r.vec(size_t(T) * size_t(N), -0.006f, 0.006f);
+            auto nwv = r.vec(size_t(N), 0.8f, 1.2f);
+            norm_graph ng;
+            build_norm_graph(ng, r, T, N, dtype::BF16, 1e-5f, xv, nwv, wvs);
+            const auto p = cuda_fuse::plan_fusions(ng.g, fuse_opts(true, false, false));
+            const auto pw = cuda_fuse::plan_fusions(ng.g, fuse_opts(true, false, false, false));
+            cuda_options small = fuse_opts(true, false, false);
+            small.fuse_norm_max_weight_bytes = int64_t(128) * N * 2 - 1;   // below even w_h2 [128, N] BF16
+            const auto ps = cuda_fuse::plan_fusions(ng.g, small);
+            const int want = T == 1 ? 2 : 0;
+            EXPECT_EQ(p.norms, want) << "T " << T;
+            EXPECT_EQ(p.norms_kept_stage, 2 - want) << "T " << T;
+            EXPECT_EQ(pw.norms, 2) << "in-warp prologue: any T";
+            EXPECT_EQ(ps.norms, 0) << "T " << T;
+            EXPECT_EQ(ps.norms_kept_big + ps.norms_kept_stage, 2) << "T " << T;
+            EXPECT_EQ(p.linear_grouped, 7);
+            tally(p.norms == want && p.norms_kept_stage == 2 - want && pw.norms == 2 && ps.norms == 0 &&
+                  ps.norms_kept_big + ps.norms_kept_stage == 2 && p.linear_grouped == 7);
+        }
     }
     {   // a per-head norm (p.n < the row width) never folds into a LINEAR over the whole row
         arena a;
