@@ -318,6 +318,7 @@ struct opts {
     int moe_mma = -1;   // -1: the backend's default; --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
     int kda_chunk = -1;   // -1: the backend's default; --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
+    int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add for every pass (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
@@ -356,6 +357,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
         if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
+        if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
         const char * label = labels[pass];
         if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = o.fuse != 0;
         if (std::strcmp(label, "+fnorm") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_norm_linear = true;
@@ -524,17 +526,23 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     const std::string mma_label = "mma-" + std::to_string(o.moe_mma), hi_label = mma_label + "-hi";
     // --kda-chunk N: one more pass, the last one's settings (or pass 1's) with the chunked KDA prefill from N tokens.
     const std::string kda_label = "kda-" + std::to_string(o.kda_chunk);
+    // --moe-mma-v2 B: two more passes with the tensor-core experts v2 (cuda_options::moe_mma_v2), at the threshold of
+    // --moe-mma (or the default) and at 1 (every expert on mma); passes 0-3 keep v2 at its default.
+    const std::string v2_label = "v2-" + std::to_string(o.moe_mma > 0 ? o.moe_mma : cuda_options{}.moe_mma_tokens);
     const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "default", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
-                             hi_label.c_str(), kda_label.c_str()};
-    for (int pass = 0; pass < 4; ++pass) {
+                             hi_label.c_str(), kda_label.c_str(), v2_label.c_str(), "v2-1"};
+    for (int pass = 0; pass < 6; ++pass) {
         if (pass == 2 && o.moe_mma <= 0) continue;
         if (pass == 3 && o.kda_chunk <= 0) continue;
+        if (pass >= 4 && o.moe_mma_v2 < 0) continue;
         cuda_options co;
         co.linear_split_bf16 = pass != 1 || o.moe_mma > 0;
         // Without --moe-mma / --kda-chunk every pass keeps the backend's defaults for those switches.
         if (o.moe_mma > 0) co.moe_mma_tokens = pass == 0 ? 0 : o.moe_mma;
         co.moe_mma_split = pass != 2;
         if (o.kda_chunk > 0) co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
+        if (pass >= 4) co.moe_mma_v2 = true;
+        if (pass == 5) co.moe_mma_tokens = 1;
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
         for (int T : o.prefill) {
@@ -566,6 +574,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     cp.profile_nodes = true;
     if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma;
     if (o.kda_chunk >= 0) cp.kda_chunk_min_tokens = o.kda_chunk;
+    if (o.moe_mma_v2 >= 0) cp.moe_mma_v2 = o.moe_mma_v2 != 0;
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
     for (int T : o.prefill) {
@@ -682,12 +691,13 @@ int main(int argc, char ** argv) {
         else if (a == "--layers") g_layers = std::stoi(val());
         else if (a == "--prefill") o.prefill = parse_ints(val());
         else if (a == "--moe-mma") o.moe_mma = std::stoi(val());
+        else if (a == "--moe-mma-v2") o.moe_mma_v2 = std::stoi(val());
         else if (a == "--fuse") o.fuse = std::stoi(val());
         else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--kda-chunk N] [--fuse 0|1] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--fuse 0|1] [--dry]\n");
             return 2;
         }
     }
