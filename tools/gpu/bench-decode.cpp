@@ -637,6 +637,9 @@ void dry_fusions(const graph & g) {
                     " (%d fewer than lin-1)\n",
                     ps.label, p.linear_grouped, p.norms, n_norm, p.adds, n_add, n_launch - p.launches_saved(),
                     p.launches_saved() - base);
+        if (ps.norm)   // foldable norms the planner keeps (fuse-plan.h): x' past the 48 KiB stage, weights past the limit
+            std::printf("  %-24s norms kept: %d (stage), %d (LINEAR weights > %lld MiB)\n", "", p.norms_kept_stage,
+                        p.norms_kept_big, (long long)(co.fuse_norm_max_weight_bytes >> 20));
         if (ps.norm && ps.add) {   // what stays unfolded, by the consumer/producer that blocks it
             std::map<std::string, int> why;
             for (size_t i = 0; i < g.nodes.size(); ++i) {
