@@ -1,0 +1,365 @@
+// CUDA prefill kernels outside the GEMMs (issue 7) vs the CPU reference and vs the kernels they replace:
+//  1. MOE_ROUTE with the logits as one cuBLASLt GEMM (cuda_options::moe_route_gemm_tokens; BF16 gate: x in three bf16
+//     parts, F32 gate: an fp32 GEMM) and the existing per-token selection.
+//  2. MLA_ATTN prefill in the expanded form with the causal flash-attention kernel (cuda_options::mla_prefill_tokens).
+//
+// Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend is the reference; the CUDA backend runs
+// in guard mode (outputs poisoned with NaN, sentinel words checked after each node); "measured <= threshold" printed on
+// every line. T in {1, 17, 64, 300, 1024}, ragged batches (several sequences, mixed pos0) and resumed sequences (pos0 > 0)
+// for MLA. Controls that must FAIL: the new path bitwise equal to the old one (must be DIFFERENT: another summation order
+// ran), swapped expert ids, the comparator family (10x perturbation, negative threshold). A printed micro-timing at K3's
+// widths, T = 2048 (reported, not asserted). The run ends with "N passed, N failed".
+#include "backend/cpu/cpu-ops.h"
+#include "backend/cuda/backend-cuda.h"
+#include "harness.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <set>
+
+namespace perigee::test {
+namespace {
+
+constexpr double k_tol_f32 = 1e-7;      // NMSE: f32-accumulated products of exact weights (test-ops-cuda's k_tol_f32)
+constexpr double k_tol_mla_abs = 8e-4;  // max abs: MLA output (test-ops-cuda; FlashMLA dense decode)
+
+int g_passed = 0, g_failed = 0;
+void tally(bool ok) { (ok ? g_passed : g_failed)++; }
+
+bool have_gpu() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define NEED_GPU() \
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA parity runner needs the GPU machine"
+
+struct out_check { node_ref r; metric m; double thr; bool exact_i32 = false; };
+struct state_check { tensor * t; std::set<int64_t> touched; };   // compared exactly; untouched dim-0 rows bitwise
+
+std::vector<float> host_f32(const tensor & t) {
+    std::vector<float> v(size_t(t.numel()));
+    if (!v.empty()) std::memcpy(v.data(), t.data, v.size() * 4);
+    return v;
+}
+
+// Runs g on both backends from the same initial states and compares outputs and states. True when every check passed.
+bool parity(const std::string & name, graph & g, const std::vector<out_check> & outs, std::vector<state_check> states,
+            const cuda_options & opt) {
+    std::vector<tensor> init;
+    for (auto & s : states) init.push_back(tensor_new(s.t->type, s.t->shape)), std::memcpy(init.back().data, s.t->data, s.t->nbytes);
+    auto cpu = backend_cpu_init();
+    cpu->check_supported(g);
+    cpu->run(g);
+    std::vector<tensor> cpu_out, cpu_state;
+    for (auto & o : outs) cpu_out.push_back(cpu->read(o.r));
+    for (size_t i = 0; i < states.size(); ++i) {
+        cpu_state.push_back(tensor_new(states[i].t->type, states[i].t->shape));
+        std::memcpy(cpu_state.back().data, states[i].t->data, states[i].t->nbytes);
+        std::memcpy(states[i].t->data, init[i].data, init[i].nbytes);   // the CUDA run starts from the same state
+    }
+    auto gpu = backend_cuda_init(0, opt);
+    gpu->check_supported(g);
+    gpu->run(g);
+    gpu->sync_state_to_host();
+    bool all = true;
+    for (size_t i = 0; i < outs.size(); ++i) {
+        const tensor c = gpu->read(outs[i].r);
+        const std::string nm = name + "/" + g.at(outs[i].r).name + (outs[i].r.out ? "#" + std::to_string(outs[i].r.out) : "");
+        bool ok;
+        if (outs[i].exact_i32) {
+            std::vector<int32_t> a(size_t(c.numel())), b(size_t(c.numel()));
+            std::memcpy(a.data(), cpu_out[i].data, a.size() * 4);
+            std::memcpy(b.data(), c.data, b.size() * 4);
+            ok = check_exact_i32(nm, a, b);
+        } else {
+            ok = check(nm, to_f64(host_f32(cpu_out[i])), host_f32(c), outs[i].m, outs[i].thr);
+        }
+        tally(ok);
+        all &= ok;
+    }
+    for (size_t i = 0; i < states.size(); ++i) {
+        const auto & s = states[i];
+        const std::string nm = name + "/state:" + std::to_string(i);
+        const bool ok = check(nm, to_f64(host_f32(cpu_state[i])), host_f32(*s.t), metric::NMSE, 0.0);
+        tally(ok);
+        all &= ok;
+        const int64_t rows = s.t->shape.at(0), row_bytes = int64_t(s.t->nbytes) / std::max<int64_t>(rows, 1);
+        size_t bad = 0;
+        for (int64_t r = 0; r < rows; ++r)
+            if (!s.touched.count(r))
+                bad += std::memcmp(static_cast<char *>(s.t->data) + r * row_bytes, static_cast<char *>(init[i].data) + r * row_bytes,
+                                   size_t(row_bytes)) != 0;
+        std::printf("[%s] untouched rows changed: %zu <= 0\n", (nm + "/untouched").c_str(), bad);
+        tally(bad == 0);
+        all &= bad == 0;
+        std::memcpy(s.t->data, init[i].data, init[i].nbytes);   // later runs start from the same state again
+    }
+    return all;
+}
+
+// Comparator controls on a real candidate: a 10x perturbation and a negative threshold must fail.
+void controls(const std::string & name, const std::vector<float> & ref, const std::vector<float> & cand, metric m, double thr) {
+    const auto r = to_f64(ref);
+    const bool pert = check(name + "/control(perturbed 10x)", r, perturb(r, cand, m, thr), m, thr);
+    const bool neg = compare(r, cand, m, -1.0).ok;
+    std::printf("[%s/control] perturbed %s, negative threshold %s (both must FAIL)\n", name.c_str(), pert ? "PASSED" : "FAILED",
+                neg ? "PASSED" : "FAILED");
+    EXPECT_FALSE(pert);
+    EXPECT_FALSE(neg);
+    tally(!pert && !neg);
+}
+
+// One CUDA run from the states' current host contents (restored afterwards); returns output r.
+template <typename T>
+std::vector<T> run_cuda(graph & g, node_ref r, const cuda_options & opt, std::vector<tensor *> states = {}) {
+    std::vector<tensor> init;
+    for (auto * s : states) init.push_back(tensor_new(s->type, s->shape)), std::memcpy(init.back().data, s->data, s->nbytes);
+    auto gpu = backend_cuda_init(0, opt);
+    gpu->check_supported(g);
+    gpu->run(g);
+    const tensor c = gpu->read(r);
+    std::vector<T> v(size_t(c.numel()));
+    if (!v.empty()) std::memcpy(v.data(), c.data, v.size() * sizeof(T));
+    for (size_t i = 0; i < states.size(); ++i) std::memcpy(states[i]->data, init[i].data, init[i].nbytes);
+    return v;
+}
+
+bool bitwise_same(const void * a, const void * b, size_t n) { return std::memcmp(a, b, n) == 0; }
+
+std::shared_ptr<batch> batch_seqs(const std::vector<int> & lens, const std::vector<int> & pos0, int page_size, int pages_per_seq) {
+    auto b = std::make_shared<batch>();
+    b->seq_start = {0};
+    for (size_t s = 0; s < lens.size(); ++s) {
+        b->seq_start.push_back(b->seq_start.back() + lens[s]);
+        b->pos0.push_back(pos0[s]);
+        b->slot.push_back(int(s));
+        std::vector<int32_t> bt;
+        for (int p = 0; p < pages_per_seq; ++p) bt.push_back(int32_t(s * pages_per_seq + (pages_per_seq - 1 - p)));   // reversed pages
+        b->block_table.push_back(bt);
+    }
+    b->ids.assign(size_t(b->seq_start.back()), 0);
+    b->page_size = page_size;
+    return b;
+}
+
+// ---- 1. MOE_ROUTE logits by one GEMM (cuda_options::moe_route_gemm_tokens) ----
+// BF16 gates: x = p0 + p1 + p2 (24 mantissa bits) against exact bf16 weights, fp32 accumulation: logits at the fp32
+// GEMV's accuracy (expected NMSE of w ~1e-14), so the ids must match the CPU exactly, w at the f32 tolerance. The BF16
+// gates carry 8 duplicated rows (experts 2i and 2i + 1 equal: exact logit ties, which must go to the lower id as on the
+// CPU) and grouped selection (8 groups, keep 4) with a bias; an F32 gate with softmax; K3's router shape (896 x 7168,
+// top-16 of 8 groups keeping 4) at T = 300. Every case also against the GEMV router (the old path) directly.
+// Controls that must FAIL: the GEMM router's w bitwise equal to the GEMV router's (must be DIFFERENT: the GEMM ran),
+// two ids swapped, the comparator family.
+TEST(cuda_prefill, route_gemm_vs_cpu_and_gemv) {
+    NEED_GPU();
+    struct shape { int E, D, k, n_group, topk_group; bool bf16, softmax, bias, dup; std::vector<int> Ts; };
+    const std::vector<shape> shapes = {{96, 1056, 8, 8, 4, true, false, true, true, {1, 17, 64, 300, 1024}},
+                                       {64, 520, 6, 1, 1, false, true, false, false, {1, 17, 64, 300, 1024}},
+                                       {896, 7168, 16, 8, 4, true, false, true, true, {300}}};
+    for (const shape & sh : shapes) {
+        for (int T : sh.Ts) {
+            rng r(12000 + uint32_t(sh.E) + uint32_t(T));
+            arena a;
+            builder bd(batch_simple(T));
+            auto xv = r.vec(size_t(T) * size_t(sh.D)), gw = r.vec(size_t(sh.E) * size_t(sh.D), -0.3f, 0.3f);
+            if (sh.dup)
+                for (int i = 0; i < 8; ++i)
+                    std::copy_n(gw.begin() + int64_t(2 * i) * sh.D, sh.D, gw.begin() + int64_t(2 * i + 1) * sh.D);
+            auto bv = r.vec(size_t(sh.E), -0.05f, 0.05f);
+            if (sh.dup)
+                for (int i = 0; i < 8; ++i) bv[size_t(2 * i + 1)] = bv[size_t(2 * i)];
+            const node_ref x = bd.scale(bd.weight(a.f32({T, sh.D}, xv), "x"), 1.0f);
+            const node_ref gate = bd.weight(sh.bf16 ? a.bf16({sh.E, sh.D}, gw) : a.f32({sh.E, sh.D}, gw), "gate");
+            const node_ref bias = sh.bias ? bd.weight(a.f32({sh.E}, bv), "bias") : node_ref{};
+            auto [ids, w] = bd.moe_route(x, gate, bias, {sh.k, sh.n_group, sh.topk_group, true, 2.5f,
+                                                         sh.softmax ? router_act::SOFTMAX : router_act::SIGMOID});
+            bd.name(ids, "route");
+            graph g = bd.finish(w);
+            const std::string nm = fmt::format("route-gemm/{}/E{}/D{}/k{}/T{}", sh.bf16 ? "bf16" : "f32", sh.E, sh.D, sh.k, T);
+            const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {w, metric::NMSE, k_tol_f32}};
+            cuda_options gm{true, 8};
+            gm.moe_route_gemm_tokens = 1;
+            EXPECT_TRUE(parity(nm, g, oc, {}, gm)) << nm;
+            cuda_options old{true, 8};
+            old.moe_route_gemm_tokens = 0;
+            EXPECT_TRUE(parity(nm + "/gemv", g, oc, {}, old)) << nm;
+            const auto id_new = run_cuda<int32_t>(g, ids, gm), id_old = run_cuda<int32_t>(g, ids, old);
+            const auto w_new = run_cuda<float>(g, w, gm), w_old = run_cuda<float>(g, w, old);
+            const bool ids_eq = check_exact_i32(nm + "/ids-vs-gemv", id_old, id_new);
+            const bool w_eq = check(nm + "/w-vs-gemv", to_f64(w_old), w_new, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(ids_eq && w_eq) << nm;
+            tally(ids_eq);
+            tally(w_eq);
+            if (T >= 64) {   // enough logits that some bit differs when another summation order ran
+                const bool same = bitwise_same(w_new.data(), w_old.data(), w_new.size() * 4);
+                std::printf("[%s/control(gemm w bitwise equal to gemv w)] %s (must be DIFFERENT: the GEMM ran)\n", nm.c_str(),
+                            same ? "EQUAL" : "DIFFERENT");
+                EXPECT_FALSE(same) << nm;
+                tally(!same);
+                auto sw = id_new;
+                std::swap(sw[0], sw[1]);
+                const bool swapped = check_exact_i32(nm + "/control(two ids swapped)", id_old, sw);
+                EXPECT_FALSE(swapped) << nm;
+                tally(!swapped);
+                auto cpu = backend_cpu_init();
+                cpu->run(g);
+                controls(nm, read_f32(*cpu, w), w_new, metric::NMSE, k_tol_f32);
+            }
+        }
+    }
+}
+
+// ---- 2. MLA_ATTN prefill, expanded form + causal flash attention (cuda_options::mla_prefill_tokens) ----
+// kv_b BF16 (exact), the gathered latent rows split into bf16 hi + lo (x to ~2^-17 relative) for the expansion GEMM, fp32
+// flash attention: expected NMSE vs the CPU ~1e-11, max abs ~1e-6; tolerances test-ops-cuda's (max abs 8e-4 and NMSE
+// 1e-7). The cache (written by both backends) must be bitwise equal to the CPU's, pages nobody owns untouched.
+// Shapes: small (H 4, dn 16, dr 8, dv 16, L 64: the padded 64-column V tile), odd (H 3, dn 32, dr 16, dv 48, L 96) and
+// K3's head widths (dn 128, dr 64, dv 128, L 512) with H 2; batches: one fresh sequence of T in {1, 17, 64, 300, 1024},
+// a resumed one (pos0 77, T 300: tiles not aligned to positions), and a ragged batch (lens 17 / 64 / 3 / 1 at pos0
+// 0 / 5 / 40 / 9). Every case also against the absorbed kernels (mla_prefill_tokens = 0) directly.
+// Controls that must FAIL: the new output bitwise equal to the absorbed kernels' (must be DIFFERENT: the new kernel
+// ran), the comparator family.
+TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
+    NEED_GPU();
+    struct dims { int H, dn, dr, dv, L, ps; };
+    struct bcase { std::vector<int> lens, pos0; };
+    const dims small{4, 16, 8, 16, 64, 16}, odd{3, 32, 16, 48, 96, 16}, k3{2, 128, 64, 128, 512, 64};
+    std::vector<std::pair<dims, bcase>> cases;
+    for (int T : {1, 17, 64, 300, 1024}) cases.push_back({small, {{T}, {0}}});
+    cases.push_back({small, {{300}, {77}}});
+    cases.push_back({small, {{17, 64, 3, 1}, {0, 5, 40, 9}}});
+    cases.push_back({odd, {{17, 64, 3, 1}, {0, 5, 40, 9}}});
+    cases.push_back({odd, {{300}, {77}}});
+    cases.push_back({k3, {{300}, {77}}});
+    cases.push_back({k3, {{1024}, {0}}});
+    cases.push_back({k3, {{17, 64, 3, 1}, {0, 5, 40, 9}}});
+    for (const auto & [d, bc] : cases) {
+        int max_pos = 0;
+        for (size_t s = 0; s < bc.lens.size(); ++s) max_pos = std::max(max_pos, bc.pos0[s] + bc.lens[s]);
+        const int pages_per = max_pos / d.ps + 2, n_seq = int(bc.lens.size());
+        auto b = batch_seqs(bc.lens, bc.pos0, d.ps, pages_per);
+        const int T = b->n_tokens();
+        const int n_pages = n_seq * pages_per + 2;   // 2 pages nobody owns: must stay untouched
+        rng r(13000 + uint32_t(T) * 7 + uint32_t(d.L) + uint32_t(n_seq) * 31 + uint32_t(bc.pos0[0]));
+        arena a;
+        builder bd(b);
+        auto qv = r.vec(size_t(T) * size_t(d.H * (d.dn + d.dr))), cv = r.vec(size_t(T * d.L)), krv = r.vec(size_t(T * d.dr));
+        auto kvb = r.vec(size_t(d.H * (d.dn + d.dv) * d.L), -0.08f, 0.08f);
+        auto cache0 = r.vec(size_t(n_pages) * size_t(d.ps * (d.L + d.dr)));   // earlier positions: random history
+        tensor & cache = a.f32({n_pages, d.ps, d.L + d.dr}, cache0);
+        std::set<int64_t> touched;
+        for (auto & bt : b->block_table) touched.insert(bt.begin(), bt.end());
+        const node_ref o = bd.name(bd.mla_attn(bd.scale(bd.weight(a.f32({T, d.H * (d.dn + d.dr)}, qv), "q"), 1.0f),
+                                               bd.scale(bd.weight(a.f32({T, d.L}, cv), "c"), 1.0f),
+                                               bd.scale(bd.weight(a.f32({T, d.dr}, krv), "kr"), 1.0f),
+                                               bd.weight(a.bf16({d.H * (d.dn + d.dv), d.L}, kvb), "kv_b"),
+                                               bd.state(cache, "mla_cache"), node_ref{},
+                                               {d.H, d.dn, d.dr, d.dv, d.L, 0.15f}),
+                                   "mla_attn");
+        graph g = bd.finish(o);
+        std::string lens_s;
+        for (size_t s = 0; s < bc.lens.size(); ++s) lens_s += fmt::format("{}{}@{}", s ? "," : "", bc.lens[s], bc.pos0[s]);
+        const std::string nm = fmt::format("mla-prefill/H{}/dn{}/dr{}/dv{}/L{}/seqs[{}]", d.H, d.dn, d.dr, d.dv, d.L, lens_s);
+        const std::vector<out_check> oc{{o, metric::MAX_ABS, k_tol_mla_abs}, {o, metric::NMSE, k_tol_f32}};
+        cuda_options fl{true, 8};
+        fl.mla_prefill_tokens = 1;
+        EXPECT_TRUE(parity(nm, g, oc, {{&cache, touched}}, fl)) << nm;
+        cuda_options old{true, 8};
+        old.mla_prefill_tokens = 0;
+        const auto got_new = run_cuda<float>(g, o, fl, {&cache}), got_old = run_cuda<float>(g, o, old, {&cache});
+        const bool vs = check(nm + "/vs-absorbed", to_f64(got_old), got_new, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(vs) << nm;
+        tally(vs);
+        if (T >= 17) {
+            const bool same = bitwise_same(got_new.data(), got_old.data(), got_new.size() * 4);
+            std::printf("[%s/control(flash bitwise equal to absorbed)] %s (must be DIFFERENT: the flash kernel ran)\n", nm.c_str(),
+                        same ? "EQUAL" : "DIFFERENT");
+            EXPECT_FALSE(same) << nm;
+            tally(!same);
+        }
+        if (T == 300 || n_seq > 1) {
+            std::vector<tensor> keep;
+            keep.push_back(tensor_new(cache.type, cache.shape));
+            std::memcpy(keep.back().data, cache.data, cache.nbytes);
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const auto ref = read_f32(*cpu, o);
+            std::memcpy(cache.data, keep.back().data, cache.nbytes);
+            controls(nm, ref, got_new, metric::NMSE, k_tol_f32);
+        }
+    }
+}
+
+// ---- 3. Micro-timing at K3's widths, T = 2048, one fresh sequence (printed, not asserted) ----
+// The node's GPU time (cuda_options::profile_nodes, the second of two eager runs) for the new and the old path.
+double node_time_ms(graph & g, node_ref r, cuda_options opt) {
+    opt.guard = false;
+    opt.profile_nodes = true;
+    auto gpu = backend_cuda_init(0, opt);
+    gpu->check_supported(g);
+    gpu->run(g);
+    double best = 1e30;
+    for (int i = 0; i < 3; ++i) {
+        gpu->run(g);
+        const auto ms = gpu->node_ms();
+        if (size_t(r.node) < ms.size()) best = std::min(best, double(ms[size_t(r.node)]));
+    }
+    return best;
+}
+
+TEST(cuda_prefill, timing_k3_widths) {
+    NEED_GPU();
+    for (int T : {512, 2048}) {
+        {   // router: 896 experts x 7168, top-16 of 8 groups keeping 4, BF16 gate
+            const int E = 896, D = 7168;
+            rng r(14000 + uint32_t(T));
+            arena a;
+            builder bd(batch_simple(T));
+            auto xv = r.vec(size_t(T) * D), gw = r.vec(size_t(E) * D, -0.3f, 0.3f), bv = r.vec(size_t(E), -0.05f, 0.05f);
+            const node_ref x = bd.scale(bd.weight(a.f32({T, D}, xv), "x"), 1.0f);
+            auto [ids, w] = bd.moe_route(x, bd.weight(a.bf16({E, D}, gw), "gate"), bd.weight(a.f32({E}, bv), "bias"),
+                                         {16, 8, 4, true, 2.5f, router_act::SIGMOID});
+            graph g = bd.finish(w);
+            cuda_options gm, old;
+            gm.moe_route_gemm_tokens = 1;
+            old.moe_route_gemm_tokens = 0;
+            const double tn = node_time_ms(g, w, gm), to = node_time_ms(g, w, old);
+            std::printf("[timing] MOE_ROUTE E %d D %d T %d: gemm %.3f ms, gemv (old) %.3f ms (%.1fx)\n", E, D, T, tn, to, to / tn);
+        }
+        {   // MLA: 96 heads, dn 128, dr 64, dv 128, L 512, page 64
+            const int H = 96, dn = 128, dr = 64, dv = 128, L = 512, ps = 64;
+            const int pages = T / ps + 1;
+            auto b = batch_seqs({T}, {0}, ps, pages);
+            rng r(14500 + uint32_t(T));
+            arena a;
+            builder bd(b);
+            auto qv = r.vec(size_t(T) * H * (dn + dr)), cv = r.vec(size_t(T) * L), krv = r.vec(size_t(T) * dr);
+            auto kvb = r.vec(size_t(H) * (dn + dv) * L, -0.05f, 0.05f);
+            auto cache0 = std::vector<float>(size_t(pages) * ps * (L + dr), 0.0f);
+            tensor & cache = a.f32({pages, ps, L + dr}, cache0);
+            const node_ref o = bd.mla_attn(bd.scale(bd.weight(a.f32({T, H * (dn + dr)}, qv), "q"), 1.0f),
+                                           bd.scale(bd.weight(a.f32({T, L}, cv), "c"), 1.0f),
+                                           bd.scale(bd.weight(a.f32({T, dr}, krv), "kr"), 1.0f),
+                                           bd.weight(a.bf16({H * (dn + dv), L}, kvb), "kv_b"), bd.state(cache, "mla_cache"),
+                                           node_ref{}, {H, dn, dr, dv, L, 0.0722f});
+            graph g = bd.finish(o);
+            cuda_options fl, old;
+            fl.mla_prefill_tokens = 1;
+            old.mla_prefill_tokens = 0;
+            const double tn = node_time_ms(g, o, fl), to = node_time_ms(g, o, old);
+            std::printf("[timing] MLA_ATTN H %d T %d: flash %.3f ms, absorbed (old) %.3f ms (%.1fx)\n", H, T, tn, to, to / tn);
+        }
+    }
+}
+
+class summary : public ::testing::Environment {
+public:
+    void TearDown() override { std::printf("%d passed, %d failed\n", g_passed, g_failed); }
+};
+const auto * g_env = ::testing::AddGlobalTestEnvironment(new summary);
+
+} // namespace
+} // namespace perigee::test
