@@ -805,10 +805,11 @@ private:
                     if (gw.type == wtype::F32) {
                         lt_matmul(gw.data, x.p, CUDA_R_32F, logits, E, T, D, 0.0f);
                     } else {   // x = p0 + p1 + p2 (24 bits), smallest part first into the fp32 accumulator
-                        auto * xb = static_cast<uint16_t *>(alloc(size_t(T * D) * 2 * 3));
-                        PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split3(f32_in(n, 0), T * D, xb, xb + T * D, xb + 2 * T * D, st_));
+                        uint16_t * xb[3];   // separate allocations: each part 256-byte aligned for cuBLASLt
+                        for (auto & p : xb) p = static_cast<uint16_t *>(alloc(size_t(T * D) * 2));
+                        PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split3(f32_in(n, 0), T * D, xb[0], xb[1], xb[2], st_));
                         for (int k = 2; k >= 0; --k)
-                            lt_matmul(gw.data, xb + k * T * D, CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
+                            lt_matmul(gw.data, xb[k], CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
                     }
                     PG_CUDA_CHECK(cuda::launch_moe_select(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
                                                           static_cast<float *>(out[1].p), st_));
@@ -993,10 +994,11 @@ private:
         if (W.type == wtype::F32) {
             lt_matmul(W.data, cg, CUDA_R_32F, kv, M, P, L, 0.0f);
         } else {
-            auto * xb = static_cast<uint16_t *>(alloc(size_t(P * L) * 2 * 2));
-            PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(cg, P * L, xb, xb + P * L, st_));
-            lt_matmul(W.data, xb + P * L, CUDA_R_16BF, kv, M, P, L, 0.0f);
-            lt_matmul(W.data, xb, CUDA_R_16BF, kv, M, P, L, 1.0f);
+            auto * hi = static_cast<uint16_t *>(alloc(size_t(P * L) * 2));   // separate: 256-byte aligned for cuBLASLt
+            auto * lo = static_cast<uint16_t *>(alloc(size_t(P * L) * 2));
+            PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(cg, P * L, hi, lo, st_));
+            lt_matmul(W.data, lo, CUDA_R_16BF, kv, M, P, L, 0.0f);
+            lt_matmul(W.data, hi, CUDA_R_16BF, kv, M, P, L, 1.0f);
         }
         PG_CUDA_CHECK(cuda::launch_mla_prefill_attn(f32_in(n, 0), kv, krg, d, n.p.scale, db_, y, st_));
     }
