@@ -332,50 +332,55 @@ __global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __re
     const bool sc_al0 = (reinterpret_cast<uintptr_t>(m0.scale) % SPR) == 0 && ((K / (FMT == 2 ? 32 : 16)) % SPR) == 0;
     const bool sc_al1 = (reinterpret_cast<uintptr_t>(m1.scale) % SPR) == 0 && ((K / (FMT == 2 ? 32 : 16)) % SPR) == 0;
 
+    // this thread's copies: 4 chunks of 16 B of weight rows (256 rows x 64 B per stage) and one row's scales
+    const uint8_t * wsrc[4];
+    int wdst[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int ch = tid + i * k_m2_threads, row = ch >> 2, part = ch & 3;
+        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+        const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
+        wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + part * 16 : nullptr;
+        wdst[i] = row * k_m2_wld + part * 16;
+    }
+    const uint8_t * ssrc;
+    bool s_al;
+    {
+        const int64_t wr = r0 + (NM == 2 ? tid % BN : tid);
+        const bool up = NM == 2 && tid >= BN;
+        const uint8_t * sc = up ? m1.scale : m0.scale;
+        ssrc = wr < n_rows ? sc + wr * (K / (FMT == 2 ? 32 : 16)) : nullptr;
+        s_al = up ? sc_al1 : sc_al0;
+    }
+    __shared__ int64_t xoff[k_m2_tok];
     for (int t0 = 0; t0 < n; t0 += k_m2_tok) {
         const int nt = min(k_m2_tok, n - t0);   // tokens of this pass
         const int nj = (nt + 7) >> 3;            // 8-token mma tiles
+        // the pass's activation rows (slot -> token row: one 64-bit division per token and pass, not per tile)
+        if (tid < nt) xoff[tid] = int64_t(slots[t0 + tid] / k_div) * ldx;
+        __syncthreads();
         // stage st <- K-tile kt (raw weights, scales, fp32 activations of the pass's tokens)
         auto issue = [&](int kt, int st) {
             unsigned char * base = sm2 + st * k_m2_stage_bytes;
-            unsigned char * Wst = base;
             unsigned char * Sst = base + k_m2_rows * k_m2_wld;
             unsigned char * Xst = Sst + k_m2_rows * k_m2_sld;
             const int64_t k0 = int64_t(kt) * k_m2_kt;
-            // weights: 256 rows x 4 chunks of 16 B
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int ch = tid + i * k_m2_threads, row = ch >> 2, part = ch & 3;
-                const int mi = NM == 2 ? row / BN : 0;
-                const int64_t wr = r0 + (NM == 2 ? row % BN : row);
-                if (wr < n_rows) {
-                    const dexpert_matrix & m = mi ? m1 : m0;
-                    cp_async16(Wst + row * k_m2_wld + part * 16, m.packed + wr * (K / 2) + k0 / 2 + part * 16);
+            for (int i = 0; i < 4; ++i)
+                if (wsrc[i]) cp_async16(base + wdst[i], wsrc[i] + k0 / 2);
+            if (ssrc) {
+                const uint8_t * src = ssrc + k0 / (FMT == 2 ? 32 : 16);
+                if (s_al) {
+                    if constexpr (FMT == 2) cp_async4(Sst + tid * k_m2_sld, src);
+                    else cp_async8(Sst + tid * k_m2_sld, src);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < SPR; ++i) Sst[tid * k_m2_sld + i] = __ldg(src + i);
                 }
             }
-            // scales: one row per thread
-            {
-                const int row = tid;
-                const int mi = NM == 2 ? row / BN : 0;
-                const int64_t wr = r0 + (NM == 2 ? row % BN : row);
-                if (wr < n_rows) {
-                    const dexpert_matrix & m = mi ? m1 : m0;
-                    const bool al = mi ? sc_al1 : sc_al0;
-                    const uint8_t * src = m.scale + wr * (K / (FMT == 2 ? 32 : 16)) + k0 / (FMT == 2 ? 32 : 16);
-                    if (al) {
-                        if constexpr (FMT == 2) cp_async4(Sst + row * k_m2_sld, src);
-                        else cp_async8(Sst + row * k_m2_sld, src);
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < SPR; ++i) Sst[row * k_m2_sld + i] = __ldg(src + i);
-                    }
-                }
-            }
-            // activations: nt rows x 32 chunks of 16 B
-            for (int ch = tid; ch < nt * 32; ch += k_m2_threads) {
+            for (int ch = tid; ch < nt * 32; ch += k_m2_threads) {   // activations: nt rows x 32 chunks of 16 B
                 const int t = ch >> 5, part = ch & 31;
-                const float * xr = xin + int64_t(slots[t0 + t] / k_div) * ldx + k0 + part * 4;
-                cp_async16(Xst + t * k_m2_xld + part * 16, xr);
+                cp_async16(Xst + t * k_m2_xld + part * 16, xin + xoff[t] + k0 + part * 4);
             }
         };
 
