@@ -263,6 +263,16 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     constexpr int NT = k_gemv_warps * 32;
     const bool vec4 = in % 4 == 0;
+    if (blockIdx.x < g.start[g.n]) {   // the first virtual block's weight rows -> L2 while the block stages x'
+        int s = 0;
+        while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
+        const int64_t r0 = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps;
+        const int64_t rows = g.out[s] - r0 < k_gemv_warps ? g.out[s] - r0 : k_gemv_warps;
+        constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
+        const char * p0 = static_cast<const char *>(g.w[s]) + r0 * in * esz;
+        for (int64_t off = int64_t(tid) * 128; off < rows * in * esz; off += int64_t(NT) * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off));
+    }
     {
         float ss[TT];
 #pragma unroll
