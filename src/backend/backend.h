@@ -51,6 +51,22 @@ inline int64_t slot_pools_check(const std::vector<tensor *> & pools, const char 
     return n;
 }
 
+// ON-DEVICE SAMPLING (backend::sample_rows). One logits row's sampling: the host sampler's step 3
+// (runtime/sampler.h) without penalties, with the row's uniform drawn by the runtime
+// (sample_uniform(seed, draw_index)). sample_row_reference is that math, shared by the host sampler
+// and the CPU backend: temperature == 0: argmax, ties to the lower id; otherwise the row sorted by
+// (logit descending, id ascending), top-k, p_i = exp(l_i / T - l_0 / T) in double normalised, top-p
+// (smallest prefix whose cumulative mass reaches top_p), min-p (prefix of p_i >= min_p * p_0, at
+// least one), the first i with u * mass < cumulative_i (else the last kept token).
+struct row_sampling {
+    float temperature = 0.0f;   // 0 = greedy
+    int top_k = 0;              // 0 = off
+    float top_p = 1.0f;         // (0, 1]
+    float min_p = 0.0f;         // [0, 1]
+    double u = 0.0;             // uniform in [0, 1) (unused when greedy)
+};
+int32_t sample_row_reference(const float * logits, int64_t V, const row_sampling & s);
+
 class backend {
 public:
     virtual ~backend() = default;
@@ -70,6 +86,12 @@ public:
     virtual void slot_zero(const std::vector<tensor *> & pools, int slot) = 0;
     // A snapshot pool of n entries for these pools (see slot_snapshots).
     virtual std::unique_ptr<slot_snapshots> slot_snapshots_new(const std::vector<tensor *> & pools, int n) = 0;
+
+    // One id per row of output `logits` (F32 [R, V]) of the last run, sampled with rows[r]
+    // (rows.size() == R); -1 for a row holding a NaN/Inf (the caller fails that request). CPU:
+    // sample_row_reference on each row; CUDA: on the device (sample.cu), only the ids are copied back;
+    // the same ids as the CPU except when u * mass or top_p ties a cumulative boundary to ~1e-13.
+    virtual std::vector<int32_t> sample_rows(node_ref logits, const std::vector<row_sampling> & rows) = 0;
 };
 
 std::unique_ptr<backend> backend_cpu_init();

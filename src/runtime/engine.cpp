@@ -135,9 +135,23 @@ struct engine::impl {
         if (plan.empty()) return;
         auto b = step_prepare(plan, runner, cache.get(), snaps.get());
         tensor rows;
+        // On-device sampling (backend::sample_rows) when the backend is a device one and no sampling
+        // request needs the host sampler (logprobs or penalties): then only the ids come back.
+        std::vector<int32_t> ids;
+        bool on_device = !b->logits_rows.empty() && runner.device_sampling();
+        for (const auto & it : plan.items)
+            if (on_device && it.samples() && sampling_needs_host(it.seq->sp)) on_device = false;
         try {
-            if (b->logits_rows.empty()) runner.advance(b);   // no logits needed: none read back
-            else rows = runner.step_rows(b);
+            if (b->logits_rows.empty()) {
+                runner.advance(b);   // no logits needed: none read back
+            } else if (on_device) {
+                std::vector<row_sampling> rs;
+                for (const auto & it : plan.items)
+                    if (it.samples()) rs.push_back(sampling_row(it.seq->sp, it.seq->seed, uint64_t(it.seq->n_generated())));
+                ids = runner.step_sample(b, rs);
+            } else {
+                rows = runner.step_rows(b);
+            }
         } catch (const std::exception & e) {
             const std::string msg = fmt::format("forward step failed: {}", e.what());
             for (const auto & it : plan.items) end(it.seq->id, finish_reason::ERROR, msg);
@@ -154,8 +168,9 @@ struct engine::impl {
         for (const auto & it : plan.items) {
             if (!it.samples()) continue;
             sequence & s = *it.seq;
-            const float * row = rows.f32() + r++ * rows.dim(1);
-            if (!row_is_finite(row, V)) {
+            const int64_t ri = r++;
+            const float * row = on_device ? nullptr : rows.f32() + ri * rows.dim(1);
+            if (on_device ? ids.at(size_t(ri)) < 0 : !row_is_finite(row, V)) {
                 {
                     std::lock_guard lk(mu);
                     st.nan_events++;
@@ -164,7 +179,9 @@ struct engine::impl {
                     fmt::format("non-finite logits (NaN/Inf) for request {} at position {} (step {})", s.id, s.n_tokens() - 1, st.steps));
                 continue;
             }
-            const sample_output so = sample_token(row, V, s.sp, s.tokens, s.n_prompt, s.seed, uint64_t(s.n_generated()));
+            sample_output so;
+            if (on_device) so.token = ids[size_t(ri)];
+            else so = sample_token(row, V, s.sp, s.tokens, s.n_prompt, s.seed, uint64_t(s.n_generated()));
             const finish_reason why = sequence_append(s, so.token);
             token_event ev;
             ev.request_id = s.id;

@@ -58,6 +58,18 @@ tensor model_runner::step_rows(std::shared_ptr<const batch> b) {
     return rows;
 }
 
+std::vector<int32_t> model_runner::step_sample(std::shared_ptr<const batch> b, const std::vector<row_sampling> & rows) {
+    PG_CHECK(!b->logits_rows.empty(), "step_sample: batch.logits_rows is empty");
+    PG_CHECK(rows.size() == b->logits_rows.size(), "step_sample: {} sampling entries for {} logits rows", rows.size(),
+             b->logits_rows.size());
+    graph g = forward_build(cfg_, *w_, st_, b);
+    be_->check_supported(g);
+    be_->run(g);
+    std::vector<int32_t> ids = be_->sample_rows(g.logits, rows);
+    backend_sampled_rows += ids.size();
+    return ids;
+}
+
 void model_runner::advance(std::shared_ptr<const batch> b) {
     PG_CHECK(b->n_tokens() > 0, "advance: empty batch");
     auto one = std::make_shared<batch>(*b);

@@ -41,6 +41,21 @@ public:
     // indices), F32 [rows, vocab] in that order. Sets logits_rows on the batch it forwards, so a
     // forward that honours it computes only those rows; one that does not is sliced here.
     tensor step_rows(std::shared_ptr<const batch> b);
+    // Runs one step like step_rows and samples each row on the backend (backend::sample_rows):
+    // returns one id per b->logits_rows entry (-1 for a row with a NaN/Inf); no logits row is copied
+    // back. `rows` is the sampling of each row, in logits_rows order.
+    std::vector<int32_t> step_sample(std::shared_ptr<const batch> b, const std::vector<row_sampling> & rows);
+    // True when the engine should sample on the backend (step_sample) for requests that need neither
+    // logprobs nor penalties: a device backend (cuda) and no logits_hook (the hook needs host rows).
+    // use_device_sampling = false forces the host sampler (tests, comparisons).
+    bool device_sampling() const {
+        return use_device_sampling && (be_->name() != "cpu" || force_backend_sampling) && !logits_hook;
+    }
+    bool use_device_sampling = true;
+    uint64_t backend_sampled_rows = 0;   // rows sampled through step_sample so far (tests, stats)
+    // TEST HOOK: the engine samples through backend::sample_rows on the CPU backend too (its
+    // on-device branch, tested without a GPU).
+    bool force_backend_sampling = false;
     // Runs one step whose logits nobody reads (a prefill chunk that samples nothing): the forward
     // computes the lm_head for one row only (logits_rows = the last token) and nothing is copied
     // back. The state updates are those of step().

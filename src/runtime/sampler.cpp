@@ -36,6 +36,14 @@ double sample_uniform(uint64_t seed, uint64_t index) {
     return double(x >> 11) * 0x1.0p-53;
 }
 
+row_sampling sampling_row(const sampling_params & sp, uint64_t seed, uint64_t draw_index) {
+    return {sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.temperature == 0.0f ? 0.0 : sample_uniform(seed, draw_index)};
+}
+
+bool sampling_needs_host(const sampling_params & sp) {
+    return sp.logprobs >= 0 || sp.repetition_penalty != 1.0f || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f;
+}
+
 bool row_is_finite(const float * row, int64_t V) {
     for (int64_t i = 0; i < V; ++i)
         if (!std::isfinite(row[i])) return false;
@@ -80,60 +88,8 @@ sample_output sample_token(const float * logits, int64_t V, const sampling_param
         for (auto [t, c] : count)
             if (t >= 0 && t < V) l[size_t(t)] -= float(c) * sp.frequency_penalty + sp.presence_penalty;
     }
-    // 3. choose.
-    if (sp.temperature == 0.0f) {
-        int64_t best = 0;
-        for (int64_t i = 1; i < V; ++i)
-            if (l[size_t(i)] > l[size_t(best)]) best = i;
-        out.token = int32_t(best);
-    } else {
-        std::vector<int32_t> idx(static_cast<size_t>(V));
-        std::iota(idx.begin(), idx.end(), 0);
-        auto better = [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)] || (l[size_t(a)] == l[size_t(b)] && a < b); };
-        int64_t n = V;
-        if (sp.top_k > 0 && sp.top_k < V) {
-            n = sp.top_k;
-            std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), better);
-        } else {
-            std::sort(idx.begin(), idx.end(), better);
-        }
-        const double inv_t = 1.0 / double(sp.temperature);
-        const double mx = double(l[size_t(idx[0])]) * inv_t;
-        std::vector<double> p(static_cast<size_t>(n));
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; ++i) sum += p[size_t(i)] = std::exp(double(l[size_t(idx[size_t(i)])]) * inv_t - mx);
-        for (auto & x : p) x /= sum;
-        if (sp.top_p < 1.0f) {
-            double c = 0.0;
-            int64_t keep = n;
-            for (int64_t i = 0; i < n; ++i) {
-                c += p[size_t(i)];
-                if (c >= double(sp.top_p)) {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            n = keep;
-        }
-        if (sp.min_p > 0.0f) {
-            const double floor = double(sp.min_p) * p[0];
-            int64_t keep = 1;
-            while (keep < n && p[size_t(keep)] >= floor) ++keep;
-            n = keep;
-        }
-        double mass = 0.0;
-        for (int64_t i = 0; i < n; ++i) mass += p[size_t(i)];
-        const double u = sample_uniform(seed, draw_index) * mass;
-        double c = 0.0;
-        out.token = idx[size_t(n - 1)];
-        for (int64_t i = 0; i < n; ++i) {
-            c += p[size_t(i)];
-            if (u < c) {
-                out.token = idx[size_t(i)];
-                break;
-            }
-        }
-    }
+    // 3. choose: the math backend::sample_rows shares (backend.h sample_row_reference).
+    out.token = sample_row_reference(l.data(), V, sampling_row(sp, seed, draw_index));
     if (sp.logprobs >= 0) out.logprob = raw_lp[size_t(out.token)];
     return out;
 }

@@ -30,6 +30,14 @@ void sampling_params_validate(const sampling_params & sp);
 sample_output sample_token(const float * logits, int64_t V, const sampling_params & sp, const std::vector<int32_t> & tokens,
                            int32_t n_prompt, uint64_t seed, uint64_t draw_index);
 
+// The row_sampling of a request's next draw (backend::sample_rows): its temperature/top-k/top-p/min-p
+// and the uniform sample_uniform(seed, draw_index). Valid for on-device sampling only when
+// sampling_needs_host(sp) is false.
+row_sampling sampling_row(const sampling_params & sp, uint64_t seed, uint64_t draw_index);
+// True when the request needs the host sampler: logprobs (read from the raw row) or penalties (they
+// need the token history). Otherwise backend::sample_rows gives the same token as sample_token.
+bool sampling_needs_host(const sampling_params & sp);
+
 // Uniform in [0, 1) from (seed, index): splitmix64 of the pair.
 double sample_uniform(uint64_t seed, uint64_t index);
 

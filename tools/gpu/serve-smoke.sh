@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Serve smoke on the GPU machine: `perigee serve --backend cuda` and `--backend cpu` on models/default, each sent the
-# same chat completion (non-streaming) and the same streaming text completion at temperature 0 with curl; the answers
-# must be non-empty and identical across backends. Needs curl and python3 (the GPU image has both, not node).
+# Serve smoke on the GPU machine: `perigee serve --backend cuda` and `--backend cpu` on models/default (no prefix caching,
+# one request at a time), each sent the same three requests with curl:
+#  - a chat completion at temperature 0 with logprobs + top_logprobs 2: identical token sequences pass; a divergence
+#    passes only at a near tie (the CPU's top-1/top-2 logprob margin < TIE_TOL = 1e-3 at the first differing token, the
+#    other backend's token being the CPU's top-2 there); nothing after it is compared (chat_decide has the reasoning);
+#  - a streamed text completion at temperature 0 (no logprobs: the on-device sampler's greedy path on cuda);
+#  - a seeded sampled completion (temperature/top-k/top-p/min-p; on cuda the on-device sampler with the host's uniforms).
+# The last two must be non-empty and identical. Controls: chat_decide must fail a divergence at a decided position and
+# pass one at a 1e-5 tie; a perturbed answer must compare unequal; --backend gpu must be refused by name.
+# Needs curl and python3 (the GPU image has both, not node).
 #
 #   PERIGEE=.gpu-carry/bin/perigee tools/gpu/serve-smoke.sh        # run from the repository root
 #
@@ -40,11 +47,53 @@ start() {   # backend port
   return 1
 }
 
-chat() {   # port -> the assistant message content
+chat() {   # port -> {content, reasoning, usage, tokens: [bytes], lp: [logprob], top: [[token bytes, logprob] x2]}
   curl -sf -m 300 "http://127.0.0.1:$1/v1/chat/completions" -H 'Content-Type: application/json' -d "{
       \"messages\": [{\"role\": \"user\", \"content\": \"Speak of the king and the crown.\"}],
-      \"temperature\": 0, \"max_tokens\": $MAX_TOKENS}" |
-    python3 -c 'import json,sys; m=json.load(sys.stdin)["choices"][0]["message"]; print(json.dumps([m.get("content") or "", m.get("reasoning_content") or ""]))'
+      \"temperature\": 0, \"max_tokens\": $MAX_TOKENS, \"logprobs\": true, \"top_logprobs\": 2}" |
+    python3 -c '
+import json, sys
+r = json.load(sys.stdin); c = r["choices"][0]; m = c["message"]
+lps = (c.get("logprobs") or {}).get("content") or []
+print(json.dumps({"content": m.get("content") or "", "reasoning": m.get("reasoning_content") or "",
+                  "usage": [r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]],
+                  "tokens": [e["bytes"] for e in lps], "lp": [e["logprob"] for e in lps],
+                  "top": [[[t["bytes"], t["logprob"]] for t in e["top_logprobs"]] for e in lps]}))'
+}
+
+# Decides a chat divergence: identical token sequences pass; otherwise the first differing position must be a near tie
+# on the CPU (top-1 minus top-2 logprob < TIE_TOL) with the other backend's token = the CPU's top-2 there; nothing after
+# it is compared (the continuations legitimately differ). Before it the logprobs must agree within LP_TOL.
+# TIE_TOL 1e-3: the measured CPU-vs-CUDA logprob agreement is 1.03e-05 (test-runtime-cuda), so a top-1/top-2 margin moves
+# by at most ~2e-5 between backends; 1e-3 is 50x that, and far below the margins of ordinary decisions (0.1 and up).
+chat_decide() {   # cpu.json other.json -> PASS/FAIL line, rc
+  python3 - "$1" "$2" "${TIE_TOL:-1e-3}" "${LP_TOL:-1e-3}" <<'EOF'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+tie_tol, lp_tol = float(sys.argv[3]), float(sys.argv[4])
+ta, tb = a["tokens"], b["tokens"]
+if not ta or not tb: sys.exit(print("FAIL chat: no logprobs entries (cpu %d, other %d)" % (len(ta), len(tb))) or 1)
+if a["usage"][0] != b["usage"][0]: sys.exit(print("FAIL chat: prompt_tokens differ: %s vs %s" % (a["usage"], b["usage"])) or 1)
+n = min(len(ta), len(tb))
+i = next((k for k in range(n) if ta[k] != tb[k]), None)
+upto = n if i is None else i
+worst = max([abs(x - y) for x, y in zip(a["lp"][:upto], b["lp"][:upto])] or [0.0])
+if worst > lp_tol: sys.exit(print("FAIL chat: sampled-token logprobs differ by %.3g (> %g) before any divergence" % (worst, lp_tol)) or 1)
+if i is None:
+    if len(ta) != len(tb): sys.exit(print("FAIL chat: one answer is a prefix of the other (%d vs %d tokens)" % (len(ta), len(tb))) or 1)
+    if a["content"] != b["content"] or a["reasoning"] != b["reasoning"]: sys.exit(print("FAIL chat: same tokens, different text") or 1)
+    sys.exit(print("PASS chat: %d tokens identical, worst sampled-token |logprob diff| %.3g" % (len(ta), worst)) or 0)
+top = a["top"][i]
+if len(top) < 2: sys.exit(print("FAIL chat: position %d has %d top_logprobs (need 2)" % (i, len(top))) or 1)
+margin = top[0][1] - top[1][1]
+btop = b["top"][i]
+bmargin = btop[0][1] - btop[1][1] if len(btop) >= 2 else float("nan")
+where = "first difference at generated token %d of %d: cpu %r (lp %.6f), other %r; cpu top-1/top-2 margin %.3g, other's %.3g" % (
+    i, n, bytes(ta[i]), a["lp"][i], bytes(tb[i]), margin, bmargin)
+if margin < tie_tol and top[1][0] == tb[i] and btop and btop[0][0] == tb[i]:
+    sys.exit(print("PASS chat: near tie (margin < %g): %s; worst |logprob diff| before it %.3g; nothing after it compared" % (tie_tol, where, worst)) or 0)
+sys.exit(print("FAIL chat: not a near tie (tolerance %g): %s" % (tie_tol, where)) or 1)
+EOF
 }
 
 stream() {   # port -> the concatenated text of a streamed /v1/completions
@@ -65,10 +114,70 @@ if not done: sys.exit("stream ended without data: [DONE]")
 print(json.dumps({"text": text, "chunks": chunks}))'
 }
 
+sampled() {   # port -> the text of a seeded, sampled /v1/completions
+  curl -sf -m 300 "http://127.0.0.1:$1/v1/completions" -H 'Content-Type: application/json' -d "{
+      \"prompt\": \"KING RICHARD:\", \"temperature\": 0.8, \"top_k\": 40, \"top_p\": 0.9, \"min_p\": 0.02,
+      \"seed\": 7, \"max_tokens\": $MAX_TOKENS}" |
+    python3 -c 'import json,sys; print(json.dumps({"text": json.load(sys.stdin)["choices"][0]["text"]}))'
+}
+
 start cpu "$PORT_CPU" || exit 1
 start "$SECOND" "$PORT_CUDA" || exit 1
 
-for kind in chat stream; do
+steps() { curl -sf "http://127.0.0.1:$1/metrics" | awk '$1 == "perigee:engine_steps_total" {print $2}'; }
+
+# 1. Chat (non-streaming) with logprobs + top_logprobs 2 at temperature 0: the host sampler on both servers (logprobs keep
+# the host path), so this compares the forward passes; a divergence must be a near tie (chat_decide).
+a=$(chat "$PORT_CPU"); ra=$?
+b=$(chat "$PORT_CUDA"); rb=$?
+printf '%s\n' "$a" >"$OUT/smoke-chat-cpu.json"
+printf '%s\n' "$b" >"$OUT/smoke-chat-$SECOND.json"
+echo "chat cpu : $(python3 -c 'import json,sys; v=json.load(open(sys.argv[1])); print(json.dumps([v["content"], v["reasoning"]]))' "$OUT/smoke-chat-cpu.json" 2>/dev/null)"
+echo "chat $SECOND: $(python3 -c 'import json,sys; v=json.load(open(sys.argv[1])); print(json.dumps([v["content"], v["reasoning"]]))' "$OUT/smoke-chat-$SECOND.json" 2>/dev/null)"
+if [ $ra -ne 0 ] || [ $rb -ne 0 ]; then echo "FAIL chat: request failed (cpu rc $ra, $SECOND rc $rb)"; fail=1
+else
+  chat_decide "$OUT/smoke-chat-cpu.json" "$OUT/smoke-chat-$SECOND.json" || fail=1
+  # Same code path on both servers: serve runs without prefix caching (no cache hits anywhere), one request at a time
+  # on slot 0, so both engines take the same number of steps (one prefill + one per further token).
+  sa=$(steps "$PORT_CPU"); sb=$(steps "$PORT_CUDA")
+  if [ -n "$sa" ] && [ "$sa" = "$sb" ]; then echo "PASS chat: same engine steps on both servers ($sa)"
+  else echo "INFO chat: engine steps cpu '$sa' vs $SECOND '$sb' (differ when the answers stop at different lengths)"; fi
+fi
+
+# Diagnosis when the chat check fails on a device backend: the same prompt (rendered to ids) through compare-backends,
+# node by node CPU vs CUDA over the prefill and 30 greedy decode steps (the first node out of tolerance is printed).
+if [ $fail -ne 0 ] && [ "$SECOND" != cpu ]; then
+  echo '{"messages": [{"role": "user", "content": "Speak of the king and the crown."}]}' >"$OUT/chat-msg.json"
+  ids=$("$PERIGEE" render --model "$MODEL" --messages "$OUT/chat-msg.json" --json 2>/dev/null |
+        python3 -c 'import json,sys; print(",".join(map(str, json.load(sys.stdin)["ids"])))')
+  echo "DIAG chat prompt: $(echo "$ids" | tr ',' '\n' | wc -l) ids; compare-backends --decode 30 (log $OUT/chat-compare.log):"
+  timeout 300 "$PERIGEE" compare-backends --model "$MODEL" --ids "$ids" --decode 30 >"$OUT/chat-compare.log" 2>&1
+  echo "DIAG compare-backends rc $?"; tail -15 "$OUT/chat-compare.log" | sed 's/^/DIAG   /'
+fi
+
+# Controls for chat_decide: (a) a difference at a decided position (margin of the real answer, forced to a different
+# token) must FAIL; (b) the same difference with the CPU margin set to 1e-5 and the other token the CPU's top-2 must PASS.
+if [ $ra -eq 0 ]; then
+  python3 - "$OUT/smoke-chat-cpu.json" "$OUT" <<'EOF'
+import json, sys
+a = json.load(open(sys.argv[1])); out = sys.argv[2]
+j = max(range(len(a["tokens"])), key=lambda k: a["top"][k][0][1] - a["top"][k][1][1] if len(a["top"][k]) > 1 else -1)
+b = json.loads(json.dumps(a)); b["tokens"][j] = a["top"][j][1][0]; b["top"][j] = [a["top"][j][1], a["top"][j][0]]
+json.dump(b, open(out + "/ctl-decided.json", "w"))
+t = json.loads(json.dumps(a)); t["top"][j][1][1] = t["top"][j][0][1] - 1e-5
+json.dump(t, open(out + "/ctl-tie-cpu.json", "w"))
+json.dump(b, open(out + "/ctl-tie-other.json", "w"))
+EOF
+  if ctl=$(chat_decide "$OUT/smoke-chat-cpu.json" "$OUT/ctl-decided.json"); then echo "FAIL control: a divergence at a decided position passed: $ctl"; fail=1
+  else echo "PASS control: a divergence at a decided position fails ($ctl)"; fi
+  if ctl=$(chat_decide "$OUT/ctl-tie-cpu.json" "$OUT/ctl-tie-other.json"); then echo "PASS control: a divergence at a 1e-5 tie passes"
+  else echo "FAIL control: a divergence at a 1e-5 tie failed: $ctl"; fail=1; fi
+fi
+
+# 2. Streamed completion at temperature 0 without logprobs (on CUDA: the on-device sampler, greedy = argmax), and
+# 3. a seeded sampled completion (temperature 0.8, top_k 40, top_p 0.9, min_p 0.02, seed 7: on CUDA the on-device
+# sampler with the host's uniforms): identical text required.
+for kind in stream sampled; do
   a=$($kind "$PORT_CPU"); ra=$?
   b=$($kind "$PORT_CUDA"); rb=$?
   printf '%s\n' "$a" >"$OUT/smoke-$kind-cpu.json"
@@ -76,10 +185,10 @@ for kind in chat stream; do
   echo "$kind cpu : $a"
   echo "$kind $SECOND: $b"
   if [ $ra -ne 0 ] || [ $rb -ne 0 ]; then echo "FAIL $kind: request failed (cpu rc $ra, cuda rc $rb)"; fail=1; continue; fi
-  if ! python3 -c 'import json,sys; v=json.loads(sys.argv[1]); s="".join(v) if isinstance(v,list) else v["text"]; sys.exit(0 if s.strip() else 1)' "$b"; then
+  if ! python3 -c 'import json,sys; v=json.loads(sys.argv[1]); sys.exit(0 if v["text"].strip() else 1)' "$b"; then
     echo "FAIL $kind: empty answer from --backend $SECOND"; fail=1; continue
   fi
-  if [ "$a" != "$b" ]; then echo "FAIL $kind: --backend $SECOND answer differs from --backend cpu at temperature 0"; fail=1; continue; fi
+  if [ "$a" != "$b" ]; then echo "FAIL $kind: --backend $SECOND answer differs from --backend cpu"; fail=1; continue; fi
   echo "PASS $kind: non-empty, identical on cpu and $SECOND"
 done
 

@@ -4,9 +4,67 @@
 #include "backend/backend.h"
 #include "backend/cpu/cpu-ops.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 
 namespace perigee {
+
+// ---- sampling (backend.h row_sampling): the host sampler's step 3, moved here unchanged ----
+
+int32_t sample_row_reference(const float * l, int64_t V, const row_sampling & sp) {
+    PG_CHECK(V > 0, "sample_row_reference: empty logits row");
+    if (sp.temperature == 0.0f) {
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; ++i)
+            if (l[i] > l[best]) best = i;
+        return int32_t(best);
+    }
+    std::vector<int32_t> idx(static_cast<size_t>(V));
+    std::iota(idx.begin(), idx.end(), 0);
+    auto better = [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
+    int64_t n = V;
+    if (sp.top_k > 0 && sp.top_k < V) {
+        n = sp.top_k;
+        std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), better);
+    } else {
+        std::sort(idx.begin(), idx.end(), better);
+    }
+    const double inv_t = 1.0 / double(sp.temperature);
+    const double mx = double(l[idx[0]]) * inv_t;
+    std::vector<double> p(static_cast<size_t>(n));
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) sum += p[size_t(i)] = std::exp(double(l[idx[size_t(i)]]) * inv_t - mx);
+    for (auto & x : p) x /= sum;
+    if (sp.top_p < 1.0f) {
+        double c = 0.0;
+        int64_t keep = n;
+        for (int64_t i = 0; i < n; ++i) {
+            c += p[size_t(i)];
+            if (c >= double(sp.top_p)) {
+                keep = i + 1;
+                break;
+            }
+        }
+        n = keep;
+    }
+    if (sp.min_p > 0.0f) {
+        const double floor = double(sp.min_p) * p[0];
+        int64_t keep = 1;
+        while (keep < n && p[size_t(keep)] >= floor) ++keep;
+        n = keep;
+    }
+    double mass = 0.0;
+    for (int64_t i = 0; i < n; ++i) mass += p[size_t(i)];
+    const double u = sp.u * mass;
+    double c = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        c += p[size_t(i)];
+        if (u < c) return idx[size_t(i)];
+    }
+    return idx[size_t(n - 1)];
+}
 
 // ---- cpu_node_io ----
 
@@ -249,6 +307,25 @@ public:
         const auto & o = outs_[size_t(r.node)];
         PG_CHECK(r.out >= 0 && size_t(r.out) < o.size(), "read: node {} has no output {}", r.node, r.out);
         return copy_tensor(o[size_t(r.out)]);
+    }
+
+    std::vector<int32_t> sample_rows(node_ref logits, const std::vector<row_sampling> & rows) override {
+        PG_CHECK(logits.node >= 0 && size_t(logits.node) < outs_.size() && logits.out >= 0 &&
+                     size_t(logits.out) < outs_[size_t(logits.node)].size(),
+                 "sample_rows: node {} output {} was not run", logits.node, logits.out);
+        const tensor & t = outs_[size_t(logits.node)][size_t(logits.out)];
+        PG_CHECK(t.type == dtype::F32 && t.shape.size() == 2, "sample_rows: logits must be F32 [R, V], got {} of rank {}",
+                 dtype_name(t.type), t.shape.size());
+        PG_CHECK(t.dim(0) == int64_t(rows.size()), "sample_rows: {} logits rows, {} sampling entries", t.dim(0), rows.size());
+        const int64_t V = t.dim(1);
+        std::vector<int32_t> ids(rows.size());
+        for (size_t r = 0; r < rows.size(); ++r) {
+            const float * row = t.as<float>() + int64_t(r) * V;
+            bool finite = true;
+            for (int64_t i = 0; i < V && finite; ++i) finite = std::isfinite(row[i]);
+            ids[r] = finite ? sample_row_reference(row, V, rows[r]) : -1;
+        }
+        return ids;
     }
 
 private:

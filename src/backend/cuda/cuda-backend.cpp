@@ -420,6 +420,22 @@ public:
         states_.clear();
     }
     void guard_corrupt_next(int node, int out) override { corrupt_ = {node, out}; }
+    // On-device sampling (sample.cu): only the ids come back.
+    std::vector<int32_t> sample_rows(node_ref r, const std::vector<row_sampling> & rows) override {
+        PG_CHECK(r.node >= 0 && size_t(r.node) < outs_.size() && r.out >= 0 && size_t(r.out) < outs_[size_t(r.node)].size(),
+                 "sample_rows: node {} output {} was not run", r.node, r.out);
+        const dtensor & t = outs_[size_t(r.node)][size_t(r.out)];
+        PG_CHECK(t.type == dtype::F32 && t.shape.size() == 2, "sample_rows: logits must be F32 [R, V], got {} of rank {}",
+                 dtype_name(t.type), t.shape.size());
+        PG_CHECK(t.shape[0] == int64_t(rows.size()), "sample_rows: {} logits rows, {} sampling entries", t.shape[0], rows.size());
+        std::vector<cuda::sample_row_param> prm(rows.size());
+        for (size_t i = 0; i < rows.size(); ++i)
+            prm[i] = {rows[i].temperature, rows[i].top_k, rows[i].top_p, rows[i].min_p, rows[i].u};
+        std::vector<int32_t> ids(rows.size());
+        PG_CUDA_CHECK(cudaSetDevice(dev_));
+        PG_CUDA_CHECK(cuda::sample_rows(static_cast<const float *>(t.p), int(rows.size()), t.shape[1], prm.data(), ids.data(), st_));
+        return ids;
+    }
     // Slot operations on the resident STATE pools (state-ops.cpp).
     void slot_zero(const std::vector<tensor *> & pools, int slot) override {
         cuda::slot_zero(pools, slot, dev_, st_, [this](tensor & t) -> void * { return state_dev(t); });

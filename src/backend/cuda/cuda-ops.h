@@ -169,4 +169,18 @@ cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st
 // from a counter-based hash of (seed, index): the same seed gives the same values on any launch geometry.
 cudaError_t launch_fill_random(void * p, int64_t n, int kind, uint64_t seed, float lo, float hi, cudaStream_t st);
 
+// ---- sample.cu ----
+// One row's sampling parameters (backend.h row_sampling without the project's headers).
+struct sample_row_param {
+    float temperature = 0.0f;   // 0 = greedy
+    int top_k = 0;
+    float top_p = 1.0f;
+    float min_p = 0.0f;
+    double u = 0.0;             // the row's uniform in [0, 1)
+};
+// logits [R, V] (device, F32) -> ids_host[R] (host): the host sampler's step 3 per row (sample.cu has the
+// algorithm and how far it agrees with the host), -1 for a row with a NaN/Inf. prm is host memory. Synchronizes st.
+cudaError_t sample_rows(const float * logits, int R, int64_t V, const sample_row_param * prm, int32_t * ids_host,
+                        cudaStream_t st);
+
 } // namespace perigee::cuda

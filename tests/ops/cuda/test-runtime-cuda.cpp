@@ -155,8 +155,9 @@ struct engine_run {
 };
 
 // Submits the prompts (all at once, or one after another when `sequential`), greedy, ignore_eos, n tokens each.
+// `sp` (optional) replaces the greedy-with-logprobs sampling (its max_tokens is set to n).
 engine_run run_engine(model_runner & r, const engine_options & eo, const std::vector<std::vector<int32_t>> & prompts, int n,
-                      bool sequential) {
+                      bool sequential, const sampling_params * sp = nullptr) {
     engine_run out;
     out.res.resize(prompts.size());
     std::mutex mu;
@@ -165,9 +166,12 @@ engine_run run_engine(model_runner & r, const engine_options & eo, const std::ve
         for (size_t i = 0; i < prompts.size(); ++i) {
             request q;
             q.prompt = prompts[i];
+            if (sp) q.sp = *sp;
             q.sp.max_tokens = n;
-            q.sp.temperature = 0.0f;
-            q.sp.logprobs = 2;
+            if (!sp) {
+                q.sp.temperature = 0.0f;
+                q.sp.logprobs = 2;
+            }
             q.ignore_eos = true;
             e.submit(q, [&out, &mu, i](const token_event & ev) {
                 std::lock_guard lk(mu);
@@ -314,6 +318,95 @@ TEST_P(runtime_cuda_model, recycled_slot_does_not_leak_state) {
                 GetParam().c_str(), d, dl, tok_differ ? "differ" : "same");
     EXPECT_LT(d, 1e-4) << "a zeroed recycled slot must give the request-alone result";
     EXPECT_TRUE(tok_differ || dl > 1e-3) << "control: skipping the slot zeroing must change the probe's output";
+}
+
+// One-step prefills of long prompts (budget 512): a 100-token prompt (> index_topk 64 of models/k31-default, so its
+// Lightning Indexer selects) and the serve smoke's chat length (~170 tokens, where the smoke's chat diverged on the
+// H200): the paths the 48-token chunks above never take (cuBLASLt GEMMs at T > 64, chunked KDA prefill at T >= 64,
+// tensor-core experts, MLA over > 64 keys, sparse MLA). Tokens must match except at a near tie (CPU margin < 1e-3);
+// the printed worst |logprob diff| says how far the backends drift. On K3.1 the control: the same prompts on
+// models/default (identical weights, dense MLA) must give other logprobs on the CPU, or the indexer did nothing.
+TEST_P(runtime_cuda_model, long_prompts_in_one_prefill_step_match_cpu) {
+    NEED_GPU();
+    const std::string dir = k_root + "/" + GetParam();
+    const auto prompts = prompts_for(dir);
+    std::vector<int32_t> all;
+    for (size_t i = 0; i + 1 < prompts.size(); ++i) all.insert(all.end(), prompts[i].begin(), prompts[i].end());
+    while (all.size() < 170) all.insert(all.end(), prompts[4].begin(), prompts[4].end());
+    const std::vector<std::vector<int32_t>> longs = {std::vector<int32_t>(all.begin(), all.begin() + 100),
+                                                     std::vector<int32_t>(all.begin(), all.begin() + 170)};
+    const int N = 32, L = 256;
+    model_runner rc(dir, ropts("cpu", 2, L));
+    model_runner rg(dir, ropts("cuda", 2, L));
+    const engine_run c = run_engine(rc, eopts(2, L, 512), longs, N, true);
+    const engine_run g = run_engine(rg, eopts(2, L, 512), longs, N, true);
+    for (size_t i = 0; i < longs.size(); ++i) {
+        const result & a = c.res[i];
+        const result & b = g.res[i];
+        size_t j = 0;
+        while (j < a.tokens.size() && j < b.tokens.size() && a.tokens[j] == b.tokens[j]) ++j;
+        const double worst = worst_logprob_diff(a, b);
+        std::printf("[measure] %s: %zu-token prompt in one step, %d greedy tokens: %s; worst |logprob cpu - cuda| %.3g "
+                    "before it\n", GetParam().c_str(), longs[i].size(), N,
+                    j == a.tokens.size() ? "tokens identical"
+                                         : ("first difference at token " + std::to_string(j) + ", cpu margin " +
+                                            std::to_string(a.margin[j]) + ", cuda margin " + std::to_string(b.margin[j]))
+                                               .c_str(),
+                    worst);
+        if (j < a.tokens.size())
+            EXPECT_LT(a.margin[j], 1e-3) << GetParam() << " " << longs[i].size() << "-token prompt: tokens differ at " << j
+                                         << " where the CPU's top1-top2 margin is " << a.margin[j] << " (not a near tie)";
+        EXPECT_LT(worst, 1e-3) << GetParam() << " " << longs[i].size() << "-token prompt";
+    }
+    if (GetParam() == "models/k31-default") {
+        model_runner rd(k_root + "/models/default", ropts("cpu", 2, L));
+        const engine_run d = run_engine(rd, eopts(2, L, 512), longs, N, true);
+        double diff = 0;
+        for (size_t i = 0; i < longs.size(); ++i)
+            diff = std::max(diff, double(std::fabs(d.res[i].logprob[0] - c.res[i].logprob[0])));
+        std::printf("[measure] k31 indexer control: |first logprob K3.1 (top-64 sparse) - K3 (dense)| on the CPU %.3g\n", diff);
+        EXPECT_GT(diff, 1e-6) << "control: with prompts > index_topk the K3.1 indexer must change the result";
+    }
+}
+
+// On-device sampling in the engine (backend::sample_rows, src/backend/cuda/sample.cu): requests without logprobs or
+// penalties are sampled on the GPU. Greedy and seeded temperature/top-k/top-p/min-p requests: the CUDA engine with
+// device sampling == the CUDA engine with the host sampler (same device logits) == the CPU engine, token for token.
+TEST_P(runtime_cuda_model, device_sampling_matches_the_host_sampler) {
+    NEED_GPU();
+    const std::string dir = k_root + "/" + GetParam();
+    auto prompts = prompts_for(dir);
+    prompts.resize(4);
+    const int N = 24, L = 192;
+    sampling_params greedy, sampled;
+    sampled.temperature = 0.8f;
+    sampled.top_k = 40;
+    sampled.top_p = 0.9f;
+    sampled.min_p = 0.02f;
+    sampled.seed = 1234;
+    for (const sampling_params * sp : {&greedy, &sampled}) {
+        model_runner rc(dir, ropts("cpu", 3, L));
+        model_runner rh(dir, ropts("cuda", 3, L));
+        rh.use_device_sampling = false;
+        model_runner rd(dir, ropts("cuda", 3, L));
+        ASSERT_TRUE(rd.device_sampling());
+        const engine_run c = run_engine(rc, eopts(3, L, 48), prompts, N, false, sp);
+        const engine_run h = run_engine(rh, eopts(3, L, 48), prompts, N, false, sp);
+        const engine_run d = run_engine(rd, eopts(3, L, 48), prompts, N, false, sp);
+        int same_host = 0, same_cpu = 0;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            same_host += d.res[i].tokens == h.res[i].tokens;
+            same_cpu += d.res[i].tokens == c.res[i].tokens;
+            EXPECT_EQ(d.res[i].tokens, h.res[i].tokens) << GetParam() << " request " << i << " T " << sp->temperature;
+            EXPECT_EQ(d.res[i].tokens, c.res[i].tokens) << GetParam() << " request " << i << " T " << sp->temperature;
+        }
+        std::printf("[measure] %s: T %g: device-sampled rows %llu (host-sampler run %llu); requests equal to the CUDA "
+                    "host sampler %d/%zu, to the CPU engine %d/%zu\n",
+                    GetParam().c_str(), sp->temperature, (unsigned long long)rd.backend_sampled_rows,
+                    (unsigned long long)rh.backend_sampled_rows, same_host, prompts.size(), same_cpu, prompts.size());
+        EXPECT_GE(rd.backend_sampled_rows, uint64_t(N) * prompts.size()) << "the device path was not taken";
+        EXPECT_EQ(rh.backend_sampled_rows, 0u);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(models, runtime_cuda_model, ::testing::Values("models/default", "models/k31-default"),
