@@ -320,6 +320,7 @@ struct opts {
     int kda_chunk = -1;   // -1: the backend's default; --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add for every pass (-1: the defaults)
+    int moe_v4 = -1;   // --moe-v4 0|1: cuda_options::moe_decode_v4 + moe_small_v4 for every pass and the profile (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
 
@@ -347,13 +348,17 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     // GEMV(s), "+fadd" residual ADDs into the GEMV epilogue, "+fuse" both. --fuse 0|1 sets both for every pass.
     const cuda_options defaults;
     const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", defaults.moe_fp4_v3 ? "fp4-v2" : "fp4-v3",
-                             defaults.moe_route_fused ? "route-2" : "route-1", "+fnorm", "+fadd", "+fuse"};
+                             defaults.moe_route_fused ? "route-2" : "route-1", "+fnorm", "+fadd", "+fuse",
+                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4"};
     for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
         cuda_options co;
         co.mla_split = pass != 1;
         co.moe_fp4_v2 = pass != 2;
         if (pass == 5) co.moe_fp4_v3 = !defaults.moe_fp4_v3;
         if (pass == 6) co.moe_route_fused = !defaults.moe_route_fused;
+        if (o.moe_v4 >= 0) co.moe_decode_v4 = co.moe_small_v4 = o.moe_v4 != 0;
+        if (pass == 10) co.moe_decode_v4 = !defaults.moe_decode_v4;   // MoE decode v4 flipped (T == 1, BF16/MXFP4)
+        if (pass == 11) co.moe_small_v4 = !defaults.moe_small_v4;     // T > 1 GEMV experts v4 flipped: every batch size
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
         if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
@@ -371,7 +376,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         std::printf("%-16s %-10s %5s %10s %10s %10s %11s %9s %8s\n", "preset", "kernels", "B", "eager ms", "graph ms", "tok/s",
                     "GB/step", "GB/s", "% floor");
         for (int B : o.batches) {
-            if (pass > 0 && B != 1) continue;   // the comparisons: batch 1 only
+            if (pass > 0 && B != 1 && pass != 11) continue;   // the comparisons: batch 1 only (pass 11: every batch)
             auto b = std::make_shared<batch>();
             b->seq_start = {0};
             b->page_size = o.page;
@@ -696,11 +701,12 @@ int main(int argc, char ** argv) {
         else if (a == "--moe-mma") o.moe_mma = std::stoi(val());
         else if (a == "--moe-mma-v2") o.moe_mma_v2 = std::stoi(val());
         else if (a == "--fuse") o.fuse = std::stoi(val());
+        else if (a == "--moe-v4") o.moe_v4 = std::stoi(val());
         else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--fuse 0|1] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--fuse 0|1] [--moe-v4 0|1] [--dry]\n");
             return 2;
         }
     }

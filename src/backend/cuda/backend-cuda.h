@@ -51,6 +51,17 @@ struct cuda_options {
     // Off: slower than v2 on the H200 (round 1: k3-layers-4 B=1 graph 3.749 ms with v3, 3.487 ms with v2; expert node
     // 0.32 vs ~0.27 ms per layer). Parity passes (test-moe-cuda); kept as a switch for the next attempt.
     bool moe_fp4_v3 = false;
+    // MOE_EXPERTS grouped, T == 1, BF16 or MXFP4 experts, top-k <= 32: v4 kernels, 2 launches (no grouping launch:
+    // gate/up per slot with all units of 2 rows in flight per lane; down with the k slots on the 8 warps of one block and
+    // the combine summed in shared memory in slot order), E2M1 -> fp16 bit placement. Takes precedence over moe_fp4_v2/v3.
+    // Why v3 was slower (its down + combine ran 224 blocks for K3, each warp 8 dependent rounds over the 16 slots): see
+    // moe.cu "Decode v4". Off until its H200 run (bench-cuda-decode pass "dec-v4").
+    bool moe_decode_v4 = false;
+    // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
+    // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
+    // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).
+    // Off until its H200 run (bench-cuda-decode pass "small-v4", every batch size).
+    bool moe_small_v4 = false;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
     // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).

@@ -867,7 +867,8 @@ private:
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_,
                                                                    cuda::dmoe_opts{opt_.moe_fp4_v2, opt_.moe_fp4_v3,
                                                                                    opt_.moe_mma_tokens, opt_.moe_mma_split,
-                                                                                   opt_.moe_mma_v2}));
+                                                                                   opt_.moe_mma_v2,
+                                                                                   opt_.moe_decode_v4, opt_.moe_small_v4}));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,

@@ -799,6 +799,367 @@ void launch_fp4_v3(const float * x, int64_t Din, const int32_t * ids, const floa
     }
 }
 
+// ---- Decode v4 (cuda_options::moe_decode_v4 at T == 1, moe_small_v4 at T > 1), MXFP4 and BF16 experts.
+// Diagnosis of v3 (round 1, H200): its gate/up kernel is v2's (same grid, 128 registers) with the cheaper dequant, but its
+// down + combine kernel runs ONE block per 16 output rows over all k slots: 224 blocks of 8 warps for K3's 3584 rows
+// (< 1 wave at 2 blocks/SM: 92 SMs get 2 blocks, 40 get 1), and every warp walks the 16 slots in 8 dependent rounds
+// (load 12 units -> wait -> dequant/FMA -> next), so 1792 warps do what v2 spreads over 14336, with no other warps to
+// cover a round's latency. v4 keeps what is free in v3 (no grouping launch at T == 1; the combine folded into down; the
+// E2M1 -> fp16 bit placement) and v2's shape (all units of R rows in flight per lane before any math; grids of many
+// blocks). The down kernel puts the k slots on the 8 warps of one block (warp w: slots w, w + 8, ... loaded together),
+// so the combine is a shared-memory sum in slot order (the reference's order) and the grid is d_out / R blocks.
+// BF16 rows use the same structure (8 columns per 16-byte unit). At T > 1 (moe_small_v4) the GEMV experts (fewer than
+// moe_mma_tokens tokens) load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 tokens
+// held in registers: every selected row is read once per step (the first grouped kernel dequantized each unit into 32
+// floats per 4 tokens, 168 registers: 1 block/SM).
+
+// 8 columns of a unit as floats: FMT 1 = BF16 (the unit), FMT 2 = E2M1 word ch of the unit, values * 2^-14 (fp16
+// placement as v3; the caller applies 2^14 * the E8M0 scale once per unit). Column order: w8[i] = column i.
+template <int FMT>
+__device__ __forceinline__ void dq8_v4(const uint4 & q, int ch, float (&w8)[8]) {
+    if constexpr (FMT == 1) {
+        const uint32_t p[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            w8[2 * j] = __uint_as_float(p[j] << 16);
+            w8[2 * j + 1] = __uint_as_float(p[j] & 0xFFFF0000u);
+        }
+    } else {
+        const uint32_t wq = ch == 0 ? q.x : ch == 1 ? q.y : ch == 2 ? q.z : q.w;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {   // nibble i -> low half, nibble i + 4 -> high half
+            const uint32_t mag = i < 3 ? (wq << (9 - 4 * i)) : (wq >> 3);
+            const uint32_t sgn = wq << (12 - 4 * i);
+            const uint32_t hb = (mag & 0x0E000E00u) | (sgn & 0x80008000u);
+            const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hb));
+            w8[i] = f.x;
+            w8[i + 4] = f.y;
+        }
+    }
+}
+
+// acc[m][r][t] = sum over the row (r0 + r) of matrix m of w * xs[m][t] (warp-reduced, on every lane), t < nt.
+// base[m]: byte address of row 0 (nullptr: matrix skipped, acc 0); rows of nu 16-byte units; scl[m]: E8M0 [rows, nu]
+// (FMT 2). xs [NM * TT]: token t's x for matrix m at xs[m * TT + t]; SX: every matrix reads xs[t], loaded once per chunk.
+template <int FMT, int NM, int R, int NU, int TT, bool SX>
+__device__ __forceinline__ void rows_dot_v4(const uint8_t * const * base, const uint8_t * const * scl, int64_t r0,
+                                            int64_t n_rows, int64_t nu, const float * const * xs, int nt,
+                                            float (&acc)[NM][R][TT]) {
+    constexpr int C = FMT == 1 ? 8 : 32, NCH = C / 8, NX = SX ? 1 : NM;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) acc[m][r][t] = 0.0f;
+    for (int64_t b0 = 0; b0 < nu; b0 += 32 * NU) {
+        uint4 q[NM][R][NU];
+        uint32_t sc[NM][R][NU];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < NU; ++i) {
+                    const int64_t u = b0 + lane + 32 * i, row = r0 + r;
+                    q[m][r][i] = make_uint4(0, 0, 0, 0);
+                    sc[m][r][i] = 0;
+                    if (base[m] && u < nu && row < n_rows) {
+                        q[m][r][i] = __ldg(reinterpret_cast<const uint4 *>(base[m] + row * nu * 16) + u);
+                        if constexpr (FMT == 2) sc[m][r][i] = __ldg(scl[m] + row * nu + u);
+                    }
+                }
+        (void)sc;   // BF16: no scales
+#pragma unroll
+        for (int i = 0; i < NU; ++i) {
+            const int64_t u = b0 + lane + 32 * i;
+            if (u >= nu) break;
+            float part[NM][R][TT];
+#pragma unroll
+            for (int m = 0; m < NM; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int t = 0; t < TT; ++t) part[m][r][t] = 0.0f;
+#pragma unroll(TT > 1 ? 1 : NCH)   // several tokens: one chunk at a time (their x chunks fill the registers)
+            for (int ch = 0; ch < NCH; ++ch) {
+                float4 xv[NX][TT][2];
+#pragma unroll
+                for (int mx = 0; mx < NX; ++mx)
+#pragma unroll
+                    for (int t = 0; t < TT; ++t) {
+                        if (t < nt && base[mx]) {
+                            const float * xp = xs[mx * TT + t] + u * C + 8 * ch;
+                            xv[mx][t][0] = *reinterpret_cast<const float4 *>(xp);
+                            xv[mx][t][1] = *reinterpret_cast<const float4 *>(xp + 4);
+                        } else {
+                            xv[mx][t][0] = xv[mx][t][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        }
+                    }
+#pragma unroll
+                for (int m = 0; m < NM; ++m)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float w8[8];
+                        dq8_v4<FMT>(q[m][r][i], ch, w8);
+#pragma unroll
+                        for (int t = 0; t < TT; ++t) {
+                            const float4 x0 = xv[SX ? 0 : m][t][0], x1 = xv[SX ? 0 : m][t][1];
+                            float a = part[m][r][t];
+                            a = fmaf(w8[0], x0.x, a);
+                            a = fmaf(w8[1], x0.y, a);
+                            a = fmaf(w8[2], x0.z, a);
+                            a = fmaf(w8[3], x0.w, a);
+                            a = fmaf(w8[4], x1.x, a);
+                            a = fmaf(w8[5], x1.y, a);
+                            a = fmaf(w8[6], x1.z, a);
+                            a = fmaf(w8[7], x1.w, a);
+                            part[m][r][t] = a;
+                        }
+                    }
+            }
+#pragma unroll
+            for (int m = 0; m < NM; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    // E8M0 byte b: 2^(b - 127) (b = 0: 2^-127); the fp16 placement's 2^14 goes on the partial sum first
+                    // (2^14 times a scale near 2^127 would overflow).
+#pragma unroll
+                    for (int t = 0; t < TT; ++t) {
+                        if constexpr (FMT == 2)
+                            acc[m][r][t] = fmaf(part[m][r][t] * 16384.0f, e8m0_g(uint8_t(sc[m][r][i])), acc[m][r][t]);
+                        else
+                            acc[m][r][t] += part[m][r][t];
+                    }
+                }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) acc[m][r][t] = warp_sum(acc[m][r][t]);
+}
+
+__device__ __forceinline__ const uint8_t * mat_base(const dexpert_matrix & m, int FMT) {
+    return FMT == 1 ? static_cast<const uint8_t *>(m.w) : m.packed;
+}
+
+constexpr int k_v4_warps = 8;
+
+// T == 1: hbuf [k, F]; grid (F / (8 R), k), slot j = blockIdx.y with expert ids[j] (no grouping launch).
+template <int FMT, int R, int NU>
+__global__ void __launch_bounds__(k_v4_warps * 32, 2) k_moe_gate_up_v4(const float * __restrict__ x, int64_t Din,
+                                                                   const int32_t * __restrict__ ids,
+                                                                   const dexpert * __restrict__ ex, int64_t E,
+                                                                   dexperts_cfg c, float * __restrict__ hbuf, int * err) {
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
+        return;
+    }
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v4_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_ff) return;
+    const uint8_t * const base[2] = {mat_base(ex[e].gate, FMT), mat_base(ex[e].up, FMT)};
+    const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
+    const float * const xs[2] = {x, x};
+    float acc[2][R][1];
+    rows_dot_v4<FMT, 2, R, NU, 1, true>(base, scl, r0, c.d_ff, Din / (FMT == 1 ? 8 : 32), xs, 1, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r0 + r < c.d_ff)
+                hbuf[int64_t(j) * c.d_ff + r0 + r] = c.act == 1 ? situ_d(acc[0][r][0], acc[1][r][0], c.situ_beta, c.situ_linear_beta)
+                                                                : silu_d(acc[0][r][0]) * acc[1][r][0];
+    }
+}
+
+// T == 1: y [Dout] = sum_j w[j] down_{ids[j]} h_j in slot order (an invalid id contributes 0); grid (Dout / R), block of
+// 8 warps: warp wd takes slots wd + 8 s (s < NS, k <= 8 NS), all their units in flight together; the partial rows meet
+// in shared memory and R threads sum them in slot order.
+template <int FMT, int R, int NU, int NS>
+__global__ void __launch_bounds__(k_v4_warps * 32, NS <= 2 ? 2 : 1) k_moe_down_comb_v4(const float * __restrict__ hbuf,
+                                                                     const int32_t * __restrict__ ids,
+                                                                     const float * __restrict__ w, int64_t k,
+                                                                     const dexpert * __restrict__ ex, int64_t E,
+                                                                     dexperts_cfg c, float * __restrict__ y) {
+    __shared__ float part[k_v4_warps * NS][R];
+    const int wd = threadIdx.x >> 5;
+    const int64_t r0 = int64_t(blockIdx.x) * R;
+    const uint8_t * base[NS];
+    const uint8_t * scl[NS];
+    const float * xs[NS];
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+        const int64_t j = wd + k_v4_warps * s;
+        const int32_t e = j < k ? ids[j] : -1;
+        const bool ok = e >= 0 && e < E;
+        base[s] = ok ? mat_base(ex[e].down, FMT) : nullptr;
+        scl[s] = ok ? ex[e].down.scale : nullptr;
+        xs[s] = hbuf + (ok ? j : 0) * c.d_ff;
+    }
+    float acc[NS][R][1];
+    rows_dot_v4<FMT, NS, R, NU, 1, false>(base, scl, r0, c.d_out, c.d_ff / (FMT == 1 ? 8 : 32), xs, 1, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int s = 0; s < NS; ++s)
+#pragma unroll
+            for (int r = 0; r < R; ++r) part[wd + k_v4_warps * s][r] = acc[s][r][0];
+    }
+    __syncthreads();
+    if (threadIdx.x < R && r0 + threadIdx.x < c.d_out) {
+        float o = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t e = ids[j];
+            const float v = (e >= 0 && e < E) ? part[j][threadIdx.x] : 0.0f;
+            o += w[j] * v;
+        }
+        y[r0 + threadIdx.x] = o;
+    }
+}
+
+// The T > 1 kernels run blocks of 4 warps: ~130-150 registers (8 tokens' x chunks in registers) without spills, 3 blocks
+// per SM (a 2-block bound of 8 warps spilled 188 bytes in MXFP4 gate/up).
+constexpr int k_v4s_warps = 4;
+
+// T > 1 (moe_small_v4): the grouped GEMV experts (segment count < n_max); hbuf [S, F], grid (F / (8 R), A). Up to TT
+// tokens of the expert per pass from registers (n_max <= TT: one pass, every row read once).
+template <int FMT, int R, int NU, int TT>
+__global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_gate_up_small_v4(const float * __restrict__ x, int64_t Din, int64_t k,
+                                                                         const dexpert * __restrict__ ex, int64_t A, int64_t S,
+                                                                         const int32_t * __restrict__ gw, dexperts_cfg c,
+                                                                         float * __restrict__ hbuf, int n_max) {
+    const int a = blockIdx.y;
+    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v4s_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_ff) return;
+    const int e = gw[1 + a];
+    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
+    const int32_t * slots = gw + 2 + 2 * A;
+    const uint8_t * const base[2] = {mat_base(ex[e].gate, FMT), mat_base(ex[e].up, FMT)};
+    const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
+    for (int t0 = 0; t0 < n; t0 += TT) {
+        const int nt = min(TT, n - t0);
+        const float * xs[2][TT];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) xs[0][t] = xs[1][t] = x + int64_t(slots[s0 + t0 + (t < nt ? t : 0)] / k) * Din;
+        float acc[2][R][TT];
+        rows_dot_v4<FMT, 2, R, NU, TT, true>(base, scl, r0, c.d_ff, Din / (FMT == 1 ? 8 : 32),
+                                             &xs[0][0], nt, acc);
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+                if (t >= nt) break;
+                const int64_t slot = slots[s0 + t0 + t];
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (r0 + r < c.d_ff)
+                        hbuf[slot * c.d_ff + r0 + r] = c.act == 1 ? situ_d(acc[0][r][t], acc[1][r][t], c.situ_beta, c.situ_linear_beta)
+                                                                  : silu_d(acc[0][r][t]) * acc[1][r][t];
+            }
+        }
+    }
+}
+
+// T > 1 (moe_small_v4): ybuf [S, Dout] for the GEMV experts; grid (Dout / (8 R), A).
+template <int FMT, int R, int NU, int TT>
+__global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_down_small_v4(const float * __restrict__ hbuf,
+                                                                      const dexpert * __restrict__ ex, int64_t A, int64_t S,
+                                                                      const int32_t * __restrict__ gw, dexperts_cfg c,
+                                                                      float * __restrict__ ybuf, int n_max) {
+    const int a = blockIdx.y;
+    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
+    const int64_t r0 = (int64_t(blockIdx.x) * k_v4s_warps + (threadIdx.x >> 5)) * R;
+    if (r0 >= c.d_out) return;
+    const int e = gw[1 + a];
+    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
+    const int32_t * slots = gw + 2 + 2 * A;
+    const uint8_t * const base[1] = {mat_base(ex[e].down, FMT)};
+    const uint8_t * const scl[1] = {ex[e].down.scale};
+    for (int t0 = 0; t0 < n; t0 += TT) {
+        const int nt = min(TT, n - t0);
+        const float * xs[1][TT];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) xs[0][t] = hbuf + int64_t(slots[s0 + t0 + (t < nt ? t : 0)]) * c.d_ff;
+        float acc[1][R][TT];
+        rows_dot_v4<FMT, 1, R, NU, TT, true>(base, scl, r0, c.d_out, c.d_ff / (FMT == 1 ? 8 : 32),
+                                             &xs[0][0], nt, acc);
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+                if (t >= nt) break;
+                const int64_t slot = slots[s0 + t0 + t];
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (r0 + r < c.d_out) ybuf[slot * c.d_out + r0 + r] = acc[0][r][t];
+            }
+        }
+    }
+}
+
+// Units per lane for rows of nu units: up to 3 exactly when that is one pass; longer rows: 4, or 3 when 3 takes as many
+// passes (less idle registers; 48B's 288-unit BF16 rows: 3 passes of 96).
+inline int v4_nu(int64_t nu) {
+    if (nu <= 32) return 1;
+    if (nu <= 64) return 2;
+    if (nu <= 96) return 3;
+    return (nu + 127) / 128 == (nu + 95) / 96 ? 3 : 4;
+}
+
+template <int FMT, int NU>
+void launch_v4_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
+                       const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
+    constexpr int R = 2;
+    k_moe_gate_up_v4<FMT, R, NU><<<dim3(grid_for(c.d_ff, k_v4_warps * R), unsigned(k)), k_v4_warps * 32, 0, st>>>(
+        x, Din, ids, experts, E, c, hbuf, err);
+}
+template <int FMT, int NU, int NS>
+void launch_v4_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * experts, int64_t E,
+                    const dexperts_cfg & c, float * y, cudaStream_t st) {
+    constexpr int R = 2;
+    k_moe_down_comb_v4<FMT, R, NU, NS><<<grid_for(c.d_out, R), k_v4_warps * 32, 0, st>>>(hbuf, ids, w, k, experts, E, c, y);
+}
+template <int FMT, int NU>
+void launch_v4_down_ns(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * experts, int64_t E,
+                       const dexperts_cfg & c, float * y, cudaStream_t st) {
+    if (k <= k_v4_warps) launch_v4_down<FMT, NU, 1>(hbuf, ids, w, k, experts, E, c, y, st);
+    else if (k <= 2 * k_v4_warps) launch_v4_down<FMT, NU, 2>(hbuf, ids, w, k, experts, E, c, y, st);
+    else launch_v4_down<FMT, NU, 4>(hbuf, ids, w, k, experts, E, c, y, st);
+}
+
+// T == 1, k <= 32: 2 launches (gate/up per slot; down with the combine).
+template <int FMT>
+void launch_v4_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
+                   int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st) {
+    constexpr int C = FMT == 1 ? 8 : 32;
+    switch (v4_nu(Din / C)) {
+        case 1: launch_v4_gate_up<FMT, 1>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+        case 2: launch_v4_gate_up<FMT, 2>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+        case 3: launch_v4_gate_up<FMT, 3>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+        default: launch_v4_gate_up<FMT, 4>(x, Din, ids, k, experts, E, c, hbuf, err, st); break;
+    }
+    switch (v4_nu(c.d_ff / C)) {
+        case 1: launch_v4_down_ns<FMT, 1>(hbuf, ids, w, k, experts, E, c, y, st); break;
+        case 2: launch_v4_down_ns<FMT, 2>(hbuf, ids, w, k, experts, E, c, y, st); break;
+        case 3: launch_v4_down_ns<FMT, 3>(hbuf, ids, w, k, experts, E, c, y, st); break;
+        default: launch_v4_down_ns<FMT, 4>(hbuf, ids, w, k, experts, E, c, y, st); break;
+    }
+}
+
+// T > 1: the GEMV experts' two stages (the grouping and the combine launches are the caller's).
+template <int FMT>
+void launch_v4_small(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S, const int32_t * gw,
+                     const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_max) {
+    constexpr int R = 1, NU = 2, TT = 8;   // 2 units of gate and of up in flight per lane
+    k_moe_gate_up_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_ff, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
+        x, Din, k, experts, A, S, gw, c, hbuf, n_max);
+    k_moe_down_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_out, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
+        hbuf, experts, A, S, gw, c, ybuf, n_max);
+}
+
 template <int FMT, int TT>
 void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
@@ -830,6 +1191,11 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     float * hbuf = scratch;
     float * ybuf = scratch + S * c.d_ff;
     const bool one = T == 1;
+    if (one && o.dec_v4 && (vfmt == 1 || vfmt == 2) && k <= 32) {   // 2 launches (v4: gate/up per slot, down + combine)
+        if (vfmt == 1) launch_v4_one<1>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
+        else launch_v4_one<2>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
+        return cudaGetLastError();
+    }
     if (vfmt == 2 && one && o.fp4_v2 && o.fp4_v3) {   // 2 launches: gate/up per slot, down + combine (fp4_v2 off: first)
         launch_fp4_v3(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
         return cudaGetLastError();
@@ -841,6 +1207,7 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     const int n_max = mma ? mma_tokens : INT_MAX;
 #define PG_GRP(F)                                                                                              \
     if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);              \
+    else if (o.small_v4 && F != 3) launch_v4_small<F == 3 ? 2 : F>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max); \
     else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);                  \
     if (mma) launch_moe_mma_stages(F, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens, o);
     if (vfmt == 2 && one && o.fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);

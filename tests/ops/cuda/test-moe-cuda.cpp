@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 namespace perigee::test {
 namespace {
@@ -340,6 +341,133 @@ TEST(cuda_moe, route_fused_decode) {
         auto gpu2 = backend_cuda_init(0);
         gpu2->run(g);
         controls(nm + "/w", read_f32(*cpu, w), read_f32(*gpu2, w), metric::NMSE, k_tol_f32);
+    }
+}
+
+// ---- 4. Decode v4 (cuda_options::moe_decode_v4 at T == 1, moe_small_v4 at T > 1), BF16 and MXFP4 (owner: moe2) ----
+// One graph per shape: x -> route (top-k, sigmoid, renormalized, scale `rs`) -> experts. Returns the nodes.
+struct moe_case {
+    arena a;
+    graph g;
+    node_ref ids, y;
+};
+std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, int act, int s_lo, int s_hi, uint32_t seed,
+                                    float rs = 1.0f) {
+    auto mc = std::make_unique<moe_case>();
+    rng r(seed);
+    builder bd(batch_simple(T));
+    auto xv = r.vec(size_t(T) * size_t(D)), gw = r.vec(size_t(E) * size_t(D), -0.3f, 0.3f);
+    auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+    expert_maker mk{mc->a, r, fmt, s_lo, s_hi};
+    for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+    const node_ref x = bd.name(bd.scale(bd.weight(mc->a.f32({T, D}, xv), "x"), 1.0f), "x");
+    auto [ids, w] = bd.moe_route(x, bd.weight(mc->a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, true, rs, router_act::SIGMOID});
+    mc->ids = ids;
+    mc->y = bd.name(bd.moe_experts(x, ids, w, {act == 1 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}), "experts");
+    mc->g = bd.finish(mc->y);
+    return mc;
+}
+
+// T == 1, moe_decode_v4. MXFP4: K3's expert (3584 x 3072, top-16 of 32: gate rows of 112 units = 4 per lane, down rows
+// of 96 = 3 per lane, 2 slots per warp), rows of 132 units (two passes, a 4-unit tail) with d_ff 96, top-20 (4 slots per
+// warp, the last warps half empty), top-5 with 80-unit down rows; E8M0 scales 100..140. BF16: the 48B expert (2304 x
+// 1024, top-8 of 64: 288-unit rows in 3 passes of 96, 128-unit down rows), 96 x 96 top-4, 1056 x 608 top-2, 512 x 264
+// top-24. Checks: ids exact and y at the f32 tolerance vs CPU; y vs the previous default kernels (v2 for MXFP4, the grouped
+// GEMV for BF16) at the f32 tolerance; the v4 result replayed from a captured CUDA graph is bitwise the eager one.
+// Controls that must FAIL: the same graph with the router scale 1.01 (a 1% combine-weight error) vs the CPU at the f32
+// tolerance, and the comparator family. Whether v4 is bitwise the old kernel is printed (info only: both sum each unit's
+// columns in column order and the slots in slot order, so equality is possible).
+TEST(cuda_moe, decode_v4_t1) {
+    NEED_GPU();
+    struct shape { int fmt, D, F, E, k, act, s_lo, s_hi; };
+    const shape shapes[] = {{1, 3584, 3072, 32, 16, 1, 118, 121}, {1, 4224, 96, 8, 3, 0, 114, 120},
+                            {1, 2048, 1056, 24, 20, 0, 100, 140}, {1, 1024, 2560, 5, 5, 1, 116, 122},
+                            {0, 2304, 1024, 64, 8, 0, 0, 0},     {0, 96, 96, 16, 4, 1, 0, 0},
+                            {0, 1056, 608, 8, 2, 0, 0, 0},       {0, 512, 264, 40, 24, 1, 0, 0}};
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 12000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k) + uint32_t(sh.fmt) * 7;
+        auto mc = moe_graph(sh.fmt, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-v4/{}/D{}/F{}/k{}", fmt_name(sh.fmt), sh.D, sh.F, sh.k);
+        const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+        cuda_options v4{true, 8};
+        v4.moe_decode_v4 = true;
+        EXPECT_TRUE(parity(nm, g, oc, v4)) << nm;
+        cuda_options old{true, 8};
+        old.moe_decode_v4 = false;
+        old.moe_fp4_v3 = false;
+        const auto got4 = run_cuda(g, mc->y, v4), got_old = run_cuda(g, mc->y, old);
+        const bool vs = check(nm + "/v4-vs-old", to_f64(got_old), got4, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(vs) << nm;
+        tally(vs);
+        const bool same = got4.size() == got_old.size() && std::memcmp(got4.data(), got_old.data(), got4.size() * 4) == 0;
+        std::printf("[%s/info] v4 bitwise %s the old kernel\n", nm.c_str(), same ? "EQUAL to" : "different from");
+        {
+            cuda_options cap = v4;
+            cap.guard = false;
+            auto gpu = backend_cuda_init(0, cap);
+            gpu->run(g);
+            const auto eager = read_f32(*gpu, mc->y);
+            gpu->capture(g);
+            gpu->replay(2);
+            const auto rep = read_f32(*gpu, mc->y);
+            const bool bit = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
+            std::printf("[%s/graph-replay] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(bit) << nm;
+            tally(bit);
+        }
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        auto mw = moe_graph(sh.fmt, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.01f);
+        const bool wrong = check(nm + "/control(router scale 1.01 vs f32 tolerance)", to_f64(ref), run_cuda(mw->g, mw->y, v4),
+                                 metric::NMSE, k_tol_f32);
+        EXPECT_FALSE(wrong) << nm;
+        tally(!wrong);
+        controls(nm, ref, got4, metric::NMSE, k_tol_f32);
+    }
+}
+
+// T > 1, moe_small_v4: the grouped GEMV experts with their tokens in registers (8 per pass). T 24 top-8 of 32 (about 6
+// tokens per expert, some above 8), T 3 top-4 of 16 (1-3 tokens), T 40 top-6 of 12 (about 20 per expert: 3 passes of 8
+// with moe_mma_tokens 0). moe_mma_tokens 8 (tensor-core experts mixed in the same step) and 0 (every expert on v4).
+// MXFP4 rows of 1056 / 1024 columns (33 and 32 units), BF16 rows of 1056 / 520. Checks: ids exact and y at the f32
+// tolerance vs CPU; vs moe_small_v4 off at the f32 tolerance. Controls that must FAIL: router scale 1.01, comparator family.
+TEST(cuda_moe, small_v4_batch) {
+    NEED_GPU();
+    struct shape { int fmt, T, D, F, E, k, act, s_lo, s_hi; };
+    const shape shapes[] = {{1, 24, 1056, 512, 32, 8, 0, 116, 122}, {1, 3, 1024, 1056, 16, 4, 1, 110, 130},
+                            {1, 40, 1024, 320, 12, 6, 0, 118, 121}, {0, 24, 1056, 520, 32, 8, 1, 0, 0},
+                            {0, 3, 520, 1056, 16, 4, 0, 0, 0},      {0, 40, 256, 136, 12, 6, 1, 0, 0}};
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 13000 + uint32_t(sh.T) * 31 + uint32_t(sh.D) + uint32_t(sh.fmt) * 7;
+        auto mc = moe_graph(sh.fmt, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed);
+        graph & g = mc->g;
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        for (int mt : {8, 0}) {
+            const std::string nm = fmt::format("moe-small-v4/{}/T{}/D{}/F{}/k{}/mma{}", fmt_name(sh.fmt), sh.T, sh.D, sh.F, sh.k, mt);
+            const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+            cuda_options v4{true, 8};
+            v4.moe_small_v4 = true;
+            v4.moe_mma_tokens = mt;
+            EXPECT_TRUE(parity(nm, g, oc, v4)) << nm;
+            cuda_options old = v4;
+            old.moe_small_v4 = false;
+            const auto got4 = run_cuda(g, mc->y, v4);
+            const bool vs = check(nm + "/v4-vs-old", to_f64(run_cuda(g, mc->y, old)), got4, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(vs) << nm;
+            tally(vs);
+            if (mt == 0) {
+                auto mw = moe_graph(sh.fmt, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.01f);
+                const bool wrong = check(nm + "/control(router scale 1.01 vs f32 tolerance)", to_f64(ref),
+                                         run_cuda(mw->g, mw->y, v4), metric::NMSE, k_tol_f32);
+                EXPECT_FALSE(wrong) << nm;
+                tally(!wrong);
+                controls(nm, ref, got4, metric::NMSE, k_tol_f32);
+            }
+        }
     }
 }
 
