@@ -103,6 +103,9 @@ struct cuda_options {
     // norm saves one launch (~5-9 us measured per RMS_NORM at decode), while a 1% slower pass over 1 GiB at ~4.3 TB/s
     // costs ~2.5 us and a 3% one ~7.5 us: past 1 GiB (k3's lm_head 2.35 GB) the saving is not worth the risk.
     int64_t fuse_norm_max_weight_bytes = int64_t(1) << 30;
+    // SHORT_CONV whose output feeds an L2_NORM per head (the KDA q/k path) with at most 8 tokens: one launch computes
+    // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). Off until its H200 run.
+    bool fuse_conv_l2 = false;
     // ADD(y, r) after a LINEAR y on the GEMV path (and a second ADD of that sum): the GEMV epilogue writes y, y + r
     // (and y + r + r2); the ADD launches are removed (fuse-plan.h). Off until its H200 run proves it.
     bool fuse_add = false;
@@ -138,6 +141,8 @@ public:
     virtual int fused_adds() const = 0;
     // Launches of the staged-norm GEMV kernel (cuda_options::fuse_norm_staged) the last run/capture executed.
     virtual int fused_norm_staged_launches() const = 0;
+    // L2_NORM launches the last run/capture folded into their SHORT_CONV's launch (cuda_options::fuse_conv_l2).
+    virtual int fused_conv_l2s() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

@@ -273,6 +273,7 @@ public:
     int fused_norms() const override { return n_fused_norms_; }
     int fused_adds() const override { return n_fused_adds_; }
     int fused_norm_staged_launches() const override { return n_norm_staged_; }
+    int fused_conv_l2s() const override { return n_conv_l2_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -646,6 +647,10 @@ private:
             run_fused(g, id);
             return;
         }
+        if (!fplan_.conv_l2.empty() && fplan_.conv_l2[size_t(id)] >= 0) {   // SHORT_CONV + its L2_NORM (fuse_conv_l2)
+            run_conv_l2(g, id);
+            return;
+        }
         float * y = static_cast<float *>(out.at(0).p);
         int * err = err_slot_[size_t(id)] >= 0 ? err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT : nullptr;
         const dtensor & x = in(n, 0);
@@ -896,7 +901,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1018,6 +1023,28 @@ private:
             lt_matmul(W.data, hi, CUDA_R_16BF, kv, M, P, L, 1.0f);
         }
         PG_CUDA_CHECK(cuda::launch_mla_prefill_attn(f32_in(n, 0), kv, krg, d, n.p.scale, db_, y, st_));
+    }
+
+    // SHORT_CONV node `id` (outputs allocated) and the L2_NORM the plan folds into it: one launch, both outputs.
+    void run_conv_l2(const graph & g, int id) {
+        const node & n = g.nodes[size_t(id)];
+        const node & m = g.nodes[size_t(fplan_.conv_l2[size_t(id)])];
+        const dtensor & x = in(n, 0);
+        const dtensor & w = in(n, 1);
+        const tensor & sth = state_host(g, n, 2);
+        const int64_t C = x.shape.at(1);
+        PG_CHECK(w.shape.size() == 3 && w.shape[0] == C, "conv weight {} for {} channels", shape_str(w.shape), C);
+        PG_CHECK(sth.shape.size() == 3 && sth.shape[1] == C && sth.shape[2] == w.shape[2] - 1,
+                 "conv state {} for weight {}", shape_str(sth.shape), shape_str(w.shape));
+        PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, input {}", g.b->n_tokens(), x.shape.at(0));
+        slots_check(*g.b, sth.shape[0], "short_conv");
+        auto & mo = outs_[size_t(fplan_.conv_l2[size_t(id)])];
+        PG_CHECK(mo.empty(), "fused L2_NORM '{}' already has outputs", m.name);
+        for (const auto & oo : m.outs) mo.push_back(new_out(oo.type, oo.shape));
+        PG_CUDA_CHECK(cuda::launch_short_conv_l2(f32_in(n, 0), C, w_in(n, 1), w.shape[2], state_in(g, n, 2), db_,
+                                                 static_cast<float *>(outs_[size_t(id)].at(0).p), m.p.n, m.p.eps,
+                                                 static_cast<float *>(mo.at(0).p), st_));
+        ++n_conv_l2_;
     }
 
     void run_linear(const node & n, float * y) {
@@ -1180,7 +1207,7 @@ private:
     cuda_fuse::plan fplan_;                      // fused launches of the current run (fuse-plan.h)
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
-    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0;
+    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

@@ -18,6 +18,9 @@
 //                     the GEMV epilogue writes y and y + r; a second ADD(y + r, r2) chains (y + r + r2, e.g. the
 //                     shared expert's down projection -> ffn_moe_out -> l_out). Only when r is computed before the
 //                     LINEAR's launch position. float addition commutes bitwise, so y + r is the CPU's value.
+//   fuse_conv_l2      L2_NORM per head (N % 32 == 0, N <= 1024, N | C) of a SHORT_CONV's output [T, C], T <= 8 (decode):
+//                     the conv kernel normalizes each head's outputs in the same launch (fuse-conv.cu) and writes both
+//                     outputs; the L2_NORM launch is removed (the KDA q/k path: 2 launches per KDA layer).
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -50,9 +53,11 @@ struct plan {
     int linear_grouped = 0;          // LINEARs launched together with an earlier LINEAR of the same launch
     int norms = 0;                   // RMS_NORM launches removed (folded into a GEMV)
     int adds = 0;                    // ADD launches removed (written by a GEMV epilogue)
+    std::vector<int> conv_l2;        // per SHORT_CONV node: the L2_NORM its launch also computes (-1: none)
+    int conv_l2s = 0;                // L2_NORM launches removed (computed by their SHORT_CONV's launch)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
-    int launches_saved() const { return linear_grouped + norms + adds; }
+    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s; }
 };
 
 // A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
@@ -75,6 +80,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     plan p;
     p.done_by.assign(N, -1);
     p.at.assign(N, {});
+    p.conv_l2.assign(N, -1);
     auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
 
     // consumers of output 0 of each node, in graph order
@@ -176,7 +182,27 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         }
     }
 
-    // 3. ADD into the producing GEMV's epilogue
+    // 3. SHORT_CONV -> L2_NORM per head (decode)
+    if (o.fuse_conv_l2) {
+        for (size_t i = 0; i < N; ++i) {
+            const node & n = g.nodes[i];
+            if (n.op != op_type::SHORT_CONV || n.src.empty() || !n.src[0].valid()) continue;
+            const auto & xs = g.out(n.src[0]).shape;
+            if (xs.size() != 2 || xs[0] > 8 || g.out(n.src[0]).type != dtype::F32) continue;
+            for (int j : cons[i]) {
+                const node & m = g.nodes[size_t(j)];
+                if (m.op != op_type::L2_NORM || p.done_by[size_t(j)] >= 0 || !same(m.src[0], node_ref{int(i), 0})) continue;
+                const int64_t hn = m.p.n;
+                if (hn < 32 || hn > 1024 || hn % 32 != 0 || xs[1] % hn != 0) continue;
+                p.conv_l2[i] = j;
+                p.done_by[size_t(j)] = int(i);
+                ++p.conv_l2s;
+                break;
+            }
+        }
+    }
+
+    // 4. ADD into the producing GEMV's epilogue
     if (o.fuse_add) {
         auto ready = [&](int node) { return p.done_by[size_t(node)] >= 0 ? p.done_by[size_t(node)] : node; };
         std::vector<int> add_lin(N, -1);   // fused ADD -> its LINEAR

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 namespace perigee::test {
 namespace {
@@ -346,6 +347,111 @@ TEST(cuda_fuse, capture_replay_bitwise) {
     tally(!same);
 }
 
+// ---- SHORT_CONV -> L2_NORM per head (fuse_conv_l2) ----
+// q = short_conv(x), qn = l2_norm(q, K) (folded), q also read by a scale (the conv output must still be written);
+// k = short_conv(xk), kn = l2_norm(k, K) (folded); v = short_conv(xv) without a norm (not folded). Sequences of 1 token
+// (decode) and of several tokens (the per-token loop), T > 8 (not folded). The conv states after the step are compared
+// too (every slot the batch touches).
+struct conv_graph {
+    arena a;
+    graph g;
+    std::vector<node_ref> outs;   // q, qn, q2, k, kn, v
+    tensor * st[3] = {nullptr, nullptr, nullptr};
+};
+void build_conv_graph(conv_graph & cg, std::shared_ptr<batch> b, int H, int K, int n_slots, uint32_t seed, float eps,
+                      int64_t l2_width) {
+    const int W = 4, C = H * K, T = b->n_tokens();
+    rng r(seed);
+    builder bd(b);
+    node_ref y[3];
+    for (int i = 0; i < 3; ++i) {
+        auto xv = r.vec(size_t(T) * size_t(C));
+        auto cw = r.vec(size_t(C) * W, -0.5f, 0.5f);
+        auto sv = r.vec(size_t(n_slots) * size_t(C) * (W - 1));
+        cg.st[i] = &cg.a.f32({n_slots, C, W - 1}, sv);
+        const node_ref x = bd.scale(bd.weight(cg.a.f32({T, C}, xv), "x" + std::to_string(i)), 1.0f);
+        y[i] = bd.name(bd.short_conv(x, bd.weight(cg.a.bf16({C, 1, W}, cw), "conv_w" + std::to_string(i)),
+                                     bd.state(*cg.st[i], "conv_st" + std::to_string(i))),
+                       i == 0 ? "q_conv" : i == 1 ? "k_conv" : "v_conv");
+    }
+    const node_ref qn = bd.name(bd.l2_norm(y[0], eps, l2_width), "q_l2");
+    const node_ref q2 = bd.name(bd.scale(y[0], 2.0f), "q_other");
+    const node_ref kn = bd.name(bd.l2_norm(y[1], eps, l2_width), "k_l2");
+    cg.outs = {y[0], qn, q2, y[1], kn, y[2]};
+    node_ref acc = bd.add(bd.add(qn, q2), bd.add(kn, y[2]));
+    cg.g = bd.finish(bd.name(acc, "sum"));
+}
+
+TEST(cuda_fuse, short_conv_l2_norm) {
+    NEED_GPU();
+    struct tc { std::vector<int> lens; int K; };
+    for (const tc & c : {tc{{1}, 128}, tc{{1, 1, 1}, 128}, tc{{3, 1, 2}, 64}, tc{{1, 1, 1, 1, 1, 1, 1, 1}, 128}, tc{{6, 3}, 128}}) {
+        const int H = 3, n_slots = 9;
+        std::vector<int> slots, pos0;
+        for (size_t s = 0; s < c.lens.size(); ++s) slots.push_back(int(8 - s)), pos0.push_back(5);
+        const int T = std::accumulate(c.lens.begin(), c.lens.end(), 0);
+        const std::string nm = fmt::format("conv_l2/seqs{}/T{}/K{}", c.lens.size(), T, c.K);
+        auto mk = [&](conv_graph & cg, float eps, int64_t width) {
+            auto b = std::make_shared<batch>();
+            b->seq_start = {0};
+            for (size_t s = 0; s < c.lens.size(); ++s)
+                b->seq_start.push_back(b->seq_start.back() + c.lens[s]), b->pos0.push_back(pos0[s]), b->slot.push_back(slots[s]);
+            b->ids.assign(size_t(T), 0);
+            build_conv_graph(cg, b, H, c.K, n_slots, 9600 + uint32_t(T) * 3 + uint32_t(c.K), eps, width);
+        };
+        conv_graph cg;
+        mk(cg, 1e-6f, c.K);
+        std::vector<std::vector<float>> init;
+        for (tensor * t : cg.st) init.push_back(as_f32(*t));
+        auto restore = [&] {
+            for (int i = 0; i < 3; ++i) std::memcpy(cg.st[i]->data, init[size_t(i)].data(), init[size_t(i)].size() * 4);
+        };
+        const auto ref = cpu_outputs(cg.g, cg.outs);
+        std::vector<std::vector<float>> ref_st;
+        for (tensor * t : cg.st) ref_st.push_back(as_f32(*t));
+        const int want = T <= 8 ? 2 : 0;
+        std::vector<float> fused_qn;
+        for (int fuse = 1; fuse >= 0; --fuse) {
+            restore();
+            cuda_options o = fuse_opts(false, false);
+            o.fuse_conv_l2 = fuse != 0;
+            const std::string m = nm + (fuse ? "/fused" : "/unfused");
+            bool ok = false;
+            auto gpu = gpu_check(m, cg.g, cg.outs, ref, o, ok);
+            EXPECT_TRUE(ok) << m;
+            gpu->sync_state_to_host();
+            for (int i = 0; i < 3; ++i) {
+                const bool sok = check(m + "/conv_state" + std::to_string(i), to_f64(ref_st[size_t(i)]), as_f32(*cg.st[i]),
+                                       metric::NMSE, k_tol_f32);
+                EXPECT_TRUE(sok) << m;
+                tally(sok);
+            }
+            const int w = fuse ? want : 0;
+            EXPECT_EQ(gpu->fused_conv_l2s(), w) << m;
+            tally(gpu->fused_conv_l2s() == w);
+            std::printf("[%s] fused_conv_l2s %d (want %d)\n", m.c_str(), gpu->fused_conv_l2s(), w);
+            if (fuse) {
+                fused_qn = read_f32(*gpu, cg.outs[1]);
+            } else {
+                const bool agree = check(nm + "/fused-vs-unfused/q_l2", to_f64(read_f32(*gpu, cg.outs[1])), fused_qn, metric::NMSE,
+                                         k_tol_f32);
+                EXPECT_TRUE(agree);
+                tally(agree);
+            }
+        }
+        if (want) {   // controls: the CPU's l2 over half a head, and the conv output itself, must not match the fused q_l2
+            restore();
+            conv_graph bad;
+            mk(bad, 1e-6f, c.K / 2);
+            const auto ref_bad = cpu_outputs(bad.g, {bad.outs[1]});
+            must_fail(nm + "/control(l2 over K/2)", ref_bad[0], fused_qn);
+            must_fail(nm + "/control(conv output, no l2)", ref[0], fused_qn);
+            comparator_controls(nm + "/q_l2", ref[1], fused_qn);
+        }
+        restore();
+    }
+}
+
 // ---- the planner (host only: runs on any machine) ----
 TEST(cuda_fuse, planner_rules) {
     {
@@ -393,6 +499,28 @@ TEST(cuda_fuse, planner_rules) {
             EXPECT_EQ(p.linear_grouped, 7);
             tally(p.norms == want && p.norms_kept_stage == 2 - want && pw.norms == 2 && ps.norms == 0 &&
                   ps.norms_kept_big + ps.norms_kept_stage == 2 && p.linear_grouped == 7);
+        }
+    }
+    {   // SHORT_CONV -> L2_NORM: folds at T <= 8 with the switch on, never at T 9 or with it off
+        for (int T : {1, 8, 9}) {
+            auto b = std::make_shared<batch>();
+            b->seq_start = {0, T};
+            b->pos0 = {0};
+            b->slot = {0};
+            b->ids.assign(size_t(T), 0);
+            conv_graph cg;
+            build_conv_graph(cg, b, 2, 128, 1, 9700, 1e-6f, 128);
+            cuda_options on = fuse_opts(false, false, false);
+            on.fuse_conv_l2 = true;
+            const auto p = cuda_fuse::plan_fusions(cg.g, on);
+            const auto off = cuda_fuse::plan_fusions(cg.g, fuse_opts(false, false, false));
+            const int want = T <= 8 ? 2 : 0;
+            EXPECT_EQ(p.conv_l2s, want) << "T " << T;
+            EXPECT_EQ(off.conv_l2s, 0);
+            if (want) {
+                EXPECT_EQ(p.done_by[size_t(cg.outs[1].node)], cg.outs[0].node);
+            }
+            tally(p.conv_l2s == want && off.conv_l2s == 0);
         }
     }
     {   // a per-head norm (p.n < the row width) never folds into a LINEAR over the whole row
