@@ -1025,7 +1025,7 @@ __global__ void __launch_bounds__(k_v4_warps * 32, NS <= 2 ? 2 : 1) k_moe_down_c
 // per SM (a 2-block bound of 8 warps spilled 188 bytes in MXFP4 gate/up).
 constexpr int k_v4s_warps = 4;
 
-// T > 1 (moe_small_v4): the grouped GEMV experts (segment count < n_max); hbuf [S, F], grid (F / (8 R), A). Up to TT
+// T > 1 (moe_small_v4): the grouped GEMV experts (segment count < n_max); hbuf [S, F], grid (F / (4 R), A). Up to TT
 // tokens of the expert per pass from registers (n_max <= TT: one pass, every row read once).
 template <int FMT, int R, int NU, int TT>
 __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_gate_up_small_v4(const float * __restrict__ x, int64_t Din, int64_t k,
@@ -1064,7 +1064,7 @@ __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_gate_up_small_v4(const
     }
 }
 
-// T > 1 (moe_small_v4): ybuf [S, Dout] for the GEMV experts; grid (Dout / (8 R), A).
+// T > 1 (moe_small_v4): ybuf [S, Dout] for the GEMV experts; grid (Dout / (4 R), A).
 template <int FMT, int R, int NU, int TT>
 __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_down_small_v4(const float * __restrict__ hbuf,
                                                                       const dexpert * __restrict__ ex, int64_t A, int64_t S,
@@ -1153,7 +1153,10 @@ void launch_v4_one(const float * x, int64_t Din, const int32_t * ids, const floa
 template <int FMT>
 void launch_v4_small(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S, const int32_t * gw,
                      const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_max) {
-    constexpr int R = 1, NU = 2, TT = 8;   // 2 units of gate and of up in flight per lane
+    // MXFP4: 8 tokens per pass (dequant-bound: each chunk dequantized once for all of them), 2 units of gate and of up in
+    // flight per lane. BF16 (bandwidth-bound, the dequant is a shift): 4 tokens per pass and 4 units in flight (16 warps
+    // per SM x 8 loads); an expert with more tokens re-reads its rows from L2 in the next pass.
+    constexpr int R = 1, NU = FMT == 1 ? 4 : 2, TT = FMT == 1 ? 4 : 8;
     k_moe_gate_up_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_ff, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
         x, Din, k, experts, A, S, gw, c, hbuf, n_max);
     k_moe_down_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_out, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
