@@ -321,6 +321,7 @@ struct opts {
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 for every pass (-1: the defaults)
     int moe_v4 = -1;   // --moe-v4 0|1: cuda_options::moe_decode_v4 + moe_small_v4 for every pass and the profile (-1: the defaults)
+    int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
 
@@ -548,6 +549,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         // Without --moe-mma / --kda-chunk every pass keeps the backend's defaults for those switches.
         if (o.moe_mma > 0) co.moe_mma_tokens = pass == 0 ? 0 : o.moe_mma;
         co.moe_mma_split = pass != 2;
+        if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = o.prefill_fast;
         if (o.kda_chunk > 0) co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
         if (pass >= 4) co.moe_mma_v2 = true;
         if (pass == 5) co.moe_mma_tokens = 1;
@@ -582,6 +584,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     cp.profile_nodes = true;
     if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma;
     if (o.kda_chunk >= 0) cp.kda_chunk_min_tokens = o.kda_chunk;
+    if (o.prefill_fast >= 0) cp.moe_route_gemm_tokens = cp.mla_prefill_tokens = cp.conv_prefill_tokens = o.prefill_fast;
     if (o.moe_mma_v2 >= 0) cp.moe_mma_v2 = o.moe_mma_v2 != 0;
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
@@ -709,10 +712,11 @@ int main(int argc, char ** argv) {
         else if (a == "--fuse") o.fuse = std::stoi(val());
         else if (a == "--moe-v4") o.moe_v4 = std::stoi(val());
         else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
+        else if (a == "--prefill-fast") o.prefill_fast = std::stoi(val());
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--fuse 0|1] [--moe-v4 0|1] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--dry]\n");
             return 2;
         }
     }

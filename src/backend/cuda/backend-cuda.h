@@ -119,6 +119,15 @@ struct cuda_options {
     // kernel per (64-token query tile, head) (mla-prefill.cu). Needs dn + dr <= 256, dv <= 128, all multiples of 4; else
     // the absorbed kernels run. 0: off (the absorbed kernels; compare mode). Off until its H200 run proves it.
     int mla_prefill_tokens = 0;
+    // ... and only when the step's (token, key) pairs are at least this many times its gathered rows (sum over sequences of
+    // pos0 + len): the expansion GEMM reads every cached position once, so batched decode (one token per sequence, pairs
+    // ~= rows) stays on the absorbed kernels, a fresh prefill of T tokens (pairs ~ T^2 / 2) takes the new path from T ~ 32.
+    // 0: every step with enough tokens (tests).
+    int mla_prefill_pairs_per_row = 16;
+    // SHORT_CONV with at least this many tokens (prefill): one thread per (token, channel), the window read from x or the
+    // state, then the state write-back (conv-prefill.cu; the same sums as the sequential kernel). 0: off (one thread per
+    // (sequence, channel) walking its tokens; compare mode). Off until its H200 run proves it.
+    int conv_prefill_tokens = 0;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

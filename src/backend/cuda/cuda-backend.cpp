@@ -734,6 +734,11 @@ private:
                          "conv state {} for weight {}", shape_str(sth.shape), shape_str(w.shape));
                 PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, input {}", g.b->n_tokens(), x.shape.at(0));
                 slots_check(*g.b, sth.shape[0], "short_conv");
+                if (opt_.conv_prefill_tokens > 0 && x.shape.at(0) >= opt_.conv_prefill_tokens) {
+                    PG_CUDA_CHECK(cuda::launch_short_conv_tokens(f32_in(n, 0), x.shape.at(0), C, w_in(n, 1), w.shape[2],
+                                                                 state_in(g, n, 2), db_, y, st_));
+                    break;
+                }
                 PG_CUDA_CHECK(cuda::launch_short_conv(f32_in(n, 0), C, w_in(n, 1), w.shape[2], state_in(g, n, 2), db_, y, st_));
                 break;
             }
@@ -780,7 +785,8 @@ private:
                 paging_check(*g.b, ch.shape[0], "mla_attn");
                 const bool has_sel = n.src.size() > 5 && n.src[5].valid();
                 if (opt_.mla_prefill_tokens > 0 && !has_sel && x.shape.at(0) >= opt_.mla_prefill_tokens &&
-                    (w_in(n, 3).type == wtype::BF16 || w_in(n, 3).type == wtype::F32) && cuda::mla_prefill_smem(d) > 0) {
+                    (w_in(n, 3).type == wtype::BF16 || w_in(n, 3).type == wtype::F32) && cuda::mla_prefill_smem(d) > 0 &&
+                    mla_prefill_pays(*g.b)) {
                     run_mla_prefill(g, n, d, y);
                     break;
                 }
@@ -1000,6 +1006,15 @@ private:
     // MLA_ATTN prefill in the expanded form (cuda_options::mla_prefill_tokens; prefill-ops.h): gather the cached latent
     // rows of every sequence's positions, kv [P, H * (dn + dv)] = cg kv_b^T (BF16: cg split hi + lo, two GEMMs), then
     // the causal flash-attention kernel.
+    bool mla_prefill_pays(const batch & hb) const {
+        int64_t pairs = 0, rows = 0;
+        for (int s = 0; s < hb.n_seq(); ++s) {
+            const int64_t p0 = hb.pos0[size_t(s)], len = hb.seq_len(s);
+            pairs += len * p0 + len * (len + 1) / 2;
+            rows += p0 + len;
+        }
+        return pairs >= int64_t(opt_.mla_prefill_pairs_per_row) * rows;
+    }
     void run_mla_prefill(const graph & g, const node & n, const cuda::mla_shape & d, float * y) {
         const batch & hb = *g.b;
         int64_t P = 0;   // positions 0..pos0+len-1 of every sequence, packed by sequence

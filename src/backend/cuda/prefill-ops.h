@@ -30,4 +30,10 @@ size_t mla_prefill_smem(const mla_shape & d);
 cudaError_t launch_mla_prefill_attn(const float * q, const float * kv, const float * krg, const mla_shape & d, float scale,
                                     const dbatch & b, float * o, cudaStream_t st);
 
+// ---- conv-prefill.cu ----
+// SHORT_CONV with one thread per (token, channel) (cuda_options::conv_prefill_tokens): y [T, C] as conv.cu computes it
+// (same window, same summation order), then the state write-back per (sequence, channel). W <= 16.
+cudaError_t launch_short_conv_tokens(const float * x, int64_t T, int64_t C, dweight w, int64_t W, float * state,
+                                     const dbatch & b, float * y, cudaStream_t st);
+
 } // namespace perigee::cuda

@@ -2,6 +2,7 @@
 //  1. MOE_ROUTE with the logits as one cuBLASLt GEMM (cuda_options::moe_route_gemm_tokens; BF16 gate: x in three bf16
 //     parts, F32 gate: an fp32 GEMM) and the existing per-token selection.
 //  2. MLA_ATTN prefill in the expanded form with the causal flash-attention kernel (cuda_options::mla_prefill_tokens).
+//  3. SHORT_CONV with one thread per (token, channel) (cuda_options::conv_prefill_tokens).
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend is the reference; the CUDA backend runs
 // in guard mode (outputs poisoned with NaN, sentinel words checked after each node); "measured <= threshold" printed on
@@ -266,6 +267,7 @@ TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
         const std::vector<out_check> oc{{o, metric::MAX_ABS, k_tol_mla_abs}, {o, metric::NMSE, k_tol_f32}};
         cuda_options fl{true, 8};
         fl.mla_prefill_tokens = 1;
+        fl.mla_prefill_pairs_per_row = 0;
         EXPECT_TRUE(parity(nm, g, oc, {{&cache, touched}}, fl)) << nm;
         cuda_options old{true, 8};
         old.mla_prefill_tokens = 0;
@@ -288,6 +290,69 @@ TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
             cpu->run(g);
             const auto ref = read_f32(*cpu, o);
             std::memcpy(cache.data, keep.back().data, cache.nbytes);
+            controls(nm, ref, got_new, metric::NMSE, k_tol_f32);
+        }
+    }
+}
+
+// ---- 2b. SHORT_CONV token-parallel (cuda_options::conv_prefill_tokens) ----
+// The same sums in the same order as the sequential kernel: y expected bitwise equal to it (printed; asserted at the f32
+// tolerance) and at the f32 tolerance vs the CPU; the state write-back exact (it copies inputs / old history). Widths W 4
+// (K3), 3 and 2; one fresh sequence of T in {1, 17, 64, 300, 1024} in slot 1 of 4 (the others untouched),
+// a resumed one, and a ragged batch with sequences shorter than the window (lens 2 / 1 / 40 / 0 in slots 2 / 0 / 3 / 1).
+// Controls that must FAIL: the CPU's state after the step vs the state before it (a skipped write-back shows), the
+// comparator family.
+TEST(cuda_prefill, short_conv_tokens_vs_cpu_and_sequential) {
+    NEED_GPU();
+    struct bcase { std::vector<int> lens, slots; };
+    std::vector<std::pair<int, bcase>> cases;
+    for (int T : {1, 17, 64, 300, 1024}) cases.push_back({4, {{T}, {1}}});
+    cases.push_back({3, {{2, 1, 40, 0}, {2, 0, 3, 1}}});
+    cases.push_back({4, {{2, 1, 40, 0}, {2, 0, 3, 1}}});
+    cases.push_back({2, {{17, 5}, {0, 1}}});
+    for (const auto & [W, bc] : cases) {
+        const int C = 200, n_slots = 4;
+        auto b = std::make_shared<batch>();
+        b->seq_start = {0};
+        for (size_t s = 0; s < bc.lens.size(); ++s) {
+            b->seq_start.push_back(b->seq_start.back() + bc.lens[s]);
+            b->pos0.push_back(13);   // resumed: the state holds the earlier tokens
+            b->slot.push_back(bc.slots[s]);
+        }
+        b->ids.assign(size_t(b->seq_start.back()), 0);
+        const int T = b->n_tokens();
+        rng r(15000 + uint32_t(T) * 3 + uint32_t(W) + uint32_t(bc.lens.size()));
+        arena a;
+        builder bd(b);
+        auto xv = r.vec(size_t(T) * C), cw = r.vec(size_t(C) * W, -0.5f, 0.5f), sv = r.vec(size_t(n_slots) * C * (W > 1 ? W - 1 : 1));
+        tensor & st = a.f32({n_slots, C, W - 1}, W > 1 ? sv : std::vector<float>{});
+        const node_ref x = bd.scale(bd.weight(a.f32({T, C}, xv), "x"), 1.0f);
+        const node_ref y = bd.name(bd.short_conv(x, bd.weight(a.bf16({C, 1, W}, cw), "conv_w"), bd.state(st, "conv_state")), "conv");
+        graph g = bd.finish(y);
+        std::set<int64_t> touched(bc.slots.begin(), bc.slots.end());
+        std::string lens_s;
+        for (size_t s = 0; s < bc.lens.size(); ++s) lens_s += fmt::format("{}{}", s ? "," : "", bc.lens[s]);
+        const std::string nm = fmt::format("conv-tokens/W{}/seqs[{}]", W, lens_s);
+        cuda_options tk{true, 8};
+        tk.conv_prefill_tokens = 1;
+        EXPECT_TRUE(parity(nm, g, {{y, metric::NMSE, k_tol_f32}}, {{&st, touched}}, tk)) << nm;
+        cuda_options old{true, 8};
+        old.conv_prefill_tokens = 0;
+        const auto got_new = run_cuda<float>(g, y, tk, {&st}), got_old = run_cuda<float>(g, y, old, {&st});
+        const bool vs = check(nm + "/vs-sequential", to_f64(got_old), got_new, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(vs) << nm;
+        tally(vs);
+        std::printf("[%s/bitwise vs sequential] %s (expected EQUAL: the same sums in the same order; informational)\n",
+                    nm.c_str(), bitwise_same(got_new.data(), got_old.data(), got_new.size() * 4) ? "EQUAL" : "DIFFERENT");
+        if (T >= 17 && W > 1) {
+            const auto before = host_f32(st);
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const auto ref = read_f32(*cpu, y), after = host_f32(st);
+            std::memcpy(st.data, before.data(), before.size() * 4);
+            const bool skipped = check(nm + "/control(state not written back)", to_f64(after), before, metric::NMSE, 0.0);
+            EXPECT_FALSE(skipped) << nm;
+            tally(!skipped);
             controls(nm, ref, got_new, metric::NMSE, k_tol_f32);
         }
     }
@@ -348,9 +413,27 @@ TEST(cuda_prefill, timing_k3_widths) {
             graph g = bd.finish(o);
             cuda_options fl, old;
             fl.mla_prefill_tokens = 1;
+        fl.mla_prefill_pairs_per_row = 0;
             old.mla_prefill_tokens = 0;
             const double tn = node_time_ms(g, o, fl), to = node_time_ms(g, o, old);
             std::printf("[timing] MLA_ATTN H %d T %d: flash %.3f ms, absorbed (old) %.3f ms (%.1fx)\n", H, T, tn, to, to / tn);
+        }
+        {   // SHORT_CONV: 12288 channels (K3's KDA q/k/v width: 96 heads x 128), W 4
+            const int C = 12288, W = 4;
+            rng r(14800 + uint32_t(T));
+            arena a;
+            builder bd(batch_simple(T));
+            auto xv = r.vec(size_t(T) * C), cw = r.vec(size_t(C) * W, -0.5f, 0.5f);
+            tensor & st = a.f32({1, C, W - 1}, std::vector<float>(size_t(C) * (W - 1), 0.0f));
+            const node_ref x = bd.scale(bd.weight(a.f32({T, C}, xv), "x"), 1.0f);
+            const node_ref y = bd.short_conv(x, bd.weight(a.bf16({C, 1, W}, cw), "conv_w"), bd.state(st, "conv_state"));
+            graph g = bd.finish(y);
+            cuda_options tk, old;
+            tk.conv_prefill_tokens = 1;
+            old.conv_prefill_tokens = 0;
+            const double tn = node_time_ms(g, y, tk), to = node_time_ms(g, y, old);
+            std::printf("[timing] SHORT_CONV C %d W %d T %d: tokens %.3f ms, sequential (old) %.3f ms (%.1fx)\n", C, W, T, tn, to,
+                        to / tn);
         }
     }
 }
