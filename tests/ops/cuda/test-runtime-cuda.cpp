@@ -353,9 +353,10 @@ TEST_P(runtime_cuda_model, long_prompts_in_one_prefill_step_match_cpu) {
                                             std::to_string(a.margin[j]) + ", cuda margin " + std::to_string(b.margin[j]))
                                                .c_str(),
                     worst);
-        if (j < a.tokens.size())
+        if (j < a.tokens.size()) {
             EXPECT_LT(a.margin[j], 1e-3) << GetParam() << " " << longs[i].size() << "-token prompt: tokens differ at " << j
                                          << " where the CPU's top1-top2 margin is " << a.margin[j] << " (not a near tie)";
+        }
         EXPECT_LT(worst, 1e-3) << GetParam() << " " << longs[i].size() << "-token prompt";
     }
     if (GetParam() == "models/k31-default") {

@@ -59,11 +59,11 @@ std::vector<float> make_rows(int R, int64_t V, uint32_t seed) {
 
 std::vector<int32_t> device_ids(const std::vector<float> & x, int R, int64_t V, const std::vector<row_sampling> & s) {
     float * d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, x.size() * sizeof(float)), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void **>(&d), x.size() * sizeof(float)), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(d, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-    std::vector<cuda::sample_row_param> p(size_t(R));
+    std::vector<cuda::sample_row_param> p(static_cast<size_t>(R));
     for (int r = 0; r < R; ++r) p[size_t(r)] = {s[size_t(r)].temperature, s[size_t(r)].top_k, s[size_t(r)].top_p, s[size_t(r)].min_p, s[size_t(r)].u};
-    std::vector<int32_t> ids(size_t(R), -2);
+    std::vector<int32_t> ids(static_cast<size_t>(R), -2);
     const cudaError_t e = cuda::sample_rows(d, R, V, p.data(), ids.data(), nullptr);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     cudaFree(d);
@@ -78,7 +78,7 @@ TEST(cuda_sample, greedy_is_argmax_ties_to_lower_id) {
     x[5000] = x[90000] = 100.0f;
     std::fill(x.begin() + k_vocab, x.begin() + 2 * k_vocab, 0.25f);
     x[size_t(4 * k_vocab + k_vocab - 1)] = 1e30f;
-    std::vector<row_sampling> s(size_t(R));
+    std::vector<row_sampling> s(static_cast<size_t>(R));
     const std::vector<int32_t> ids = device_ids(x, R, k_vocab, s);
     for (int r = 0; r < R; ++r)
         EXPECT_EQ(ids[size_t(r)], sample_row_reference(x.data() + int64_t(r) * k_vocab, k_vocab, s[size_t(r)])) << "row " << r;
@@ -98,7 +98,7 @@ TEST(cuda_sample, fixed_uniforms_give_the_cpu_ids) {
         for (int k : {0, 1, 50, 4096})
             for (float p : {1.0f, 0.95f, 0.3f})
                 for (float m : {0.0f, 0.1f}) {
-                    std::vector<row_sampling> s(size_t(R));
+                    std::vector<row_sampling> s(static_cast<size_t>(R));
                     for (int r = 0; r < R; ++r) s[size_t(r)] = {t, k, p, m, uniform(99, draw++)};
                     const auto t0 = std::chrono::steady_clock::now();
                     const std::vector<int32_t> ids = device_ids(x, R, k_vocab, s);
@@ -142,7 +142,7 @@ std::pair<double, int> chi_square(float t_sample, float t_expect, int N) {
     for (int r = 0; r < N; ++r) std::copy(base.begin(), base.end(), x.begin() + int64_t(r) * V);
     const int top_k = 12;
     const float top_p = 0.97f, min_p = 0.05f;
-    std::vector<row_sampling> s(size_t(N));
+    std::vector<row_sampling> s(static_cast<size_t>(N));
     for (int r = 0; r < N; ++r) s[size_t(r)] = {t_sample, top_k, top_p, min_p, uniform(4242, uint64_t(r))};
     const std::vector<int32_t> ids = device_ids(x, N, V, s);
     // Expected: the filtered, renormalised softmax at t_expect (sorted order, top-k, top-p, min-p).
