@@ -1149,18 +1149,27 @@ void launch_v4_one(const float * x, int64_t Din, const int32_t * ids, const floa
     }
 }
 
-// T > 1: the GEMV experts' two stages (the grouping and the combine launches are the caller's).
-template <int FMT>
-void launch_v4_small(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S, const int32_t * gw,
-                     const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_max) {
-    // MXFP4: 8 tokens per pass (dequant-bound: each chunk dequantized once for all of them), 2 units of gate and of up in
-    // flight per lane. BF16 (bandwidth-bound, the dequant is a shift): 4 tokens per pass and 4 units in flight (16 warps
-    // per SM x 8 loads); an expert with more tokens re-reads its rows from L2 in the next pass.
-    constexpr int R = 1, NU = FMT == 1 ? 4 : 2, TT = FMT == 1 ? 4 : 8;
+template <int FMT, int NU, int TT>
+void launch_v4_small_tt(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                        const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_max) {
+    constexpr int R = 1;
     k_moe_gate_up_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_ff, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
         x, Din, k, experts, A, S, gw, c, hbuf, n_max);
     k_moe_down_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_out, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
         hbuf, experts, A, S, gw, c, ybuf, n_max);
+}
+
+// T > 1: the GEMV experts' two stages (the grouping and the combine launches are the caller's). MXFP4: 8 tokens per pass
+// (dequant-bound: each chunk dequantized once for all of them), 2 units of gate and of up in flight per lane; when the
+// step's slots are sparse over the experts (S <= E / 2: K3 at batch 8, ~1 token per expert) 2 tokens per pass and 4 units
+// in flight (the T == 1 balance; an expert with more tokens re-reads its rows from L2). BF16 (bandwidth-bound, the dequant
+// is a shift): 4 tokens per pass and 4 units in flight (87 registers: 20 warps per SM x 8 loads).
+template <int FMT>
+void launch_v4_small(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S, int64_t E,
+                     const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_max) {
+    if constexpr (FMT == 1) launch_v4_small_tt<1, 4, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);
+    else if (2 * S <= E) launch_v4_small_tt<2, 4, 2>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);
+    else launch_v4_small_tt<2, 2, 8>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);
 }
 
 template <int FMT, int TT>
@@ -1210,7 +1219,7 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     const int n_max = mma ? mma_tokens : INT_MAX;
 #define PG_GRP(F)                                                                                              \
     if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);              \
-    else if (o.small_v4 && F != 3) launch_v4_small<F == 3 ? 2 : F>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max); \
+    else if (o.small_v4 && F != 3) launch_v4_small<F == 3 ? 2 : F>(x, Din, k, experts, A, S, E, gw, c, hbuf, ybuf, st, n_max); \
     else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);                  \
     if (mma) launch_moe_mma_stages(F, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens, o);
     if (vfmt == 2 && one && o.fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);

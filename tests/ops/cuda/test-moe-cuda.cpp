@@ -428,16 +428,18 @@ TEST(cuda_moe, decode_v4_t1) {
     }
 }
 
-// T > 1, moe_small_v4: the grouped GEMV experts with their tokens in registers (8 per pass). T 24 top-8 of 32 (about 6
-// tokens per expert, some above 8), T 3 top-4 of 16 (1-3 tokens), T 40 top-6 of 12 (about 20 per expert: 3 passes of 8
-// with moe_mma_tokens 0). moe_mma_tokens 8 (tensor-core experts mixed in the same step) and 0 (every expert on v4).
+// T > 1, moe_small_v4: the grouped GEMV experts with their tokens in registers (MXFP4 8 per pass, 2 when the slots are
+// sparse, S <= E / 2; BF16 4). T 24 top-8 of 32 (about 6 tokens per expert, some above 8), T 3 top-4 of 16 (1-3 tokens),
+// T 40 top-6 of 12 (about 20 per expert: several passes with moe_mma_tokens 0), MXFP4 T 6 top-4 of 48 (the sparse form,
+// experts with 3+ tokens take a second pass). moe_mma_tokens 8 (tensor-core experts mixed in the same step) and 0 (every expert on v4).
 // MXFP4 rows of 1056 / 1024 columns (33 and 32 units), BF16 rows of 1056 / 520. Checks: ids exact and y at the f32
 // tolerance vs CPU; vs moe_small_v4 off at the f32 tolerance. Controls that must FAIL: router scale 1.01, comparator family.
 TEST(cuda_moe, small_v4_batch) {
     NEED_GPU();
     struct shape { int fmt, T, D, F, E, k, act, s_lo, s_hi; };
     const shape shapes[] = {{1, 24, 1056, 512, 32, 8, 0, 116, 122}, {1, 3, 1024, 1056, 16, 4, 1, 110, 130},
-                            {1, 40, 1024, 320, 12, 6, 0, 118, 121}, {0, 24, 1056, 520, 32, 8, 1, 0, 0},
+                            {1, 40, 1024, 320, 12, 6, 0, 118, 121}, {1, 6, 1024, 512, 48, 4, 1, 112, 126},
+                            {0, 24, 1056, 520, 32, 8, 1, 0, 0},
                             {0, 3, 520, 1056, 16, 4, 0, 0, 0},      {0, 40, 256, 136, 12, 6, 1, 0, 0}};
     for (const shape & sh : shapes) {
         const uint32_t seed = 13000 + uint32_t(sh.T) * 31 + uint32_t(sh.D) + uint32_t(sh.fmt) * 7;
