@@ -299,7 +299,7 @@ TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
 // The same sums in the same order as the sequential kernel: y expected bitwise equal to it (printed; asserted at the f32
 // tolerance) and at the f32 tolerance vs the CPU; the state write-back exact (it copies inputs / old history). Widths W 4
 // (K3), 3 and 2; one fresh sequence of T in {1, 17, 64, 300, 1024} in slot 1 of 4 (the others untouched),
-// a resumed one, and a ragged batch with sequences shorter than the window (lens 2 / 1 / 40 / 0 in slots 2 / 0 / 3 / 1).
+// a resumed one, and a ragged batch with sequences shorter than the window (lens 2 / 1 / 40 / 3 in slots 2 / 0 / 3 / 1).
 // Controls that must FAIL: the CPU's state after the step vs the state before it (a skipped write-back shows), the
 // comparator family.
 TEST(cuda_prefill, short_conv_tokens_vs_cpu_and_sequential) {
@@ -307,8 +307,8 @@ TEST(cuda_prefill, short_conv_tokens_vs_cpu_and_sequential) {
     struct bcase { std::vector<int> lens, slots; };
     std::vector<std::pair<int, bcase>> cases;
     for (int T : {1, 17, 64, 300, 1024}) cases.push_back({4, {{T}, {1}}});
-    cases.push_back({3, {{2, 1, 40, 0}, {2, 0, 3, 1}}});
-    cases.push_back({4, {{2, 1, 40, 0}, {2, 0, 3, 1}}});
+    cases.push_back({3, {{2, 1, 40, 3}, {2, 0, 3, 1}}});
+    cases.push_back({4, {{2, 1, 40, 3}, {2, 0, 3, 1}}});
     cases.push_back({2, {{17, 5}, {0, 1}}});
     for (const auto & [W, bc] : cases) {
         const int C = 200, n_slots = 4;
