@@ -319,7 +319,7 @@ struct opts {
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
     int kda_chunk = -1;   // -1: the backend's default; --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
-    int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 for every pass (-1: the defaults)
+    int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid for every pass (-1: the defaults)
     int moe_v4 = -1;   // --moe-v4 0|1: cuda_options::moe_decode_v4 + moe_small_v4 for every pass and the profile (-1: the defaults)
     int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
@@ -347,11 +347,12 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     // router flipped from its default ("route-1": one fused launch, "route-2": GEMV + select).
     // Fusion passes (fuse-plan.h; both off by default until their H200 run): "+fnorm" RMS_NORM folded into the next
     // GEMV(s), "+fadd" residual ADDs into the GEMV epilogue, "+fuse" both; "+fconv" SHORT_CONV + its L2_NORM in one
-    // launch (fuse_conv_l2), "+fall" all three. --fuse 0|1 sets all three for every pass.
+    // launch (fuse_conv_l2), "+fsig" SIGMOID into its GEMV's epilogue (fuse_sigmoid), "+fall" all four. --fuse 0|1 sets
+    // all four for every pass.
     const cuda_options defaults;
     const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", defaults.moe_fp4_v3 ? "fp4-v2" : "fp4-v3",
                              defaults.moe_route_fused ? "route-2" : "route-1", "+fnorm", "+fadd", "+fuse",
-                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4", "+fconv", "+fall"};
+                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4", "+fconv", "+fsig", "+fall"};
     for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
         cuda_options co;
         co.mla_split = pass != 1;
@@ -366,9 +367,10 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
         if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
         const char * label = labels[pass];
-        if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = o.fuse != 0;
-        if (std::strcmp(label, "+fall") == 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = true;
+        if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
+        if (std::strcmp(label, "+fall") == 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = true;
         if (std::strcmp(label, "+fconv") == 0) co.fuse_conv_l2 = true;
+        if (std::strcmp(label, "+fsig") == 0) co.fuse_sigmoid = true;
         if (std::strcmp(label, "+fnorm") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_norm_linear = true;
         if (std::strcmp(label, "+fadd") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_add = true;
         const double t0 = now_ms();
@@ -633,17 +635,19 @@ void dry_fusions(const graph & g) {
         n_launch += n.op != op_type::WEIGHT && n.op != op_type::STATE && n.op != op_type::IDS;
     }
     std::printf("  B=1 graph: %d launching nodes; %d LINEAR, %d RMS_NORM, %d ADD\n", n_launch, n_lin, n_norm, n_add);
-    struct pass { const char * label; bool group, norm, add, conv = false; };
+    struct pass { const char * label; bool group, norm, add, conv = false, sig = false; };
     int base = -1;
     for (const pass & ps : {pass{"lin-1 (no grouping)", false, false, false}, pass{"linear_group (default)", true, false, false},
                             pass{"+ fuse_norm_linear", true, true, false}, pass{"+ fuse_add", true, false, true},
                             pass{"+ both fusions", true, true, true}, pass{"+ fuse_conv_l2", true, false, false, true},
-                            pass{"+ all three", true, true, true, true}}) {
+                            pass{"+ fuse_sigmoid", true, false, false, false, true},
+                            pass{"+ all four", true, true, true, true, true}}) {
         cuda_options co;
         co.linear_group = ps.group;
         co.fuse_norm_linear = ps.norm;
         co.fuse_add = ps.add;
         co.fuse_conv_l2 = ps.conv;
+        co.fuse_sigmoid = ps.sig;
         const auto p = cuda_fuse::plan_fusions(g, co);
         if (base < 0) base = p.launches_saved();
         std::printf("  %-24s LINEARs grouped %3d, norms folded %3d of %d, adds folded %3d of %d: %4d node launches"
@@ -651,10 +655,11 @@ void dry_fusions(const graph & g) {
                     ps.label, p.linear_grouped, p.norms, n_norm, p.adds, n_add, n_launch - p.launches_saved(),
                     p.launches_saved() - base);
         if (ps.conv) std::printf("  %-24s L2_NORMs folded into their SHORT_CONV: %d\n", "", p.conv_l2s);
+        if (ps.sig) std::printf("  %-24s SIGMOIDs folded into their GEMV's epilogue: %d\n", "", p.sigmoids);
         if (ps.norm)   // foldable norms the planner keeps (fuse-plan.h): x' past the 48 KiB stage, weights past the limit
             std::printf("  %-24s norms kept: %d (stage), %d (LINEAR weights > %lld MiB)\n", "", p.norms_kept_stage,
                         p.norms_kept_big, (long long)(co.fuse_norm_max_weight_bytes >> 20));
-        if (ps.norm && ps.add && !ps.conv) {   // what stays unfolded, by the consumer/producer that blocks it
+        if (ps.norm && ps.add && !ps.conv && !ps.sig) {   // what stays unfolded, by the consumer/producer that blocks it
             std::map<std::string, int> why;
             for (size_t i = 0; i < g.nodes.size(); ++i) {
                 const node & n = g.nodes[i];

@@ -106,6 +106,9 @@ struct cuda_options {
     // SHORT_CONV whose output feeds an L2_NORM per head (the KDA q/k path) with at most 8 tokens: one launch computes
     // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). Off until its H200 run.
     bool fuse_conv_l2 = false;
+    // SIGMOID over the output of a LINEAR on the GEMV path (the KDA beta): the GEMV epilogue writes sigmoid(y) too; the
+    // SIGMOID launch is removed (fuse-plan.h). Off until its H200 run.
+    bool fuse_sigmoid = false;
     // ADD(y, r) after a LINEAR y on the GEMV path (and a second ADD of that sum): the GEMV epilogue writes y, y + r
     // (and y + r + r2); the ADD launches are removed (fuse-plan.h). Off until its H200 run proves it.
     bool fuse_add = false;
@@ -152,6 +155,8 @@ public:
     virtual int fused_norm_staged_launches() const = 0;
     // L2_NORM launches the last run/capture folded into their SHORT_CONV's launch (cuda_options::fuse_conv_l2).
     virtual int fused_conv_l2s() const = 0;
+    // SIGMOID launches the last run/capture folded into their LINEAR's GEMV epilogue (cuda_options::fuse_sigmoid).
+    virtual int fused_sigmoids() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

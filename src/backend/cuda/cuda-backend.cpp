@@ -274,6 +274,7 @@ public:
     int fused_adds() const override { return n_fused_adds_; }
     int fused_norm_staged_launches() const override { return n_norm_staged_; }
     int fused_conv_l2s() const override { return n_conv_l2_; }
+    int fused_sigmoids() const override { return n_fused_sig_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -907,7 +908,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -941,7 +942,7 @@ private:
         const int64_t T = x.shape[0], K = x.shape[1];
         bool plain_group = !norm;   // a linear_group launch without epilogue: the measured grouped kernel
         for (const auto & gr : L.groups)
-            for (const auto & sg : gr) plain_group &= sg.add[0] < 0;
+            for (const auto & sg : gr) plain_group &= sg.add[0] < 0 && sg.sig < 0;
         for (size_t gi = 0; gi < L.groups.size(); ++gi) {
             const auto & gr = L.groups[gi];
             cuda::gemv_fused_seg segs[cuda::k_gemv_group_max];
@@ -978,6 +979,14 @@ private:
                     segs[k].res[a] = static_cast<const float *>(outs_[size_t(r.node)].at(size_t(r.out)).p);
                     segs[k].z[a] = static_cast<float *>(ao.at(0).p);
                     ++n_fused_adds_;
+                }
+                if (gr[k].sig >= 0) {   // the SIGMOID over this LINEAR (fuse_sigmoid)
+                    const node & sn = g.nodes[size_t(gr[k].sig)];
+                    auto & so = outs_[size_t(gr[k].sig)];
+                    PG_CHECK(so.empty(), "fused SIGMOID '{}' already has outputs", sn.name);
+                    for (const auto & oo : sn.outs) so.push_back(new_out(oo.type, oo.shape));
+                    segs[k].sig = static_cast<float *>(so.at(0).p);
+                    ++n_fused_sig_;
                 }
                 wp[k] = segs[k].w;
                 yp[k] = segs[k].y;
@@ -1222,7 +1231,7 @@ private:
     cuda_fuse::plan fplan_;                      // fused launches of the current run (fuse-plan.h)
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
-    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0;
+    int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

@@ -13,6 +13,7 @@ struct gemv_fused_seg {
     int64_t out = 0;
     const float * res[2] = {nullptr, nullptr};
     float * z[2] = {nullptr, nullptr};
+    float * sig = nullptr;   // epilogue: sigmoid(y) [T, out] (a SIGMOID node over y; nullptr: none)
 };
 // The RMS_NORM folded into the launch's prologue: x' = x * rsqrt(mean(x^2) + eps) * w (w: F32 [in], nullptr = none);
 // y: the norm's output [T, in] written by the same launch (nullptr: not written by this launch).

@@ -21,6 +21,8 @@
 //   fuse_conv_l2      L2_NORM per head (N % 32 == 0, N <= 1024, N | C) of a SHORT_CONV's output [T, C], T <= 8 (decode):
 //                     the conv kernel normalizes each head's outputs in the same launch (fuse-conv.cu) and writes both
 //                     outputs; the L2_NORM launch is removed (the KDA q/k path: 2 launches per KDA layer).
+//   fuse_sigmoid      SIGMOID(y) with y the output of a LINEAR on the GEMV path: the GEMV epilogue writes y and sigmoid(y)
+//                     (the KDA beta = sigmoid(b_proj h): 1 launch per KDA layer); the SIGMOID launch is removed.
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -38,6 +40,7 @@ struct seg {
     int linear = -1;
     int add[2] = {-1, -1};
     node_ref res[2];
+    int sig = -1;   // a SIGMOID over the LINEAR's output, written by the epilogue (fuse_sigmoid)
 };
 // The kernels launched at one node: groups of segments (one launch each, one weight dtype per group); norm >= 0: the
 // RMS_NORM whose prologue is folded into every group (the first group writes its output).
@@ -55,9 +58,10 @@ struct plan {
     int adds = 0;                    // ADD launches removed (written by a GEMV epilogue)
     std::vector<int> conv_l2;        // per SHORT_CONV node: the L2_NORM its launch also computes (-1: none)
     int conv_l2s = 0;                // L2_NORM launches removed (computed by their SHORT_CONV's launch)
+    int sigmoids = 0;                // SIGMOID launches removed (written by their LINEAR's GEMV epilogue)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
-    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s; }
+    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s + sigmoids; }
 };
 
 // A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
@@ -255,6 +259,35 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             p.done_by[i] = best_pos;
             add_lin[i] = best_lin;
             ++p.adds;
+        }
+    }
+
+    // 5. SIGMOID into the producing GEMV's epilogue
+    if (o.fuse_sigmoid) {
+        auto ready = [&](int node) { return p.done_by[size_t(node)] >= 0 ? p.done_by[size_t(node)] : node; };
+        for (size_t i = 0; i < N; ++i) {
+            const node & n = g.nodes[i];
+            if (n.op != op_type::SIGMOID || n.src.size() != 1 || !n.src[0].valid() || n.src[0].out != 0) continue;
+            const int lin = n.src[0].node;
+            dtype wt;
+            int64_t K;
+            if (!gemv_linear(g, g.nodes[size_t(lin)], o.gemv_max_tokens, wt, K)) continue;
+            if (n.outs.at(0).type != dtype::F32 || shape_numel(n.outs.at(0).shape) != shape_numel(g.nodes[size_t(lin)].outs.at(0).shape))
+                continue;
+            const int pos = ready(lin);
+            seg * sg = nullptr;
+            for (auto & gr : p.at[size_t(pos)].groups)
+                for (auto & s : gr)
+                    if (s.linear == lin) sg = &s;
+            if (!sg) {
+                if (pos != lin) continue;   // (cannot happen: a LINEAR done by another node is in that node's launch)
+                p.at[size_t(lin)].groups.push_back({seg{lin, {-1, -1}, {}}});
+                sg = &p.at[size_t(lin)].groups.back().back();
+            }
+            if (sg->sig >= 0) continue;
+            sg->sig = int(i);
+            p.done_by[i] = pos;
+            ++p.sigmoids;
         }
     }
     return p;

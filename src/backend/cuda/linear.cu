@@ -151,6 +151,7 @@ struct fused_segs {
     const float * res1[k_gemv_group_max];
     float * z0[k_gemv_group_max];
     float * z1[k_gemv_group_max];
+    float * sig[k_gemv_group_max];
     int64_t out[k_gemv_group_max];
     int64_t roff[k_gemv_group_max + 1];   // rows before segment s (the norm-output writers are numbered by row)
     unsigned start[k_gemv_group_max + 1];
@@ -230,6 +231,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
         if (lane == 0) {
             const int64_t i = t * ldy + row;
             g.y[s][i] = v;
+            if (g.sig[s]) g.sig[s][i] = sigmoid_d(v);
             if (g.z0[s]) {
                 v = v + g.res0[s][i];
                 g.z0[s][i] = v;
@@ -374,6 +376,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
             if (lane == 0) {
                 const int64_t i = t * ldy + row;
                 g.y[s][i] = v;
+                if (g.sig[s]) g.sig[s][i] = sigmoid_d(v);
                 if (g.z0[s]) {
                     v = v + g.res0[s][i];
                     g.z0[s][i] = v;
@@ -530,6 +533,7 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
             g.res1[s] = segs[s].res[1] ? segs[s].res[1] + o : nullptr;
             g.z0[s] = segs[s].z[0] ? segs[s].z[0] + o : nullptr;
             g.z1[s] = segs[s].z[1] ? segs[s].z[1] + o : nullptr;
+            g.sig[s] = segs[s].sig ? segs[s].sig + o : nullptr;
             g.start[s + 1] = g.start[s] + grid_for(segs[s].out, k_gemv_warps);
             g.roff[s + 1] = g.roff[s] + segs[s].out;
         }

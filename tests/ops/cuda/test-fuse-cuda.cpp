@@ -452,6 +452,88 @@ TEST(cuda_fuse, short_conv_l2_norm) {
     }
 }
 
+// ---- SIGMOID into the GEMV epilogue (fuse_sigmoid) ----
+// b = x Wb (single LINEAR), sb = sigmoid(b); q = x Wq, bq = x Wb2 grouped (linear_group), sbq = sigmoid(bq); h = rms_norm(x)
+// -> bh = h Wh (norm launch with fuse_norm_linear), sbh = sigmoid(bh); y = x Wy, z = y + r and sy = sigmoid(y) (the ADD and
+// the SIGMOID in the same epilogue, with fuse_add).
+struct sig_graph {
+    arena a;
+    graph g;
+    std::vector<node_ref> outs;   // b sb q bq sbq bh sbh y z sy
+};
+void build_sig_graph(sig_graph & sg, rng & r, int T, int K, dtype wt) {
+    builder bd(batch_simple(T));
+    auto xv = r.vec(size_t(T) * size_t(K)), rv = r.vec(size_t(T) * 96, -2, 2);
+    const node_ref x = bd.name(bd.scale(bd.weight(sg.a.f32({T, K}, xv), "x_leaf"), 1.0f), "x");
+    const node_ref res = bd.name(bd.scale(bd.weight(sg.a.f32({T, 96}, rv), "r_leaf"), 1.0f), "r");
+    auto W = [&](const char * nm, int O) {
+        auto v = r.vec(size_t(O) * size_t(K), -0.1f, 0.1f);
+        return bd.weight(sg.a.typed(wt, {O, K}, v), nm);
+    };
+    const node_ref b = bd.name(bd.linear(bd.scale(x, 0.5f), W("wb", 32)), "b");
+    const node_ref sb = bd.name(bd.sigmoid(b), "sb");
+    const node_ref q = bd.name(bd.linear(x, W("wq", 256)), "q");
+    const node_ref bq = bd.name(bd.linear(x, W("wb2", 32)), "bq");
+    const node_ref sbq = bd.name(bd.sigmoid(bq), "sbq");
+    auto nv = r.vec(size_t(K), 0.8f, 1.2f);
+    const node_ref h = bd.name(bd.rms_norm(bd.scale(x, 2.0f), bd.weight(sg.a.f32({K}, nv), "nw"), 1e-5f), "h");
+    const node_ref bh = bd.name(bd.linear(h, W("wh", 40)), "bh");
+    const node_ref sbh = bd.name(bd.sigmoid(bh), "sbh");
+    const node_ref y = bd.name(bd.linear(bd.scale(x, -1.0f), W("wy", 96)), "y");
+    const node_ref z = bd.name(bd.add(y, res), "z");
+    const node_ref sy = bd.name(bd.sigmoid(y), "sy");
+    sg.outs = {b, sb, q, bq, sbq, bh, sbh, y, z, sy};
+    node_ref acc = bd.add(bd.cols(sb, 0, 8), bd.cols(sbq, 0, 8));
+    acc = bd.add(acc, bd.cols(sbh, 0, 8));
+    acc = bd.add(acc, bd.cols(q, 0, 8));
+    acc = bd.add(acc, bd.add(bd.cols(z, 0, 8), bd.cols(sy, 0, 8)));
+    sg.g = bd.finish(bd.name(acc, "sum"));
+}
+
+TEST(cuda_fuse, sigmoid_into_gemv_epilogue) {
+    NEED_GPU();
+    for (int K : {2304, 7168})
+        for (dtype wt : {dtype::BF16, dtype::F32})
+            for (int T : {1, 4, 8}) {
+                if (K == 7168 && T == 4) continue;
+                const std::string nm = fmt::format("sigmoid/K{}/{}/T{}", K, dtype_name(wt), T);
+                rng r(9800 + uint32_t(K) + uint32_t(T) * 13 + (wt == dtype::BF16 ? 0u : 7u));
+                sig_graph sg;
+                build_sig_graph(sg, r, T, K, wt);
+                const auto ref = cpu_outputs(sg.g, sg.outs);
+                std::vector<float> fused_sb;
+                for (int mode = 0; mode < 3; ++mode) {   // sigmoid only, all fusions, none
+                    cuda_options o = fuse_opts(mode == 1, mode == 1);
+                    o.fuse_sigmoid = mode < 2;
+                    const std::string m = nm + (mode == 0 ? "/sig" : mode == 1 ? "/sig+norm+add" : "/unfused");
+                    bool ok = false;
+                    auto gpu = gpu_check(m, sg.g, sg.outs, ref, o, ok);
+                    EXPECT_TRUE(ok) << m;
+                    const int want = mode < 2 ? 4 : 0;
+                    const int want_norm = mode == 1 && stage_fits(T, K) ? 1 : 0, want_add = mode == 1 ? 1 : 0;
+                    EXPECT_EQ(gpu->fused_sigmoids(), want) << m;
+                    EXPECT_EQ(gpu->fused_norms(), want_norm) << m;
+                    EXPECT_EQ(gpu->fused_adds(), want_add) << m;
+                    tally(gpu->fused_sigmoids() == want && gpu->fused_norms() == want_norm && gpu->fused_adds() == want_add);
+                    std::printf("[%s] fused_sigmoids %d (want %d), fused_norms %d (want %d), fused_adds %d (want %d)\n", m.c_str(),
+                                gpu->fused_sigmoids(), want, gpu->fused_norms(), want_norm, gpu->fused_adds(), want_add);
+                    if (mode == 0) fused_sb = read_f32(*gpu, sg.outs[1]);
+                    if (mode == 2) {
+                        const bool agree = check(nm + "/fused-vs-unfused/sb", to_f64(read_f32(*gpu, sg.outs[1])), fused_sb,
+                                                 metric::NMSE, k_tol_f32);
+                        EXPECT_TRUE(agree);
+                        tally(agree);
+                    }
+                    if (mode == 1 && (T == 1 || T == 8)) {
+                        // controls: the fused sigmoid against the LINEAR's own output, and sigmoid(y) against the ADD's
+                        must_fail(m + "/control(sigmoid skipped: sb vs b)", ref[0], read_f32(*gpu, sg.outs[1]));
+                        must_fail(m + "/control(sy vs z)", ref[8], read_f32(*gpu, sg.outs[9]));
+                        comparator_controls(m + "/sbh", ref[6], read_f32(*gpu, sg.outs[6]));
+                    }
+                }
+            }
+}
+
 // ---- the planner (host only: runs on any machine) ----
 TEST(cuda_fuse, planner_rules) {
     {
@@ -521,6 +603,25 @@ TEST(cuda_fuse, planner_rules) {
                 EXPECT_EQ(p.done_by[size_t(cg.outs[1].node)], cg.outs[0].node);
             }
             tally(p.conv_l2s == want && off.conv_l2s == 0);
+        }
+    }
+    {   // SIGMOID: folds into single, grouped, norm-launched and ADD-carrying GEMVs; never at T 9 (BF16: cuBLASLt)
+        for (int T : {1, 9}) {
+            rng r(9801);
+            sig_graph sg;
+            build_sig_graph(sg, r, T, 256, dtype::BF16);
+            cuda_options on = fuse_opts(true, true, false);
+            on.fuse_sigmoid = true;
+            const auto p = cuda_fuse::plan_fusions(sg.g, on);
+            const auto off = cuda_fuse::plan_fusions(sg.g, fuse_opts(true, true, false));
+            const int want = T == 1 ? 4 : 0;
+            EXPECT_EQ(p.sigmoids, want) << "T " << T;
+            EXPECT_EQ(off.sigmoids, 0);
+            if (want) {
+                EXPECT_EQ(p.done_by[size_t(sg.outs[6].node)], p.done_by[size_t(sg.outs[5].node)]) << "sbh at the norm's launch";
+                EXPECT_EQ(p.done_by[size_t(sg.outs[4].node)], sg.outs[2].node) << "sbq at the group's first LINEAR";
+            }
+            tally(p.sigmoids == want && off.sigmoids == 0);
         }
     }
     {   // a per-head norm (p.n < the row width) never folds into a LINEAR over the whole row
