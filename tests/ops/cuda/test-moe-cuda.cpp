@@ -371,7 +371,7 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
 // T == 1, moe_decode_v4. MXFP4: K3's expert (3584 x 3072, top-16 of 18: gate rows of 112 units = 4 per lane, down rows
 // of 96 = 3 per lane, 2 slots per warp), rows of 132 units (two passes, a 4-unit tail) with d_ff 96, top-20 (4 slots per
 // warp, the last warps half empty), top-5 with 80-unit down rows; E8M0 scales 100..140. BF16: the 48B expert (2304 x
-// 1024, top-8 of 64: 288-unit rows in 3 passes of 96, 128-unit down rows), 96 x 96 top-4, 1056 x 608 top-2, 512 x 264
+// 1024, top-8 of 24: 288-unit rows in 3 passes of 96, 128-unit down rows), 96 x 96 top-4, 1056 x 608 top-2, 512 x 264
 // top-24. Checks: ids exact and y at the f32 tolerance vs CPU; y vs the previous default kernels (v2 for MXFP4, the grouped
 // GEMV for BF16) at the f32 tolerance; the v4 result replayed from a captured CUDA graph is bitwise the eager one.
 // Controls that must FAIL: the same graph with the router scale 1.01 (a 1% combine-weight error) vs the CPU at the f32
@@ -382,7 +382,7 @@ TEST(cuda_moe, decode_v4_t1) {
     struct shape { int fmt, D, F, E, k, act, s_lo, s_hi; };
     const shape shapes[] = {{1, 3584, 3072, 18, 16, 1, 118, 121}, {1, 4224, 96, 8, 3, 0, 114, 120},
                             {1, 2048, 1056, 24, 20, 0, 100, 140}, {1, 1024, 2560, 5, 5, 1, 116, 122},
-                            {0, 2304, 1024, 64, 8, 0, 0, 0},     {0, 96, 96, 16, 4, 1, 0, 0},
+                            {0, 2304, 1024, 24, 8, 0, 0, 0},     {0, 96, 96, 16, 4, 1, 0, 0},
                             {0, 1056, 608, 8, 2, 0, 0, 0},       {0, 512, 264, 40, 24, 1, 0, 0}};
     for (const shape & sh : shapes) {
         const uint32_t seed = 12000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k) + uint32_t(sh.fmt) * 7;
