@@ -656,7 +656,7 @@ void dry_fusions(const graph & g) {
                     p.launches_saved() - base);
         if (ps.conv) std::printf("  %-24s L2_NORMs folded into their SHORT_CONV: %d\n", "", p.conv_l2s);
         if (ps.sig) std::printf("  %-24s SIGMOIDs folded into their GEMV's epilogue: %d\n", "", p.sigmoids);
-        if (ps.norm)   // foldable norms the planner keeps (fuse-plan.h): x' past the 48 KiB stage, weights past the limit
+        if (ps.norm)   // foldable norms the planner keeps (fuse-plan.h): x' past the 47 KiB stage, weights past the limit
             std::printf("  %-24s norms kept: %d (stage), %d (LINEAR weights > %lld MiB)\n", "", p.norms_kept_stage,
                         p.norms_kept_big, (long long)(co.fuse_norm_max_weight_bytes >> 20));
         if (ps.norm && ps.add && !ps.conv && !ps.sig) {   // what stays unfolded, by the consumer/producer that blocks it

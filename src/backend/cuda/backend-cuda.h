@@ -96,7 +96,7 @@ struct cuda_options {
     bool fuse_norm_linear = false;
     // The folded norm's prologue staged once per block in shared memory (x' = x * inv_rms * w), the GEMV inner loop
     // unchanged (linear.cu k_linear_gemv_norm_staged); the planner folds only when min(T, 8) * K * 4 bytes fit the
-    // 48 KiB stage (decode B=1: K <= 12288). false: the round-1 in-warp prologue at any T (compare mode; it lost
+    // 47 KiB stage (decode B=1: K <= 12032). false: the round-1 in-warp prologue at any T (compare mode; it lost
     // 0.27 ms on k3-layers-4, its 7168-wide GEMVs turned compute-bound).
     bool fuse_norm_staged = true;
     // The planner keeps the norm launch when the LINEARs it would fold into read more weight bytes than this: a folded

@@ -20,7 +20,8 @@ struct gemv_fused_seg {
 // staged: x' computed once per block into shared memory, then the plain GEMV loop (needs T_chunk * in * 4 <=
 // k_gemv_norm_stage_max and in % 4 == 0, else the in-warp kernel runs); false: the round-1 in-warp kernel (every warp
 // sums x^2 of the row it streams and scales by w per weight; compare mode).
-inline constexpr int64_t k_gemv_norm_stage_max = 48 * 1024;   // bytes of x' per block (no dynamic-smem opt-in)
+inline constexpr int64_t k_gemv_norm_stage_max = 47 * 1024;   // bytes of x' per block: + the static reduction
+                                                               // scratch within the 48 KiB of no dynamic-smem opt-in
 struct gemv_norm {
     bool on = false;
     bool staged = true;

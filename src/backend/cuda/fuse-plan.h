@@ -10,7 +10,7 @@
 //                     stages x' = x * inv_rms * w in shared memory once and runs the plain GEMV loop over it
 //                     (fuse_norm_staged; the round-1 in-warp prologue otherwise); the same launch writes the norm's
 //                     output for the other consumers and for node-by-node comparison. The norm kernel launch is
-//                     removed. Kept (not folded): min(T, 8) * K * 4 > 48 KiB (the stage), or the LINEARs' weights
+//                     removed. Kept (not folded): min(T, 8) * K * 4 > 47 KiB (the stage), or the LINEARs' weights
 //                     > fuse_norm_max_weight_bytes (1 GiB: one launch saved is not worth a risk on a long pass). The LINEARs run at the norm's
 //                     position (earlier than in the graph): their only input is the norm's output, and weights are
 //                     bound on demand.
@@ -33,7 +33,7 @@
 namespace perigee::cuda_fuse {
 
 inline constexpr int k_group_max = 8;   // = cuda::k_gemv_group_max (cuda-ops.h)
-inline constexpr int64_t k_norm_stage_max = 48 * 1024;   // = cuda::k_gemv_norm_stage_max (fuse-ops.h)
+inline constexpr int64_t k_norm_stage_max = 47 * 1024;    // = cuda::k_gemv_norm_stage_max (fuse-ops.h)
 
 // One LINEAR of a launch and the ADDs its epilogue writes (chain: add[0] = y + res[0], add[1] = add[0] + res[1]).
 struct seg {

@@ -254,6 +254,8 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
 // the resident blocks (persistent: block b takes virtual blocks b, b + gridDim, ...), so the staging is paid once per
 // resident block, not per 8 rows. TT * in * 4 <= k_gemv_norm_stage_max (no dynamic-smem opt-in; the planner keeps the
 // norm launch otherwise). The norm's output yn is the staged x', written by all blocks (slices of TT * in).
+static_assert(k_gemv_norm_stage_max + 8 * (k_gemv_warps + 1) * 4 <= 48 * 1024,
+              "the staged x' and the static reduction scratch must fit 48 KiB (no dynamic-smem opt-in)");
 template <wtype WT, int TT>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_norm_staged(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw,

@@ -11,6 +11,7 @@
 // The planner itself (host code) is checked without a GPU. The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/fuse-ops.h"
 #include "backend/cuda/fuse-plan.h"
 #include "harness.h"
 
@@ -43,7 +44,8 @@ cuda_options fuse_opts(bool norm, bool add, bool guard = true, bool staged = tru
     o.fuse_norm_staged = staged;
     return o;
 }
-// Whether the planner folds a norm over [T, K] with the staged prologue (fuse-plan.h: min(T, 8) rows of x' in 48 KiB).
+// Whether the planner folds a norm over [T, K] with the staged prologue (fuse-plan.h: min(T, 8) rows of x' in 47 KiB).
+static_assert(cuda_fuse::k_norm_stage_max == cuda::k_gemv_norm_stage_max, "planner and kernel disagree on the stage");
 bool stage_fits(int T, int K) { return int64_t(std::min(T, 8)) * K * 4 <= cuda_fuse::k_norm_stage_max && K % 4 == 0; }
 
 std::vector<float> as_f32(const tensor & t) {
@@ -558,7 +560,7 @@ TEST(cuda_fuse, planner_rules) {
         EXPECT_EQ(pb.norms + pb.adds + pb.linear_grouped, 0);
         tally(pb.norms + pb.adds + pb.linear_grouped == 0);
     }
-    {   // the staged prologue's limit (min(T, 8) * K * 4 <= 48 KiB) and the weight-bytes threshold
+    {   // the staged prologue's limit (min(T, 8) * K * 4 <= 47 KiB) and the weight-bytes threshold
         rng r(9502);
         std::vector<std::vector<float>> wvs;
         for (int T : {1, 8}) {
