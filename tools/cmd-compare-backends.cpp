@@ -35,7 +35,7 @@ struct opts {
     int moe_mma = -1;        // cuda_options::moe_mma_tokens: -1 the default, 0 off, N > 0 the token threshold
     int fuse = -1;           // cuda_options::fuse_norm_linear, fuse_add, fuse_conv_l2, fuse_sigmoid: -1 the defaults, 0 all off, 1 all on
     int kda_chunk = -1;      // cuda_options::kda_chunk_min_tokens: -1 the default, 0 off, N > 0 the token threshold
-    int prefill_fast = -1;   // cuda_options::{moe_route_gemm,mla_prefill,conv_prefill}_tokens: -1 the defaults, 0 off, N > 0
+    int prefill_fast = -1;   // cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: -1 the defaults, 0 off, N > 0
 };
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -89,7 +89,7 @@ int run_compare(const opts & o) {
     if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
     if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
     if (o.kda_chunk >= 0) co.kda_chunk_min_tokens = o.kda_chunk;
-    if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = o.prefill_fast;
+    if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = co.attn_res_prefill_tokens = o.prefill_fast;
     auto gpu = backend_cuda_init(o.device, co);
     std::printf("compare-backends: model %s, cpu vs cuda (%s), prompt %zu tokens, %d decode steps, NMSE tolerance %.1e\n",
                 o.model.c_str(), gpu->device_name().c_str(), prompt.size(), o.decode, o.tol);
@@ -204,8 +204,8 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
                        "cuda_options::kda_chunk_min_tokens: N > 0 the chunked KDA prefill kernel from N tokens, 0 off,"
                        " -1 the default")->capture_default_str();
         sub.add_option("--prefill-fast", o->prefill_fast,
-                       "cuda_options::moe_route_gemm_tokens + mla_prefill_tokens + conv_prefill_tokens: N > 0 the prefill router GEMM,"
-                       " MLA flash kernel and token-parallel SHORT_CONV from N tokens, 0 off, -1 the defaults")->capture_default_str();
+                       "cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: N > 0 the prefill router GEMM,"
+                       " MLA flash kernel, token-parallel SHORT_CONV and float4 ATTN_RES_MIX from N tokens, 0 off, -1 the defaults")->capture_default_str();
         sub.add_flag("--all", o->all, "print every node out of tolerance, not only the first");
         return std::function<int()>([o] {
 #if defined(PERIGEE_HAVE_CUDA)

@@ -321,7 +321,7 @@ struct opts {
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid for every pass (-1: the defaults)
     int moe_v4 = -1;   // --moe-v4 0|1: cuda_options::moe_decode_v4 + moe_small_v4 for every pass and the profile (-1: the defaults)
-    int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
+    int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = attn_res_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
 };
 
@@ -551,7 +551,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         // Without --moe-mma / --kda-chunk every pass keeps the backend's defaults for those switches.
         if (o.moe_mma > 0) co.moe_mma_tokens = pass == 0 ? 0 : o.moe_mma;
         co.moe_mma_split = pass != 2;
-        if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = o.prefill_fast;
+        if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = co.attn_res_prefill_tokens = o.prefill_fast;
         if (o.kda_chunk > 0) co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
         if (pass >= 4) co.moe_mma_v2 = true;
         if (pass == 5) co.moe_mma_tokens = 1;
@@ -586,7 +586,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     cp.profile_nodes = true;
     if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma;
     if (o.kda_chunk >= 0) cp.kda_chunk_min_tokens = o.kda_chunk;
-    if (o.prefill_fast >= 0) cp.moe_route_gemm_tokens = cp.mla_prefill_tokens = cp.conv_prefill_tokens = o.prefill_fast;
+    if (o.prefill_fast >= 0) cp.moe_route_gemm_tokens = cp.mla_prefill_tokens = cp.conv_prefill_tokens = cp.attn_res_prefill_tokens = o.prefill_fast;
     if (o.moe_mma_v2 >= 0) cp.moe_mma_v2 = o.moe_mma_v2 != 0;
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);

@@ -131,6 +131,10 @@ struct cuda_options {
     // state, then the state write-back (conv-prefill.cu; the same sums as the sequential kernel). 0: off (one thread per
     // (sequence, channel) walking its tokens; compare mode). Off until its H200 run proves it.
     int conv_prefill_tokens = 0;
+    // ATTN_RES_MIX with at least this many rows (prefill): scores by a warp per (row, candidate) with float4 loads (no
+    // block barriers), the mix with float4 and the softmax weights formed once per block (attn-res-prefill.cu). Needs
+    // D % 4 == 0 and 16-byte aligned inputs, else the split kernels run. 0: off (compare mode). Off until its H200 run.
+    int attn_res_prefill_tokens = 0;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

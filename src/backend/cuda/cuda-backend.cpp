@@ -896,6 +896,14 @@ private:
                     cp.p[i] = f32_in(n, i);
                 }
                 const int64_t D = x.shape.back();
+                bool ar_aligned = D % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;   // float4 path of the prefill kernels
+                for (size_t i = 0; i < nc; ++i) ar_aligned &= reinterpret_cast<uintptr_t>(cp.p[i]) % 16 == 0;
+                if (opt_.attn_res_prefill_tokens > 0 && xn / D >= opt_.attn_res_prefill_tokens && ar_aligned) {
+                    float * scr = static_cast<float *>(alloc(size_t(D + xn / D * int64_t(nc)) * 4));
+                    PG_CUDA_CHECK(cuda::launch_attn_res_mix_prefill(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps,
+                                                                    scr, y, st_));
+                    break;
+                }
                 float * sc = opt_.attn_res_split ? static_cast<float *>(alloc(size_t(xn / D * int64_t(nc)) * 4)) : nullptr;
                 PG_CUDA_CHECK(cuda::launch_attn_res_mix(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps, sc, y,
                                                         st_));

@@ -36,4 +36,11 @@ cudaError_t launch_mla_prefill_attn(const float * q, const float * kv, const flo
 cudaError_t launch_short_conv_tokens(const float * x, int64_t T, int64_t C, dweight w, int64_t W, float * state,
                                      const dbatch & b, float * y, cudaStream_t st);
 
+// ---- attn-res-prefill.cu ----
+// ATTN_RES_MIX with a warp per (row, candidate) for the scores and float4 mixing (cuda_options::attn_res_prefill_tokens):
+// y [R, D] as attn-res.cu computes it (the scores' sums in another order). D % 4 == 0, candidates and y 16-byte aligned.
+// scratch: D + R * n floats.
+cudaError_t launch_attn_res_mix_prefill(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
+                                        dweight proj_w, float eps, float * scratch, float * y, cudaStream_t st);
+
 } // namespace perigee::cuda

@@ -3,6 +3,7 @@
 //     parts, F32 gate: an fp32 GEMM) and the existing per-token selection.
 //  2. MLA_ATTN prefill in the expanded form with the causal flash-attention kernel (cuda_options::mla_prefill_tokens).
 //  3. SHORT_CONV with one thread per (token, channel) (cuda_options::conv_prefill_tokens).
+//  4. ATTN_RES_MIX with warp-per-(row, candidate) scores and float4 mixing (cuda_options::attn_res_prefill_tokens).
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend is the reference; the CUDA backend runs
 // in guard mode (outputs poisoned with NaN, sentinel words checked after each node); "measured <= threshold" printed on
@@ -358,6 +359,54 @@ TEST(cuda_prefill, short_conv_tokens_vs_cpu_and_sequential) {
     }
 }
 
+// ---- 2c. ATTN_RES_MIX prefill kernels (cuda_options::attn_res_prefill_tokens) ----
+// Scores' sums in another order (warp sums over float4), the softmax weights in the split kernels' serial order: expected
+// NMSE vs the CPU ~1e-14, tolerance the f32 one. n in {1, 3, 9} candidates, D 7168 (K3) and 520, BF16 and F32 norm /
+// projection weights, T in {1, 17, 64, 300, 1024}; D 1001 (not a multiple of 4) takes the split kernels (parity only).
+// Every case also against the split kernels directly. Controls that must FAIL: bitwise equal to the split kernels (n >= 3,
+// T >= 17: must be DIFFERENT, the new scores ran), the comparator family.
+TEST(cuda_prefill, attn_res_mix_vs_cpu_and_split) {
+    NEED_GPU();
+    struct shape { int n, D; bool bf16; std::vector<int> Ts; };
+    const std::vector<shape> shapes = {{3, 520, true, {1, 17, 64, 300, 1024}}, {9, 7168, true, {1, 17, 300}},
+                                       {1, 520, false, {64}}, {9, 520, false, {1024}}, {3, 1001, true, {300}}};
+    for (const shape & sh : shapes) {
+        for (int T : sh.Ts) {
+            rng r(16000 + uint32_t(sh.n * 100 + sh.D + T));
+            arena a;
+            builder bd(batch_simple(T));
+            std::vector<node_ref> cands;
+            for (int i = 0; i < sh.n; ++i)
+                cands.push_back(bd.scale(bd.weight(a.f32({T, sh.D}, r.vec(size_t(T) * sh.D, -2.0f, 2.0f)), fmt::format("v{}", i)), 1.0f));
+            auto nw = r.vec(size_t(sh.D), 0.5f, 1.5f), pw = r.vec(size_t(sh.D), -0.1f, 0.1f);
+            const node_ref y = bd.name(bd.attn_res_mix(cands, bd.weight(a.typed(sh.bf16 ? dtype::BF16 : dtype::F32, {sh.D}, nw), "norm_w"),
+                                                       bd.weight(a.typed(sh.bf16 ? dtype::BF16 : dtype::F32, {sh.D}, pw), "proj_w"), 1e-6f),
+                                       "attn_res");
+            graph g = bd.finish(y);
+            const std::string nm = fmt::format("attn-res-prefill/n{}/D{}/{}/T{}", sh.n, sh.D, sh.bf16 ? "bf16" : "f32", T);
+            cuda_options pf{true, 8};
+            pf.attn_res_prefill_tokens = 1;
+            EXPECT_TRUE(parity(nm, g, {{y, metric::NMSE, k_tol_f32}}, {}, pf)) << nm;
+            cuda_options old{true, 8};
+            old.attn_res_prefill_tokens = 0;
+            const auto got_new = run_cuda<float>(g, y, pf), got_old = run_cuda<float>(g, y, old);
+            const bool vs = check(nm + "/vs-split", to_f64(got_old), got_new, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(vs) << nm;
+            tally(vs);
+            if (sh.n >= 3 && T >= 17 && sh.D % 4 == 0) {
+                const bool same = bitwise_same(got_new.data(), got_old.data(), got_new.size() * 4);
+                std::printf("[%s/control(prefill bitwise equal to split)] %s (must be DIFFERENT: the new kernels ran)\n",
+                            nm.c_str(), same ? "EQUAL" : "DIFFERENT");
+                EXPECT_FALSE(same) << nm;
+                tally(!same);
+                auto cpu = backend_cpu_init();
+                cpu->run(g);
+                controls(nm, read_f32(*cpu, y), got_new, metric::NMSE, k_tol_f32);
+            }
+        }
+    }
+}
+
 // ---- 3. Micro-timing at K3's widths, T = 2048, one fresh sequence (printed, not asserted) ----
 // The node's GPU time (cuda_options::profile_nodes, the second of two eager runs) for the new and the old path.
 double node_time_ms(graph & g, node_ref r, cuda_options opt) {
@@ -433,6 +482,24 @@ TEST(cuda_prefill, timing_k3_widths) {
             old.conv_prefill_tokens = 0;
             const double tn = node_time_ms(g, y, tk), to = node_time_ms(g, y, old);
             std::printf("[timing] SHORT_CONV C %d W %d T %d: tokens %.3f ms, sequential (old) %.3f ms (%.1fx)\n", C, W, T, tn, to,
+                        to / tn);
+        }
+        {   // ATTN_RES_MIX: 9 candidates of 7168, BF16 norm / projection
+            const int n = 9, D = 7168;
+            rng r(14900 + uint32_t(T));
+            arena a;
+            builder bd(batch_simple(T));
+            std::vector<node_ref> cands;
+            for (int i = 0; i < n; ++i)
+                cands.push_back(bd.scale(bd.weight(a.f32({T, D}, r.vec(size_t(T) * D)), fmt::format("v{}", i)), 1.0f));
+            auto nw = r.vec(size_t(D), 0.5f, 1.5f), pw = r.vec(size_t(D), -0.1f, 0.1f);
+            const node_ref y = bd.attn_res_mix(cands, bd.weight(a.bf16({D}, nw), "norm_w"), bd.weight(a.bf16({D}, pw), "proj_w"), 1e-6f);
+            graph g = bd.finish(y);
+            cuda_options pf, old;
+            pf.attn_res_prefill_tokens = 1;
+            old.attn_res_prefill_tokens = 0;
+            const double tn = node_time_ms(g, y, pf), to = node_time_ms(g, y, old);
+            std::printf("[timing] ATTN_RES_MIX n %d D %d T %d: prefill %.3f ms, split (old) %.3f ms (%.1fx)\n", n, D, T, tn, to,
                         to / tn);
         }
     }
