@@ -395,8 +395,11 @@ void staged_launch(const float * x, int64_t in, const fused_segs & g, const floa
     const auto kern = k_linear_gemv_norm_staged<WT, TT>;
     const size_t smem = size_t(TT) * size_t(in) * 4;
     const int th = k_gemv_warps * 32;
-    static bool carveout_set = false;   // prefer the largest shared-memory carve-out (a hint; once per instantiation)
-    if (!carveout_set) {
+    // prefer the largest shared-memory carve-out (a hint; once per instantiation, never inside a stream capture)
+    static bool carveout_set = false;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(st, &cap);
+    if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
         cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
         carveout_set = true;
     }
