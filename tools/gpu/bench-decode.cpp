@@ -459,12 +459,14 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
                         key += mb >= 100 ? " (>=100MB)" : mb >= 10 ? " (10-100MB)" : " (<10MB)";
                     }
                     if (!fp.at[i].empty()) {
-                        bool adds = false;
+                        bool adds = false, sigs = false;
                         for (const auto & gr : fp.at[i].groups)
-                            for (const auto & sg : gr) adds |= sg.add[0] >= 0;
+                            for (const auto & sg : gr) adds |= sg.add[0] >= 0, sigs |= sg.sig >= 0;
                         if (fp.at[i].norm >= 0) key += " + its GEMVs (fused)";
                         if (adds) key += " + ADD epilogue";
+                        if (sigs) key += " + SIGMOID epilogue";
                     }
+                    if (fp.conv_l2[i] >= 0) key += " + L2_NORM (fused)";
                     by_op[key].first += ms[i];
                     by_op[key].second += 1;
                     tot += ms[i];
