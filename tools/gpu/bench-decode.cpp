@@ -347,12 +347,12 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     // router flipped from its default ("route-1": one fused launch, "route-2": GEMV + select).
     // Fusion passes (fuse-plan.h; both off by default until their H200 run): "+fnorm" RMS_NORM folded into the next
     // GEMV(s), "+fadd" residual ADDs into the GEMV epilogue, "+fuse" both; "+fconv" SHORT_CONV + its L2_NORM in one
-    // launch (fuse_conv_l2), "+fsig" SIGMOID into its GEMV's epilogue (fuse_sigmoid), "+fall" all four. --fuse 0|1 sets
-    // all four for every pass.
+    // launch (fuse_conv_l2), "+fsig" SIGMOID into its GEMV's epilogue (fuse_sigmoid), "+fall" all four, "+fnorm-nolim"
+    // fuse_norm_linear without its weight-bytes limit (fuse_norm_max_weight_bytes). --fuse 0|1 sets all four for every pass.
     const cuda_options defaults;
     const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", defaults.moe_fp4_v3 ? "fp4-v2" : "fp4-v3",
                              defaults.moe_route_fused ? "route-2" : "route-1", "+fnorm", "+fadd", "+fuse",
-                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4", "+fconv", "+fsig", "+fall"};
+                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4", "+fconv", "+fsig", "+fall", "+fnorm-nolim"};
     for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
         cuda_options co;
         co.mla_split = pass != 1;
@@ -371,6 +371,10 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         if (std::strcmp(label, "+fall") == 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = true;
         if (std::strcmp(label, "+fconv") == 0) co.fuse_conv_l2 = true;
         if (std::strcmp(label, "+fsig") == 0) co.fuse_sigmoid = true;
+        if (std::strcmp(label, "+fnorm-nolim") == 0) {   // the staged norm GEMV on every foldable norm, however big
+            co.fuse_norm_linear = true;
+            co.fuse_norm_max_weight_bytes = INT64_MAX;
+        }
         if (std::strcmp(label, "+fnorm") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_norm_linear = true;
         if (std::strcmp(label, "+fadd") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_add = true;
         const double t0 = now_ms();

@@ -99,10 +99,13 @@ struct cuda_options {
     // 47 KiB stage (decode B=1: K <= 12032). false: the round-1 in-warp prologue at any T (compare mode; it lost
     // 0.27 ms on k3-layers-4, its 7168-wide GEMVs turned compute-bound).
     bool fuse_norm_staged = true;
-    // The planner keeps the norm launch when the LINEARs it would fold into read more weight bytes than this: a folded
-    // norm saves one launch (~5-9 us measured per RMS_NORM at decode), while a 1% slower pass over 1 GiB at ~4.3 TB/s
-    // costs ~2.5 us and a 3% one ~7.5 us: past 1 GiB (k3's lm_head 2.35 GB) the saving is not worth the risk.
-    int64_t fuse_norm_max_weight_bytes = int64_t(1) << 30;
+    // The planner keeps the norm launch when the LINEARs it would fold into read more weight bytes than this. A folded
+    // norm saves one launch, ~5 us (RMS_NORM x62 0.555 ms eager on the 48B); a launch streaming W bytes at ~4.3 TB/s
+    // takes W / 4.3 TB/s, so the fused GEMV may be at most 5 us / that slower before the fusion loses: 8% at 256 MiB,
+    // 2% at 1 GiB. 256 MiB keeps the norm before k3's KDA projections (~0.5 GB per launch), its dense MLP (0.97 GB)
+    // and lm_head (2.35 GB) and the 48B's lm_head (0.75 GB): those gain < 2% and carried round 1's loss; every other
+    // launch folds. bench-cuda-decode pass "+fnorm-nolim" measures the staged kernel without the limit.
+    int64_t fuse_norm_max_weight_bytes = int64_t(256) << 20;
     // SHORT_CONV whose output feeds an L2_NORM per head (the KDA q/k path) with at most 8 tokens: one launch computes
     // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). Off until its H200 run.
     bool fuse_conv_l2 = false;

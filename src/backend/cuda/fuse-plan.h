@@ -11,7 +11,7 @@
 //                     (fuse_norm_staged; the round-1 in-warp prologue otherwise); the same launch writes the norm's
 //                     output for the other consumers and for node-by-node comparison. The norm kernel launch is
 //                     removed. Kept (not folded): min(T, 8) * K * 4 > 47 KiB (the stage), or the LINEARs' weights
-//                     > fuse_norm_max_weight_bytes (1 GiB: one launch saved is not worth a risk on a long pass). The LINEARs run at the norm's
+//                     > fuse_norm_max_weight_bytes (256 MiB: one launch saved is not worth a risk on a long pass). The LINEARs run at the norm's
 //                     position (earlier than in the graph): their only input is the norm's output, and weights are
 //                     bound on demand.
 //   fuse_add          ADD(y, r) with y the output of a LINEAR on the GEMV path (any of the above or a single one):
