@@ -36,6 +36,8 @@ struct opts {
     int fuse = -1;           // cuda_options::fuse_norm_linear, fuse_add, fuse_conv_l2, fuse_sigmoid: -1 the defaults, 0 all off, 1 all on
     int kda_chunk = -1;      // cuda_options::kda_chunk_min_tokens: -1 the default, 0 off, N > 0 the token threshold
     int prefill_fast = -1;   // cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: -1 the defaults, 0 off, N > 0
+    int moe_mma_v2 = -1;     // cuda_options::moe_mma_v2: -1 the default, 0 off, 1 on
+    int moe_v4 = -1;         // cuda_options::moe_decode_v4 + moe_small_v4: -1 the defaults, 0 both off, 1 both on
 };
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -89,6 +91,8 @@ int run_compare(const opts & o) {
     if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
     if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
     if (o.kda_chunk >= 0) co.kda_chunk_min_tokens = o.kda_chunk;
+    if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
+    if (o.moe_v4 >= 0) co.moe_decode_v4 = co.moe_small_v4 = o.moe_v4 != 0;
     if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = co.attn_res_prefill_tokens = o.prefill_fast;
     auto gpu = backend_cuda_init(o.device, co);
     std::printf("compare-backends: model %s, cpu vs cuda (%s), prompt %zu tokens, %d decode steps, NMSE tolerance %.1e\n",
@@ -203,6 +207,12 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
         sub.add_option("--kda-chunk", o->kda_chunk,
                        "cuda_options::kda_chunk_min_tokens: N > 0 the chunked KDA prefill kernel from N tokens, 0 off,"
                        " -1 the default")->capture_default_str();
+        sub.add_option("--moe-mma-v2", o->moe_mma_v2,
+                       "cuda_options::moe_mma_v2 (the pipelined tensor-core expert kernel): 1 on, 0 off, -1 the default")
+            ->capture_default_str();
+        sub.add_option("--moe-v4", o->moe_v4,
+                       "cuda_options::moe_decode_v4 + moe_small_v4 (decode / few-token expert kernels): 1 on, 0 off, -1 the defaults")
+            ->capture_default_str();
         sub.add_option("--prefill-fast", o->prefill_fast,
                        "cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: N > 0 the prefill router GEMM,"
                        " MLA flash kernel, token-parallel SHORT_CONV and float4 ATTN_RES_MIX from N tokens, 0 off, -1 the defaults")->capture_default_str();
