@@ -88,7 +88,7 @@ int run_compare(const opts & o) {
     auto cpu = backend_cpu_init();
     cuda_options co;
     if (o.linear_group >= 0) co.linear_group = o.linear_group != 0;
-    if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
+    if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma, co.moe_mma_large_step = 0;
     if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
     if (o.kda_chunk >= 0) co.kda_chunk_min_tokens = o.kda_chunk;
     if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;

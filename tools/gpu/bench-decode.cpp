@@ -364,7 +364,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         if (pass == 11) co.moe_small_v4 = !defaults.moe_small_v4;     // T > 1 GEMV experts v4 flipped: every batch size
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
-        if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma;
+        if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma, co.moe_mma_large_step = 0;
         if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
         const char * label = labels[pass];
         if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
@@ -556,6 +556,8 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         co.linear_split_bf16 = pass != 1 || o.moe_mma > 0;
         // Without --moe-mma / --kda-chunk every pass keeps the backend's defaults for those switches.
         if (o.moe_mma > 0) co.moe_mma_tokens = pass == 0 ? 0 : o.moe_mma;
+        // an explicit threshold (--moe-mma, the v2-N / v2-1 passes) applies to every step size, the large-step one included
+        if (o.moe_mma > 0 || pass >= 4) co.moe_mma_large_step = 0;
         co.moe_mma_split = pass != 2;
         if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = co.attn_res_prefill_tokens = o.prefill_fast;
         if (o.kda_chunk > 0) co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
@@ -590,7 +592,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     if (!o.profile) return;
     cuda_options cp;
     cp.profile_nodes = true;
-    if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma;
+    if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma, cp.moe_mma_large_step = 0;
     if (o.kda_chunk >= 0) cp.kda_chunk_min_tokens = o.kda_chunk;
     if (o.prefill_fast >= 0) cp.moe_route_gemm_tokens = cp.mla_prefill_tokens = cp.conv_prefill_tokens = cp.attn_res_prefill_tokens = o.prefill_fast;
     if (o.moe_mma_v2 >= 0) cp.moe_mma_v2 = o.moe_mma_v2 != 0;

@@ -55,12 +55,14 @@ struct cuda_options {
     // gate/up per slot with all units of 2 rows in flight per lane; down with the k slots on the 8 warps of one block and
     // the combine summed in shared memory in slot order), E2M1 -> fp16 bit placement. Takes precedence over moe_fp4_v2/v3.
     // Why v3 was slower (its down + combine ran 224 blocks for K3, each warp 8 dependent rounds over the 16 slots): see
-    // moe.cu "Decode v4". Off until its H200 run (bench-cuda-decode pass "dec-v4").
-    bool moe_decode_v4 = false;
+    // moe.cu "Decode v4". On since its H200 run (round 2): test-moe-cuda decode_v4_t1 at the f32 tolerance, compare-backends
+    // --moe-v4 1 PASS on all 14; B=1 graph step 48B 4.646 -> 4.453 ms, k3-layers-4 3.475 -> 3.477 ms (no change).
+    bool moe_decode_v4 = true;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).
-    // Off until its H200 run (bench-cuda-decode pass "small-v4", every batch size).
+    // Off: mixed in its H200 run (round 2, pass "small-v4"): k3-layers-4 B=8 24.58 -> 21.58 ms, but 48B (BF16) B=8 15.11 ->
+    // 15.89 and B=64 52.38 -> 53.62 ms; parity passes (test-moe-cuda small_v4_batch).
     bool moe_small_v4 = false;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
@@ -75,8 +77,16 @@ struct cuda_options {
     // The tensor-core experts, MXFP4/NVFP4 with Din and d_ff multiples of 128: v2 (moe-mma.cu k_moe_mma2: one block per
     // (expert, 256 weight rows) over all the expert's tokens, raw FP4 + scales + activations through a 3-stage cp.async
     // pipeline, A fragments of mma.sync m16n8k16 dequantized from the raw bytes in registers, tokens 8 per mma).
-    // false: v1 (k_moe_mma). Off until its H200 run (parity test-moe-cuda moe_mma_v2_*; speed bench-cuda-decode --prefill).
-    bool moe_mma_v2 = false;
+    // false: v1 (k_moe_mma). On since its H200 run (round 2): test-moe-cuda mma_v2 at the f32 tolerance, compare-backends
+    // --moe-mma-v2 1 PASS on all 14; k3-layers-4 prefill (with the prefill kernels) T=512 87.3 -> 81.6 ms, T=2048 202.2 ->
+    // 180.9 ms at threshold 8.
+    bool moe_mma_v2 = true;
+    // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
+    // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
+    // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens
+    // (threshold 1 there was not measured). 0: off.
+    int moe_mma_large_step = 256;
+    int moe_mma_large_tokens = 1;
     // LINEARs on the GEMV path that read the same input (e.g. a KDA layer's q/k/v/f_a/b/g_a projections) run as one
     // launch over several weight pointers, at the first of them. On since its H200 run (bench/RESULTS.md 2026-11-29,
     // late): compare-backends PASS on all 14 both ways; 48B decode 5.21 -> 4.65 ms. false: one launch per LINEAR.
@@ -118,26 +128,37 @@ struct cuda_options {
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
     // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV
-    // path, moe_route_fast; compare mode). Off until its H200 run proves it.
-    int moe_route_gemm_tokens = 0;
+    // path, moe_route_fast; compare mode). On from 16 tokens (round-2 H200: k3-layers-4 T=2048 MOE_ROUTE x3 40.5 ->
+    // 0.78 ms, compare-backends --prefill-fast 1 PASS on all 14): decode batches below 16 keep the tuned GEMV router.
+    // The ids equal the CPU's up to near ties of the logits (another summation order; test-prefill-cuda's tie rule).
+    int moe_route_gemm_tokens = 16;
     // MLA_ATTN without a selection with at least this many tokens (prefill): the expanded form (cached latent rows
     // gathered, k_nope / v expanded by one cuBLASLt GEMM, split bf16 hi + lo for BF16 kv_b) and a causal flash-attention
     // kernel per (64-token query tile, head) (mla-prefill.cu). Needs dn + dr <= 256, dv <= 128, all multiples of 4; else
-    // the absorbed kernels run. 0: off (the absorbed kernels; compare mode). Off until its H200 run proves it.
-    int mla_prefill_tokens = 0;
+    // the absorbed kernels run. 0: off (the absorbed kernels; compare mode). On from 32 tokens (round-2 H200: k3-layers-4
+    // T=2048 MLA_ATTN 69.8 -> 9.1 ms, compare-backends PASS; 32 = where mla_prefill_pairs_per_row 16 lets a fresh
+    // sequence in anyway: pairs / rows = (T + 1) / 2).
+    int mla_prefill_tokens = 32;
     // ... and only when the step's (token, key) pairs are at least this many times its gathered rows (sum over sequences of
     // pos0 + len): the expansion GEMM reads every cached position once, so batched decode (one token per sequence, pairs
     // ~= rows) stays on the absorbed kernels, a fresh prefill of T tokens (pairs ~ T^2 / 2) takes the new path from T ~ 32.
     // 0: every step with enough tokens (tests).
     int mla_prefill_pairs_per_row = 16;
+    // ... and only while its device buffers fit in this many bytes: the gathered rows, their bf16 split and the expanded
+    // k_nope / v, P x (L * 8 + dr * 4 + H * (dn + dv) * 4) bytes for P gathered positions (K3, 64 heads: ~68 KB a
+    // position, 8 GiB ~ 126K positions). Beyond it the absorbed kernels run (no extra memory); run_mla_prefill itself
+    // refuses a larger step with an error naming this limit.
+    int64_t mla_prefill_max_bytes = int64_t(8) << 30;
     // SHORT_CONV with at least this many tokens (prefill): one thread per (token, channel), the window read from x or the
     // state, then the state write-back (conv-prefill.cu; the same sums as the sequential kernel). 0: off (one thread per
-    // (sequence, channel) walking its tokens; compare mode). Off until its H200 run proves it.
-    int conv_prefill_tokens = 0;
+    // (sequence, channel) walking its tokens; compare mode). On from 16 tokens (round-2 H200: SHORT_CONV 11.5 -> 2.0 ms
+    // at T=2048, compare-backends PASS); decode batches below 16 keep the sequential kernel (and fuse_conv_l2's).
+    int conv_prefill_tokens = 16;
     // ATTN_RES_MIX with at least this many rows (prefill): scores by a warp per (row, candidate) with float4 loads (no
     // block barriers), the mix with float4 and the softmax weights formed once per block (attn-res-prefill.cu). Needs
-    // D % 4 == 0 and 16-byte aligned inputs, else the split kernels run. 0: off (compare mode). Off until its H200 run.
-    int attn_res_prefill_tokens = 0;
+    // D % 4 == 0 and 16-byte aligned inputs, else the split kernels run. 0: off (compare mode). On from 16 rows (round-2
+    // H200: ATTN_RES_MIX 15.5 -> 1.2 ms at T=2048, compare-backends PASS); decode batches below 16 keep the old kernels.
+    int attn_res_prefill_tokens = 16;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

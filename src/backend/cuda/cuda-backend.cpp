@@ -787,7 +787,7 @@ private:
                 const bool has_sel = n.src.size() > 5 && n.src[5].valid();
                 if (opt_.mla_prefill_tokens > 0 && !has_sel && x.shape.at(0) >= opt_.mla_prefill_tokens &&
                     (w_in(n, 3).type == wtype::BF16 || w_in(n, 3).type == wtype::F32) && cuda::mla_prefill_smem(d) > 0 &&
-                    mla_prefill_pays(*g.b)) {
+                    mla_prefill_pays(*g.b) && mla_prefill_bytes(*g.b, d) <= opt_.mla_prefill_max_bytes) {
                     run_mla_prefill(g, n, d, y);
                     break;
                 }
@@ -880,7 +880,9 @@ private:
                                                                    cuda::dmoe_opts{opt_.moe_fp4_v2, opt_.moe_fp4_v3,
                                                                                    opt_.moe_mma_tokens, opt_.moe_mma_split,
                                                                                    opt_.moe_mma_v2,
-                                                                                   opt_.moe_decode_v4, opt_.moe_small_v4}));
+                                                                                   opt_.moe_decode_v4, opt_.moe_small_v4,
+                                                                                   opt_.moe_mma_large_step,
+                                                                                   opt_.moe_mma_large_tokens}));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,
@@ -1032,11 +1034,22 @@ private:
         }
         return pairs >= int64_t(opt_.mla_prefill_pairs_per_row) * rows;
     }
+    // Device bytes run_mla_prefill allocates for the step: cg (L f32), its bf16 hi + lo (L * 4), krg (dr f32) and the
+    // expanded kv (H * (dn + dv) f32) per gathered position (cuda_options::mla_prefill_max_bytes bounds it).
+    static int64_t mla_prefill_bytes(const batch & hb, const cuda::mla_shape & d) {
+        int64_t P = 0;
+        for (int s = 0; s < hb.n_seq(); ++s) P += hb.pos0[size_t(s)] + hb.seq_len(s);
+        const int64_t M = d.n_head * (d.head_dim_nope + d.head_dim_v);
+        return P * (d.kv_lora_rank * 8 + d.head_dim_rope * 4 + M * 4);
+    }
     void run_mla_prefill(const graph & g, const node & n, const cuda::mla_shape & d, float * y) {
         const batch & hb = *g.b;
         int64_t P = 0;   // positions 0..pos0+len-1 of every sequence, packed by sequence
         for (int s = 0; s < hb.n_seq(); ++s) P += hb.pos0[size_t(s)] + hb.seq_len(s);
         const int64_t L = d.kv_lora_rank, dr = d.head_dim_rope, M = d.n_head * (d.head_dim_nope + d.head_dim_v);
+        PG_CHECK(mla_prefill_bytes(hb, d) <= opt_.mla_prefill_max_bytes,
+                 "{}: mla_attn prefill of {} gathered positions needs {} device bytes, over cuda_options::mla_prefill_max_bytes "
+                 "{}", n.name, P, mla_prefill_bytes(hb, d), opt_.mla_prefill_max_bytes);
         PG_CHECK(w_in(n, 3).type == wtype::F32 || w_in(n, 3).type == wtype::BF16, "mla_attn prefill: kv_b must be F32 or BF16");
         PG_CHECK(shape_numel(in(n, 3).shape) == M * L, "kv_b {} for {} heads x {} wide x {} latent", shape_str(in(n, 3).shape),
                  d.n_head, d.head_dim_nope + d.head_dim_v, L);

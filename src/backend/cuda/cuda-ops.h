@@ -144,6 +144,8 @@ struct dmoe_opts {
     bool mma_v2 = false;    // tensor-core experts, MXFP4/NVFP4 with K % 128 == 0: k_moe_mma2 (moe-mma.cu); false: v1
     bool dec_v4 = false;    // T == 1, BF16/MXFP4, k <= 32: the v4 kernels (no grouping; down + combine, slots on warps)
     bool small_v4 = false;  // T > 1, BF16/MXFP4 GEMV experts: the v4 kernels (each row read once for up to 8 tokens)
+    int mma_large_step = 0;        // > 0: steps of at least this many tokens use mma_large_tokens instead of mma_tokens
+    int mma_large_tokens = 0;      //   (the tensor-core threshold of prefill-sized steps)
 };
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,

@@ -1194,7 +1194,10 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
                                        const dmoe_opts & o) {
     const int64_t S = T * k;
-    const int mma_tokens = o.mma_tokens;
+    // Prefill-sized steps may use a lower tensor-core threshold (cuda_options::moe_mma_large_step / _tokens): there most
+    // experts have a few tokens and the GEMV kernels re-read each row per token chunk.
+    const int mma_tokens = o.mma_large_step > 0 && o.mma_large_tokens > 0 && T >= o.mma_large_step ? o.mma_large_tokens
+                                                                                                     : o.mma_tokens;
     if (S == 0) return cudaGetLastError();
     if (E > 1024 || vfmt < 1 || vfmt > 3) return cudaErrorInvalidValue;
     const int64_t A = S < E ? S : E;
