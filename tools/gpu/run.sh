@@ -78,12 +78,15 @@ done
 if ! skip compare; then
   log "4. compare-backends (CPU vs CUDA node by node; greedy tokens)"
   IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(70)))')
+  # COMPARE_LONG=1: a 300-token prompt too (prefill-sized steps: the large-step expert threshold, the MLA/conv/AttnRes
+  # prefill kernels' long paths, several KDA chunks)
+  IDS_LONG=$(python3 -c 'print(",".join(str((i*53+7)%250) for i in range(300)))')
   mkdir -p /tmp/pg-models
   for p in k3-tiny k31-tiny kimi-linear-tiny; do
     [[ -d /tmp/pg-models/$p ]] || $BIN/perigee synth --preset $p --out /tmp/pg-models/$p >>"$OUT/synth.log" 2>&1
   done
   for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/; do
-    for ids in "$IDS" "5,9,200"; do
+    for ids in "$IDS" "5,9,200" ${COMPARE_LONG:+"$IDS_LONG"}; do
       $BIN/perigee compare-backends --model "$m" --ids "$ids" --decode 6 >>"$OUT/compare.log" 2>&1 || status=1
       echo "$m ($(echo "$ids" | tr ',' '\n' | wc -l) prompt tokens): $(grep -E '^compare-backends: (PASS|FAIL)|^error|Error' "$OUT/compare.log" | tail -1)" | tee -a "$OUT/summary.log"
       if [[ -n ${COMPARE_MMA:-} ]]; then
