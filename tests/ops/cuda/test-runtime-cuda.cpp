@@ -430,4 +430,155 @@ TEST(runtime_cuda, unknown_backend_is_named) {
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The serve smoke's chat on CUDA (round 2, H200): `perigee serve --backend cuda` gave sampled-token logprobs 0.148 away
+// from `--backend cpu` before any token differed, while compare-backends on the same 167 ids (per-node copies: a
+// stream sync after every node; all logits rows; 1 slot) agreed to NMSE 1e-11. This replays the server's exact
+// configuration (runner: n_slots = max_num_seqs 2, max_tokens = max_model_len 512 -> 64 pages; engine: 2 seqs, 512,
+// budget 512, no prefix caching; greedy, logprobs 2) and bisects what differs from compare-backends, each variant vs
+// the CPU engine, printing the first generated token whose logprob differs by > 1e-3 and that step's batch layout:
+//   engine-cold      the server's engine, first request on a fresh runner (what the smoke ran)
+//   engine-warm      the same request again on the same engine (slot 0 again, other pages, warm caches)
+//   engine-L256      the engine with test-runtime-cuda's other long-prompt configuration (32 pages)
+//   rows-nosync      runner.step_rows loop (logits_rows = last token), no engine, fresh runner, no per-node sync
+//   all-nosync       runner.step loop (every logits row, like compare-backends), fresh runner, no per-node sync
+//   all-sync         runner.step loop with a no-op node callback (a stream sync + copy after every node: compare-backends)
+// A variant that fails while all-sync passes points at a missing stream ordering (a race) or a first-run path; one
+// that fails only in the engine points at the runtime. The ids are `perigee render --model models/default --messages
+// chat-msg.json` ({"messages":[{"role":"user","content":"Speak of the king and the crown."}]}, thinking on).
+const std::vector<int32_t> k_chat_ids = {
+    3843, 76,   385,  727,  715,  314,  28,   1,    82,   88,   301,  495,  1,    2068, 596,  28,   1,    3447, 299,  12,
+    728,  1174, 1,    3845, 63,   3447, 299,  62,   728,  1174, 63,   1081, 1787, 373,  666,  751,  291,  722,  312,  343,
+    722,  299,  1229, 77,   583,  220,  7,    730,  3574, 1055, 299,  266,  1027, 79,   277,  309,  1229, 77,   583,  8,
+    11,   1751, 564,  319,  1627, 1634, 3574, 3049, 220,  63,   75,   303,  63,   11,   220,  63,   2715, 72,   536,  63,
+    11,   220,  63,   378,  328,  63,   11,   302,  220,  63,   76,   64,   87,   63,   342,  799,  266,  260,  88,   301,
+    495,  330,  312,  1879, 3144, 341,  220,  63,   3447, 299,  62,   728,  1174, 28,   76,   64,   87,   63,   13,   3844,
+    76,   385,  727,  3845, 3842, 3843, 76,   385,  727,  715,  314,  28,   1,    394,  274,  1,    3845, 2455, 300,  266,
+    514,  302,  266,  969,  13,   3844, 76,   385,  727,  3845, 3842, 3843, 76,   385,  727,  715,  314,  28,   1,    899,
+    744,  454,  1,    3845, 3843, 3447, 3845};
+
+// Greedy tokens + raw log-softmax logprob/margin of a row (double accumulation; ties to the lower id like the sampler).
+void greedy_lp(const float * row, int64_t V, result & r) {
+    int64_t a = 0, b = -1;
+    for (int64_t i = 1; i < V; ++i)
+        if (row[i] > row[a]) a = i;
+    for (int64_t i = 0; i < V; ++i)
+        if (i != a && (b < 0 || row[i] > row[b])) b = i;
+    double s = 0;
+    for (int64_t i = 0; i < V; ++i) s += std::exp(double(row[i]) - double(row[a]));
+    r.tokens.push_back(int32_t(a));
+    r.logprob.push_back(float(-std::log(s)));
+    r.margin.push_back(float(double(row[a]) - double(row[b])));
+}
+
+// The runner without the engine: slot 0, pages 0.., the prompt in one step, then n - 1 greedy decode steps.
+result manual_run(model_runner & r, const std::vector<int32_t> & prompt, int n, bool rows_only, bool sync_every_node) {
+    result out;
+    r.zero_slot(0);
+    const int ps = r.state().page_size;
+    std::vector<int32_t> pages;
+    for (int p = 0; p * ps < int(prompt.size()) + n; ++p) pages.push_back(p);
+    std::vector<int32_t> feed = prompt;
+    int n_past = 0;
+    const int64_t V = r.config().vocab_size;
+    const backend::node_callback noop = [](const graph &, int, const std::vector<tensor> &) {};
+    for (int i = 0; i < n; ++i) {
+        auto b = std::make_shared<batch>();
+        b->ids = feed;
+        b->seq_start = {0, int32_t(feed.size())};
+        b->pos0 = {n_past};
+        b->slot = {0};
+        b->page_size = ps;
+        b->block_table = {pages};
+        tensor lg;
+        if (rows_only) {
+            b->logits_rows = {int32_t(feed.size()) - 1};
+            lg = r.step_rows(b);
+        } else {
+            lg = r.step(b, sync_every_node ? noop : backend::node_callback{});
+        }
+        greedy_lp(lg.f32() + (lg.dim(0) - 1) * lg.dim(1), V, out);
+        n_past += int(feed.size());
+        feed = {out.tokens.back()};
+    }
+    out.why = finish_reason::LENGTH;
+    return out;
+}
+
+// First generated token whose logprob differs by > tol (or whose token differs); -1 when none.
+int first_lp_difference(const result & ref, const result & x, double tol) {
+    const size_t n = std::min(ref.tokens.size(), x.tokens.size());
+    for (size_t j = 0; j < n; ++j)
+        if (ref.tokens[j] != x.tokens[j] || std::fabs(double(ref.logprob[j]) - double(x.logprob[j])) > tol) return int(j);
+    return ref.tokens.size() == x.tokens.size() ? -1 : int(n);
+}
+
+TEST(runtime_cuda, serve_chat_replay_matches_cpu) {
+    NEED_GPU();
+    const std::string dir = k_root + "/models/default";
+    const int N = 40, L = 512, P = int(k_chat_ids.size());
+    const double tol = 1e-3;
+    ASSERT_EQ(P, 167);
+    model_runner rc(dir, ropts("cpu", 2, L));
+    const engine_run c = run_engine(rc, eopts(2, L, 512), {k_chat_ids}, N, true);
+    const result & ref = c.res[0];
+    std::printf("[measure] serve chat replay: cpu engine tokens");
+    for (int32_t t : ref.tokens) std::printf(" %d", t);
+    std::printf("\n");
+    // Control for the comparator: a perturbed logprob must be found.
+    result bad = ref;
+    bad.logprob[5] += 0.01f;
+    EXPECT_EQ(first_lp_difference(ref, bad, tol), 5) << "control: a perturbed logprob at token 5 was not found";
+
+    std::vector<std::pair<std::string, result>> runs;
+    {
+        model_runner rg(dir, ropts("cuda", 2, L));
+        const engine_run g = run_engine(rg, eopts(2, L, 512), {k_chat_ids, k_chat_ids}, N, true);
+        runs.push_back({"engine-cold", g.res[0]});
+        runs.push_back({"engine-warm", g.res[1]});
+    }
+    {
+        model_runner rg(dir, ropts("cuda", 2, 256));
+        runs.push_back({"engine-L256", run_engine(rg, eopts(2, 256, 512), {k_chat_ids}, N, true).res[0]});
+    }
+    {
+        model_runner rg(dir, ropts("cuda", 2, L));
+        runs.push_back({"rows-nosync", manual_run(rg, k_chat_ids, N, true, false)});
+    }
+    {
+        model_runner rg(dir, ropts("cuda", 2, L));
+        runs.push_back({"all-nosync", manual_run(rg, k_chat_ids, N, false, false)});
+    }
+    {
+        model_runner rg(dir, ropts("cuda", 2, L));
+        runs.push_back({"all-sync", manual_run(rg, k_chat_ids, N, false, true)});
+    }
+    {
+        // The CPU without the engine: the manual loop's own check (must equal the CPU engine).
+        model_runner rc2(dir, ropts("cpu", 2, L));
+        runs.push_back({"cpu-rows-manual", manual_run(rc2, k_chat_ids, N, true, false)});
+    }
+    for (const auto & [name, x] : runs) {
+        const int j = first_lp_difference(ref, x, tol);
+        double worst = 0;
+        for (size_t k = 0; k < std::min(ref.tokens.size(), x.tokens.size()) && ref.tokens[k] == x.tokens[k]; ++k)
+            worst = std::max(worst, std::fabs(double(ref.logprob[k]) - double(x.logprob[k])));
+        if (j < 0) {
+            std::printf("[measure] serve chat replay %-15s: %d tokens, logprobs within %g of the cpu engine (worst %.3g)\n",
+                        name.c_str(), N, tol, worst);
+        } else {
+            const std::string layout = j == 0 ? fmt::format("the prefill step: {} tokens at pos 0, slot 0, logits row {}", P, P - 1)
+                                              : fmt::format("decode step {}: 1 token at pos {}, slot 0", j, P + j - 1);
+            std::printf("[measure] serve chat replay %-15s: FIRST DIFFERENCE at generated token %d (%s): cpu token %d lp %.6f "
+                        "margin %.4f, cuda token %d lp %.6f margin %.4f; worst |lp diff| over equal tokens %.3g\n",
+                        name.c_str(), j, layout.c_str(), ref.tokens[size_t(j)], ref.logprob[size_t(j)], ref.margin[size_t(j)],
+                        x.tokens.size() > size_t(j) ? x.tokens[size_t(j)] : -1,
+                        x.logprob.size() > size_t(j) ? x.logprob[size_t(j)] : NAN,
+                        x.margin.size() > size_t(j) ? x.margin[size_t(j)] : NAN, worst);
+        }
+        EXPECT_EQ(j, -1) << name << ": logprobs differ from the cpu engine by > " << tol << " (first at generated token " << j << ")";
+    }
+}
+
 } // namespace
