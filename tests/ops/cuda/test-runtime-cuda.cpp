@@ -440,6 +440,7 @@ TEST(runtime_cuda, unknown_backend_is_named) {
 // the CPU engine, printing the first generated token whose logprob differs by > 1e-3 and that step's batch layout:
 //   engine-cold      the server's engine, first request on a fresh runner (what the smoke ran)
 //   engine-warm      the same request again on the same engine (slot 0 again, other pages, warm caches)
+//   engine-prewarmed a fresh runner warmed by a 1-token forward + cudaDeviceSynchronize, then the engine (cold-start race?)
 //   engine-L256      the engine with test-runtime-cuda's other long-prompt configuration (32 pages)
 //   rows-nosync      runner.step_rows loop (logits_rows = last token), no engine, fresh runner, no per-node sync
 //   all-nosync       runner.step loop (every logits row, like compare-backends), fresh runner, no per-node sync
@@ -549,6 +550,15 @@ TEST(runtime_cuda, serve_chat_replay_matches_cpu) {
         runs.push_back({"engine-warm", g.res[1]});
     }
     {
+        // A fresh runner whose leaves (weights, state pools) were all uploaded by a 1-token warm-up forward and a
+        // device-wide sync before the engine's first step: passes where engine-cold fails = a first-use upload that
+        // the non-blocking stream does not wait for (a pageable cudaMemcpy on the legacy stream).
+        model_runner rg(dir, ropts("cuda", 2, L));
+        (void)manual_run(rg, {k_chat_ids[0]}, 1, true, false);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        runs.push_back({"engine-prewarmed", run_engine(rg, eopts(2, L, 512), {k_chat_ids}, N, true).res[0]});
+    }
+    {
         model_runner rg(dir, ropts("cuda", 2, 256));
         runs.push_back({"engine-L256", run_engine(rg, eopts(2, 256, 512), {k_chat_ids}, N, true).res[0]});
     }
@@ -570,12 +580,12 @@ TEST(runtime_cuda, serve_chat_replay_matches_cpu) {
         for (size_t k = 0; k < std::min(ref.tokens.size(), x.tokens.size()) && ref.tokens[k] == x.tokens[k]; ++k)
             worst = std::max(worst, std::fabs(double(ref.logprob[k]) - double(x.logprob[k])));
         if (j < 0) {
-            std::printf("[measure] serve chat replay %-15s: %d tokens, logprobs within %g of the cpu engine (worst %.3g)\n",
+            std::printf("[measure] serve chat replay %-16s: %d tokens, logprobs within %g of the cpu engine (worst %.3g)\n",
                         name.c_str(), N, tol, worst);
         } else {
             const std::string layout = j == 0 ? fmt::format("the prefill step: {} tokens at pos 0, slot 0, logits row {}", P, P - 1)
                                               : fmt::format("decode step {}: 1 token at pos {}, slot 0", j, P + j - 1);
-            std::printf("[measure] serve chat replay %-15s: FIRST DIFFERENCE at generated token %d (%s): cpu token %d lp %.6f "
+            std::printf("[measure] serve chat replay %-16s: FIRST DIFFERENCE at generated token %d (%s): cpu token %d lp %.6f "
                         "margin %.4f, cuda token %d lp %.6f margin %.4f; worst |lp diff| over equal tokens %.3g\n",
                         name.c_str(), j, layout.c_str(), ref.tokens[size_t(j)], ref.logprob[size_t(j)], ref.margin[size_t(j)],
                         x.tokens.size() > size_t(j) ? x.tokens[size_t(j)] : -1,
