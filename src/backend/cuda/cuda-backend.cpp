@@ -518,12 +518,27 @@ private:
         return t;
     }
 
+    // Host -> device copy of a leaf (weight, state, expert table) ordered before everything later on st_: a plain
+    // cudaMemcpy runs on the legacy default stream, which does not order the non-blocking st_, and from pageable
+    // memory it may return before its DMA lands ("API synchronization behavior": "the DMA to final destination may
+    // not have completed"); a kernel on st_ could then read the allocation's old contents (test-fuse-cuda round 2:
+    // K7168/F32/T8, every LINEAR output 0). On st_ and synchronized: complete before the first reader. Never inside
+    // a capture (the eager run before it uploads every leaf).
+    void upload(void * dst, const void * src, size_t bytes) {
+        if (!bytes) return;
+        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        PG_CUDA_CHECK(cudaStreamIsCapturing(st_, &cap));
+        PG_CHECK(cap == cudaStreamCaptureStatusNone, "upload of {} bytes during a stream capture (a leaf the eager run did not bind)",
+                 bytes);
+        PG_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st_));
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+    }
     const void * weight_dev(const tensor & t) {
         auto it = weights_.find(t.data);
         if (it != weights_.end()) return it->second;
         void * p = nullptr;
         PG_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes, 16)));
-        if (t.nbytes) PG_CUDA_CHECK(cudaMemcpy(p, t.data, t.nbytes, cudaMemcpyHostToDevice));
+        upload(p, t.data, t.nbytes);
         weights_[t.data] = p;
         weight_bytes_ += t.nbytes;
         return p;
@@ -533,7 +548,7 @@ private:
         if (it != states_.end()) return static_cast<float *>(it->second);
         void * p = nullptr;
         PG_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes, 16)));
-        if (t.nbytes) PG_CUDA_CHECK(cudaMemcpy(p, t.data, t.nbytes, cudaMemcpyHostToDevice));
+        upload(p, t.data, t.nbytes);
         states_[&t] = p;
         return static_cast<float *>(p);
     }
@@ -1180,7 +1195,7 @@ private:
         expert_vfmt_[key] = vfmt;
         void * d = nullptr;
         PG_CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(cuda::dexpert)));
-        PG_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice));
+        upload(d, h.data(), h.size() * sizeof(cuda::dexpert));
         expert_tables_[key] = d;
         return static_cast<const cuda::dexpert *>(d);
     }

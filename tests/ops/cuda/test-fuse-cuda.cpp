@@ -36,12 +36,19 @@ bool have_gpu() {
 #define NEED_GPU() \
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA fusion tests need the GPU machine"
 
+// Every fusion switch set explicitly (the defaults turn them on since round 2): the "unfused" runs stay unfused
+// whatever backend-cuda.h says; cases that test fuse_conv_l2 / fuse_sigmoid set those after this.
 cuda_options fuse_opts(bool norm, bool add, bool guard = true, bool staged = true) {
     cuda_options o;
     o.guard = guard;
+    o.gemv_max_tokens = 8;
+    o.linear_group = true;
     o.fuse_norm_linear = norm;
     o.fuse_add = add;
     o.fuse_norm_staged = staged;
+    o.fuse_norm_max_weight_bytes = int64_t(256) << 20;
+    o.fuse_conv_l2 = false;
+    o.fuse_sigmoid = false;
     return o;
 }
 // Whether the planner folds a norm over [T, K] with the staged prologue (fuse-plan.h: min(T, 8) rows of x' in 47 KiB).
@@ -298,6 +305,14 @@ TEST(cuda_fuse, residual_add_into_gemv_epilogue) {
                     bool ok = false;
                     auto gpu = gpu_check(m, ag.g, ag.outs, ref, fuse_opts(norm, add), ok);
                     EXPECT_TRUE(ok) << m;
+                    {   // x = scale(x_leaf, 1) bitwise equal to the leaf: tells a leaf-upload fault from a GEMV fault
+                        const node_ref x = ag.g.nodes[size_t(ag.outs[0].node)].src[0];
+                        const auto xh = as_f32(*ag.g.at(ag.g.nodes[size_t(x.node)].src[0]).leaf), xg = read_f32(*gpu, x);
+                        const bool xb = xg.size() == xh.size() && std::memcmp(xg.data(), xh.data(), xh.size() * 4) == 0;
+                        if (!xb) std::printf("[%s/x] DIFFERS from the uploaded leaf\n", m.c_str());
+                        EXPECT_TRUE(xb) << m;
+                        tally(xb);
+                    }
                     // folds: z1, z2, z3 (chain), z5 (group segment), z6 (norm launch or its own); z4 never (late r)
                     const int want = add ? 5 : 0;
                     EXPECT_EQ(gpu->fused_adds(), want) << m;
@@ -314,6 +329,47 @@ TEST(cuda_fuse, residual_add_into_gemv_epilogue) {
                     }
                 }
             }
+}
+
+// Round 2 regression: K7168 / F32 weights / T8 failed in its 2nd and 3rd backend of the case, fusions off included (every
+// LINEAR output 0, the z outputs = the residuals): the leaves were uploaded by cudaMemcpy on the legacy stream, which
+// does not order the backend's non-blocking stream, and a pageable copy may return before its DMA lands, so the
+// first kernel could read x's allocation before the upload (cuda-backend.cpp upload()). Here: backends in a row on
+// the same shapes, each after a decoy backend whose leaves hold other values (a stale read returns wrong values, not
+// the right ones by luck), all fusions off and all on; x = scale(x_leaf, 1) must equal the leaf bitwise, every output
+// the CPU's. Control: the decoy's x against this graph's x must differ.
+TEST(cuda_fuse, leaf_upload_ordered_across_backends) {
+    NEED_GPU();
+    const int K = 7168, T = 8;
+    rng r(9350), rd(9351);
+    add_graph ag, decoy;
+    build_add_graph(ag, r, T, K, dtype::F32);
+    build_add_graph(decoy, rd, T, K, dtype::F32);
+    const auto ref = cpu_outputs(ag.g, ag.outs);
+    const node_ref x = ag.g.nodes[size_t(ag.outs[0].node)].src[0];   // y1 = linear(x, w1)
+    const tensor & xl = *ag.g.at(ag.g.nodes[size_t(x.node)].src[0]).leaf;
+    const std::vector<float> xh = as_f32(xl);
+    std::vector<float> xdecoy;
+    for (int rep = 0; rep < 4; ++rep) {
+        const bool fused = rep % 2 == 1;
+        const std::string m = fmt::format("leaf_upload/K{}/F32/T{}/rep{}/{}", K, T, rep, fused ? "fused" : "unfused");
+        cuda_options o = fuse_opts(fused, fused, true, true);
+        o.fuse_conv_l2 = o.fuse_sigmoid = fused;
+        {
+            auto d = backend_cuda_init(0, o);
+            d->run(decoy.g);
+            if (xdecoy.empty()) xdecoy = read_f32(*d, decoy.g.nodes[size_t(decoy.outs[0].node)].src[0]);
+        }
+        bool ok = false;
+        auto gpu = gpu_check(m, ag.g, ag.outs, ref, o, ok);
+        EXPECT_TRUE(ok) << m;
+        const auto xg = read_f32(*gpu, x);
+        const bool xb = xg.size() == xh.size() && std::memcmp(xg.data(), xh.data(), xh.size() * 4) == 0;
+        std::printf("[%s/x] %s\n", m.c_str(), xb ? "bitwise equal to the uploaded leaf" : "DIFFERS from the uploaded leaf");
+        EXPECT_TRUE(xb) << m;
+        tally(xb);
+        if (rep == 0) must_fail(m + "/control(decoy x vs x)", xh, xdecoy);
+    }
 }
 
 // The fused launches inside a CUDA graph: replay equals the eager run bitwise, and the counters are the same.

@@ -738,6 +738,74 @@ TEST(cuda_ops, linear_group_same_input) {
     }
 }
 
+// Wide GEMV LINEARs (K 7168: K3's hidden width) with F32 and BF16 weights at T 1 and 8 (the GEMV path's edge), plain and
+// after an RMS_NORM, with every fusion switch explicitly off and explicitly on (the defaults turn them on since round 2),
+// each run in a fresh backend after a decoy backend of the same shapes and other values (round 2's K7168/F32/T8 failure:
+// a leaf read before its upload landed gave all-zero LINEARs in the 2nd and later backends of a case). x must come back
+// bitwise equal to its leaf.
+TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
+    NEED_GPU();
+    const int K = 7168, O = 2304;
+    for (dtype wt : {dtype::F32, dtype::BF16})
+        for (int T : {1, 8}) {
+            auto build = [&](arena & a, uint32_t seed, std::vector<node_ref> & ys, node_ref & xr, std::vector<float> & xv) {
+                rng r(seed);
+                builder bd(batch_simple(T));
+                xv = r.vec(size_t(T) * K);
+                auto w1 = r.vec(size_t(O) * K, -0.03f, 0.03f), w2 = r.vec(size_t(O) * K, -0.03f, 0.03f);
+                auto nv = r.vec(size_t(K), 0.8f, 1.2f);
+                xr = bd.name(bd.scale(bd.weight(a.f32({T, K}, xv), "x_leaf"), 1.0f), "x");
+                ys = {bd.name(bd.linear(xr, bd.weight(a.typed(wt, {O, K}, w1), "w1")), "lin_plain")};
+                const node_ref h = bd.name(bd.rms_norm(xr, bd.weight(a.f32({K}, nv), "nw"), 1e-5f), "h");
+                ys.push_back(bd.name(bd.linear(h, bd.weight(a.typed(wt, {O, K}, w2), "w2")), "lin_after_norm"));
+                return bd.finish(bd.name(bd.add(ys[0], ys[1]), "sum"));
+            };
+            arena a, ad;
+            std::vector<node_ref> ys, yd;
+            node_ref xr, xd;
+            std::vector<float> xv, xdv;
+            const uint32_t seed = 7100 + uint32_t(T) + (wt == dtype::F32 ? 0u : 50u);
+            graph g = build(a, seed, ys, xr, xv);
+            graph gd = build(ad, seed + 1, yd, xd, xdv);
+            std::vector<out_check> oc;
+            for (auto & y : ys) oc.push_back({y, metric::NMSE, k_tol_f32});
+            for (int on = 0; on < 2; ++on) {
+                const std::string nm = fmt::format("linear_wide/{}/K{}/T{}/fusions-{}", dtype_name(wt), K, T, on ? "on" : "off");
+                cuda_options o{true, 8};
+                o.linear_group = on != 0;
+                o.fuse_norm_linear = o.fuse_add = o.fuse_conv_l2 = o.fuse_sigmoid = on != 0;
+                o.fuse_norm_staged = true;
+                o.fuse_norm_max_weight_bytes = int64_t(256) << 20;
+                {
+                    auto d = backend_cuda_init(0, o);   // the decoy: other values in allocations of the same sizes
+                    d->run(gd);
+                }
+                EXPECT_TRUE(parity(nm, g, oc, {}, o)) << nm;
+                auto gpu = backend_cuda_init(0, o);
+                gpu->run(g);
+                const auto xg = read_f32(*gpu, xr);
+                const bool xb = xg.size() == xv.size() && std::memcmp(xg.data(), xv.data(), xv.size() * 4) == 0;
+                std::printf("[%s/x] %s\n", nm.c_str(), xb ? "bitwise equal to its leaf" : "DIFFERS from its leaf");
+                EXPECT_TRUE(xb) << nm;
+                tally(xb);
+                const int folded = on && int64_t(T) * K * 4 <= 47 * 1024 ? 1 : 0;   // the staged norm fold (47 KiB stage)
+                EXPECT_EQ(gpu->fused_norms(), folded) << nm;
+                tally(gpu->fused_norms() == folded);
+                std::printf("[%s] fused_norms %d (want %d)\n", nm.c_str(), gpu->fused_norms(), folded);
+                if (T == 8 && on == 0) {
+                    auto cpu = backend_cpu_init();
+                    cpu->run(g);
+                    controls(nm + "/lin_plain", read_f32(*cpu, ys[0]), read_f32(*gpu, ys[0]), metric::NMSE, k_tol_f32);
+                    // control: the decoy's x (other values) against this x must fail
+                    const bool same = check(nm + "/control(decoy x vs x)", to_f64(xv), xdv, metric::NMSE, k_tol_f32);
+                    std::printf("[%s/control(decoy x vs x)] (must FAIL) %s\n", nm.c_str(), same ? "PASSED - BAD" : "FAILED as required");
+                    EXPECT_FALSE(same);
+                    tally(!same);
+                }
+            }
+        }
+}
+
 TEST(cuda_ops, unsupported_is_an_error_naming_the_node) {
     NEED_GPU();
     arena a;
