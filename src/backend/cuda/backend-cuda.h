@@ -102,8 +102,9 @@ struct cuda_options {
     int kda_chunk_min_tokens = 64;
     // RMS_NORM over whole rows whose output feeds LINEAR(s) on the GEMV path: the norm node launches those GEMVs with
     // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
-    // the same launch; the norm kernel launch is removed (fuse-plan.h). Off until its H200 run proves it.
-    bool fuse_norm_linear = false;
+    // the same launch; the norm kernel launch is removed (fuse-plan.h). On since the H200 round 2 (bench/RESULTS.md): all four decode fusions
+    // together ("+fall") k3-layers-4 B=1 3.475 -> 3.445 ms, 48B 4.646 -> 4.252 ms; compare-backends --fuse 1 PASS on all 14.
+    bool fuse_norm_linear = true;
     // The folded norm's prologue staged once per block in shared memory (x' = x * inv_rms * w), the GEMV inner loop
     // unchanged (linear.cu k_linear_gemv_norm_staged); the planner folds only when min(T, 8) * K * 4 bytes fit the
     // 47 KiB stage (decode B=1: K <= 12032). false: the round-1 in-warp prologue at any T (compare mode; it lost
@@ -117,14 +118,16 @@ struct cuda_options {
     // launch folds. bench-cuda-decode pass "+fnorm-nolim" measures the staged kernel without the limit.
     int64_t fuse_norm_max_weight_bytes = int64_t(256) << 20;
     // SHORT_CONV whose output feeds an L2_NORM per head (the KDA q/k path) with at most 8 tokens: one launch computes
-    // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). Off until its H200 run.
-    bool fuse_conv_l2 = false;
+    // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). On (round 2: +fconv 48B
+    // 4.646 -> 4.605 ms, k3 3.475 -> 3.469).
+    bool fuse_conv_l2 = true;
     // SIGMOID over the output of a LINEAR on the GEMV path (the KDA beta): the GEMV epilogue writes sigmoid(y) too; the
-    // SIGMOID launch is removed (fuse-plan.h). Off until its H200 run.
-    bool fuse_sigmoid = false;
+    // SIGMOID launch is removed (fuse-plan.h). On (round 2: +fsig 48B 4.646 -> 4.599 ms, k3 3.475 -> 3.462).
+    bool fuse_sigmoid = true;
     // ADD(y, r) after a LINEAR y on the GEMV path (and a second ADD of that sum): the GEMV epilogue writes y, y + r
-    // (and y + r + r2); the ADD launches are removed (fuse-plan.h). Off until its H200 run proves it.
-    bool fuse_add = false;
+    // (and y + r + r2); the ADD launches are removed (fuse-plan.h). On (round 1 and 2: never slower; 48B -0.09 to -0.10
+    // ms, k3 -0.01 ms).
+    bool fuse_add = true;
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
     // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV
