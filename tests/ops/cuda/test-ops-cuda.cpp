@@ -366,6 +366,96 @@ TEST(cuda_ops, mla_paged_causal_and_selected_with_indexer) {
     }
 }
 
+// INDEXER_TOPK past one selection block (256 threads) with massive EXACT ties: every qi/ki entry is in {-2..2},
+// wi in {-1, 0.5, 1, 2} and the scale 0.25, so every score is exact in fp32 whatever the summation order (the CPU's
+// sequential dot vs the kernel's warp tree): the two backends see bitwise-equal scores and must select the same
+// positions exactly (tie rule: lowest positions win at theta). Keys repeat 5 patterns, so most scores are tied, and
+// relu zeros give ties at theta = 0. Pages are handed out in reverse order. Control: moving one tied selection to the
+// next equal-score position must fail the exact comparison; and the ties must straddle theta in most tokens.
+TEST(cuda_ops, indexer_topk_exact_ties_long) {
+    NEED_GPU();
+    for (int T : {257, 300, 600}) {
+        for (int topk : {8, 64}) {
+            const int I = 2, di = 16, ps = 16, pages = (T + ps - 1) / ps;
+            rng r(7100 + uint32_t(T) + uint32_t(topk));
+            arena a;
+            auto b = batch_seqs({T}, {0}, {0}, ps, pages);
+            std::reverse(b->block_table[0].begin(), b->block_table[0].end());
+            const int n_pages = int(*std::max_element(b->block_table[0].begin(), b->block_table[0].end())) + 1;
+            auto pat = r.vec(size_t(5 * di), -2.4f, 2.4f);
+            for (auto & v : pat) v = std::round(v);
+            std::vector<float> ki(size_t(T * di));
+            for (int t = 0; t < T; ++t)
+                for (int i = 0; i < di; ++i) ki[size_t(t * di + i)] = pat[size_t(((t * 7) % 5) * di + i)];
+            auto qi = r.vec(size_t(T * I * di), -2.4f, 2.4f);
+            for (auto & v : qi) v = std::round(v);
+            const float wv[4] = {-1.0f, 0.5f, 1.0f, 2.0f};
+            std::vector<float> wi(size_t(T * I));
+            for (auto & v : wi) v = wv[r.randint(0, 3)];
+            std::vector<float> kc0(size_t(n_pages * ps * di), 0.0f);
+            tensor & kc = a.f32({n_pages, ps, di}, kc0);
+            builder bd(b);
+            const float scale = 0.25f;
+            const node_ref sel = bd.name(bd.indexer_topk(bd.scale(bd.weight(a.f32({T, I * di}, qi), "qi"), 1.0f),
+                                                         bd.scale(bd.weight(a.f32({T, di}, ki), "ki"), 1.0f),
+                                                         bd.scale(bd.weight(a.f32({T, I}, wi), "wi"), 1.0f),
+                                                         bd.state(kc, "index_keys"), {I, di, topk, scale}),
+                                         "indexer_topk");
+            graph g = bd.finish(sel);
+            std::set<int64_t> touched(b->block_table[0].begin(), b->block_table[0].end());
+            const std::string nm = fmt::format("indexer/ties/T{}/top{}", T, topk);
+            EXPECT_TRUE(parity(nm, g, {{sel, metric::NMSE, 0, true}}, {{&kc, metric::NMSE, 0.0, touched}})) << nm;
+            // The ties really straddle theta (host scores, exact by construction) and the control must fail.
+            int straddle = 0;
+            int64_t ctl_t = -1, ctl_from = -1, ctl_to = -1;
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const tensor cs = cpu->read(sel);
+            std::vector<int32_t> ref(size_t(cs.numel()));
+            std::memcpy(ref.data(), cs.data, ref.size() * 4);
+            for (int t = 0; t < T; ++t) {
+                if (t + 1 <= topk) continue;
+                std::vector<float> sc(size_t(t + 1));
+                for (int p = 0; p <= t; ++p) {
+                    float acc = 0.0f;
+                    for (int h = 0; h < I; ++h) {
+                        float dot = 0.0f;
+                        for (int i = 0; i < di; ++i) dot += qi[size_t((t * I + h) * di + i)] * ki[size_t(p * di + i)];
+                        acc += wi[size_t(t * I + h)] * std::max(dot, 0.0f);
+                    }
+                    sc[size_t(p)] = scale * acc;
+                }
+                std::vector<float> srt = sc;
+                std::nth_element(srt.begin(), srt.begin() + (topk - 1), srt.end(), std::greater<float>());
+                const float theta = srt[size_t(topk - 1)];
+                int ge = 0;
+                for (float v : sc) ge += v >= theta;
+                if (ge > topk) {
+                    ++straddle;
+                    if (ctl_t < 0) {   // the last selected tied position and the first unselected one with the same score
+                        const int32_t * row = ref.data() + size_t(t) * size_t(topk);
+                        std::set<int32_t> in(row, row + topk);
+                        for (int j = topk - 1; j >= 0 && ctl_from < 0; --j)
+                            if (sc[size_t(row[j])] == theta) ctl_from = j;
+                        for (int p = 0; p <= t && ctl_to < 0; ++p)
+                            if (sc[size_t(p)] == theta && !in.count(p)) ctl_to = p;
+                        if (ctl_from >= 0 && ctl_to >= 0) ctl_t = t;
+                        else ctl_from = ctl_to = -1;
+                    }
+                }
+            }
+            std::printf("[measure] %s: %d of %d selecting tokens have ties straddling theta\n", nm.c_str(), straddle, T - topk);
+            EXPECT_GT(straddle, (T - topk) / 4) << nm << ": the test needs exact ties at the threshold";
+            ASSERT_GE(ctl_t, 0) << nm;
+            auto bad = ref;
+            bad[size_t(ctl_t * topk + ctl_from)] = int32_t(ctl_to);   // the same score, the tie rule broken
+            const bool pass = check_exact_i32(nm + "/control(tie to a higher position)", ref, bad);
+            EXPECT_FALSE(pass);
+            tally(!pass);
+        }
+    }
+}
+
 // Decode at the true latent widths over a long context: the key split (16 ranges of ~40 keys, over many pages)
 // against the CPU and against the one-block kernel.
 TEST(cuda_ops, mla_decode_long_context_split_keys) {
