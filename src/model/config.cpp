@@ -26,6 +26,15 @@ std::string_view model_variant_name(model_variant v) {
     return "?";
 }
 
+std::string_view config_form_name(kimi_config_form f) {
+    switch (f) {
+        case kimi_config_form::PUBLISHED: return "published";
+        case kimi_config_form::TRANSFORMERS: return "transformers";
+        case kimi_config_form::K3_WRAPPER: return "k3-wrapper";
+    }
+    return "?";
+}
+
 int64_t kimi_config::n_kda_layers() const {
     int64_t n = 0;
     for (bool b : layer_is_kda) n += b;
@@ -444,7 +453,7 @@ kimi_config config_parse(const std::string & text, const std::string & where) {
     kimi_config c;
     if (mt == "kimi_k3" || mt == "kimi_k31") {
         c.variant = mt == "kimi_k3" ? model_variant::K3 : model_variant::K31;
-        c.config_form = "k3-wrapper";
+        c.config_form = kimi_config_form::K3_WRAPPER;
         c.tensor_prefix = "language_model.";
         key_reader w(j, where);
         w.raw("model_type");
@@ -477,10 +486,10 @@ kimi_config config_parse(const std::string & text, const std::string & where) {
         key_reader r(j, where);
         r.raw("model_type");
         if (j.contains("linear_attn_config")) {
-            c.config_form = "published";
+            c.config_form = kimi_config_form::PUBLISHED;
             read_published_text_config(c, r, false);
         } else {
-            c.config_form = "transformers";
+            c.config_form = kimi_config_form::TRANSFORMERS;
             read_native_config(c, r);
         }
         PG_CHECK(c.layer_is_dsa.empty(), "{}: a kimi_linear config with dsa_config: the indexer is only known in "
@@ -525,7 +534,7 @@ kimi_config config_load(const std::string & dir) {
 
 std::string config_summary(const kimi_config & c) {
     std::string s = fmt::format("{} ({} config): {} layers ({} KDA, {} MLA), hidden {}, vocab {}\n",
-                                model_variant_name(c.variant), c.config_form, c.num_hidden_layers, c.n_kda_layers(),
+                                model_variant_name(c.variant), config_form_name(c.config_form), c.num_hidden_layers, c.n_kda_layers(),
                                 c.n_mla_layers(), c.hidden_size, c.vocab_size);
     s += fmt::format("  KDA: {} heads x {}, conv {}, gate {}, output gate {}\n", c.kda_num_heads, c.kda_head_dim,
                      c.kda_short_conv_kernel_size,

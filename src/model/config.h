@@ -20,9 +20,18 @@ std::string_view model_variant_name(model_variant v);
 
 enum class expert_format : uint8_t { DENSE, MXFP4, NVFP4 };
 
+// Which of the accepted config.json forms a config was parsed from.
+enum class kimi_config_form : uint8_t {
+    PUBLISHED,      // model_type kimi_linear with linear_attn_config (configuration_kimi.py, Kimi-Linear-48B)
+    TRANSFORMERS,   // model_type kimi_linear, transformers-native save_pretrained form (layer_types)
+    K3_WRAPPER,     // model_type kimi_k3 / kimi_k31 wrapper around a kimi_linear text_config
+};
+// "published", "transformers" or "k3-wrapper" (the words messages print).
+std::string_view config_form_name(kimi_config_form f);
+
 struct kimi_config {
     model_variant variant = model_variant::KIMI_LINEAR;
-    std::string config_form;            // "published", "transformers" or "k3-wrapper"
+    kimi_config_form config_form = kimi_config_form::PUBLISHED;  // the default asks for no form-specific leniency
     std::string tensor_prefix;          // "" or "language_model."
 
     int64_t vocab_size = 0;

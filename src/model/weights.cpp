@@ -14,7 +14,7 @@ const std::vector<dtype> k_f32ish = {dtype::F32, dtype::BF16};
 
 bool is_ignored_name(const kimi_config & c, const std::string & name) {
     // The K3 wrapper ships a vision tower; a text engine recognises it and never loads it.
-    return c.config_form == "k3-wrapper" && (name.rfind("vision_tower.", 0) == 0 || name.rfind("mm_projector.", 0) == 0);
+    return c.config_form == kimi_config_form::K3_WRAPPER && (name.rfind("vision_tower.", 0) == 0 || name.rfind("mm_projector.", 0) == 0);
 }
 
 struct decl_list {
@@ -44,7 +44,7 @@ void declare_expert_matrix(decl_list & d, const kimi_config & c, const checkpoin
 // as `block_sparse_moe.{gate,up,down}_proj` (its reverse rename catches the dense layer too;
 // tools/golden/README.md). Only the transformers-native form may use the second spelling.
 std::string dense_mlp_prefix(const kimi_config & c, const checkpoint & ck, const std::string & L) {
-    if (c.config_form == "transformers" && ck.has(L + "block_sparse_moe.gate_proj.weight")) return L + "block_sparse_moe.";
+    if (c.config_form == kimi_config_form::TRANSFORMERS && ck.has(L + "block_sparse_moe.gate_proj.weight")) return L + "block_sparse_moe.";
     return L + "mlp.";
 }
 

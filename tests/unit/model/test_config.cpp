@@ -123,7 +123,7 @@ std::vector<int64_t> mla_layers(const kimi_config & c) {
 
 TEST(config_forms, transformers_native_form) {
     const kimi_config c = parse(native_cfg());
-    EXPECT_EQ(c.config_form, "transformers");
+    EXPECT_EQ(c.config_form, kimi_config_form::TRANSFORMERS);
     EXPECT_EQ(c.variant, model_variant::KIMI_LINEAR);
     EXPECT_EQ(c.tensor_prefix, "");
     EXPECT_EQ(c.layer_is_kda, (std::vector<bool>{true, true, true, false}));
@@ -137,11 +137,23 @@ TEST(config_forms, transformers_native_form) {
     EXPECT_EQ(c.kda_gate_lower_bound, 0.0f);   // softplus gate
 }
 
+// The words messages print for each form (config_summary, perigee inspect) are the ones the string field held.
+TEST(config_forms, form_names_and_summary) {
+    EXPECT_EQ(config_form_name(kimi_config_form::PUBLISHED), "published");
+    EXPECT_EQ(config_form_name(kimi_config_form::TRANSFORMERS), "transformers");
+    EXPECT_EQ(config_form_name(kimi_config_form::K3_WRAPPER), "k3-wrapper");
+    EXPECT_NE(config_summary(parse(native_cfg())).find("(transformers config)"), std::string::npos);
+    EXPECT_NE(config_summary(parse(published_cfg())).find("(published config)"), std::string::npos);
+    EXPECT_NE(config_summary(parse(k3_full())).find("kimi_k3 (k3-wrapper config)"), std::string::npos);
+    // Control: the summary of one form does not carry another's word.
+    EXPECT_EQ(config_summary(parse(native_cfg())).find("(published config)"), std::string::npos);
+}
+
 TEST(config_forms, published_form_equals_its_native_twin) {
     const kimi_config p = parse(published_cfg());
     const kimi_config n = parse(load_json("tests/golden/kimi_linear/grouped_qlora/config.json"));
-    EXPECT_EQ(p.config_form, "published");
-    EXPECT_EQ(n.config_form, "transformers");
+    EXPECT_EQ(p.config_form, kimi_config_form::PUBLISHED);
+    EXPECT_EQ(n.config_form, kimi_config_form::TRANSFORMERS);
     EXPECT_EQ(p.layer_is_kda, (std::vector<bool>{true, false, true, true, false}));
     EXPECT_EQ(p.layer_is_kda, n.layer_is_kda);
     EXPECT_EQ(p.layer_is_moe, n.layer_is_moe);
@@ -178,7 +190,7 @@ TEST(config_forms, trap_33_published_48b_layer_tables) {
 TEST(config_forms, trap_33_k3_full_config) {
     const kimi_config c = parse(k3_full());
     EXPECT_EQ(c.variant, model_variant::K3);
-    EXPECT_EQ(c.config_form, "k3-wrapper");
+    EXPECT_EQ(c.config_form, kimi_config_form::K3_WRAPPER);
     EXPECT_EQ(c.tensor_prefix, "language_model.");
     EXPECT_EQ(c.num_hidden_layers, 93);
     EXPECT_EQ(mla_layers(c), k_k3_mla0);
