@@ -185,12 +185,13 @@ command_registrar reg_inspect{{"inspect", "print a model directory's config summ
             const kimi_config c = config_load(*dir);
             std::printf("%s", config_summary(c).c_str());
             const checkpoint ck = checkpoint::open(*dir);
-            const reconcile_report rep = weights_reconcile(c, ck);
+            const auto decls = weights_declare(c, ck);   // once, for the report and the load
+            const reconcile_report rep = weights_reconcile(c, ck, decls);
             std::printf("checkpoint: %zu tensors, %.1f MB\n%s", ck.names().size(), double(ck.total_bytes()) / 1e6,
                         rep.str().c_str());
             if (!rep.ok()) return 2;
             // Value-level checks that loading defers (every MXFP4 scale byte; A_log tails).
-            const auto w = weights_load(c, checkpoint::open(*dir));
+            const auto w = weights_load(c, checkpoint::open(*dir), decls);
             const auto bad = weights_verify_fp4(*w);
             for (const auto & b : bad) std::printf("fp4: %s\n", b.c_str());
             std::printf("fp4 scales: %s\n", bad.empty() ? "ok" : "INVALID");

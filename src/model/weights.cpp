@@ -173,8 +173,11 @@ std::string reconcile_report::str() const {
 }
 
 reconcile_report weights_reconcile(const kimi_config & c, const checkpoint & ck) {
+    return weights_reconcile(c, ck, weights_declare(c, ck));
+}
+
+reconcile_report weights_reconcile(const kimi_config & c, const checkpoint & ck, const std::vector<weight_decl> & decls) {
     reconcile_report r;
-    const auto decls = weights_declare(c, ck);
     r.n_declared = int64_t(decls.size());
     std::set<std::string> declared;
     for (const auto & d : decls) {
@@ -230,13 +233,18 @@ void check_variant_signals(const kimi_config & c, const checkpoint & ck) {
 
 } // namespace
 
-std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck_in) {
+std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck) {
+    const auto decls = weights_declare(c, ck);
+    return weights_load(c, std::move(ck), decls);
+}
+
+std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck_in, const std::vector<weight_decl> & decls) {
     auto w = std::make_unique<model_weights>(model_weights{std::move(ck_in), {}, nullptr, nullptr, nullptr, nullptr, nullptr, {}});
     const checkpoint & ck = w->ck;
     check_variant_signals(c, ck);
-    const auto rep = weights_reconcile(c, ck);
+    const auto rep = weights_reconcile(c, ck, decls);
     PG_CHECK(rep.ok(), "{}: the checkpoint does not match the model its config.json describes\n{}", ck.dir(), rep.str());
-    for (const auto & d : weights_declare(c, ck)) w->tensors.emplace(d.name, ck.get(d.name));
+    for (const auto & d : decls) w->tensors.emplace(d.name, ck.get(d.name));
     auto T = [&](const std::string & n) -> const tensor * { return &w->tensors.at(n); };
     auto T_opt = [&](const std::string & n) -> const tensor * {
         auto it = w->tensors.find(n);

@@ -34,6 +34,10 @@ struct reconcile_report {
 // Every tensor the config implies, in checkpoint names. `ck` is consulted only where the published
 // format itself leaves a choice that the tensors settle (an NVFP4 tree may keep some experts in MXFP4).
 std::vector<weight_decl> weights_declare(const kimi_config & c, const checkpoint & ck);
+// Reconciles `ck` against `decls`, which must be weights_declare(c, ck) for this config and a checkpoint
+// with the same tensors (declaring K3 makes ~497k entries: declare once, pass the list to each step).
+reconcile_report weights_reconcile(const kimi_config & c, const checkpoint & ck, const std::vector<weight_decl> & decls);
+// Declares, then reconciles.
 reconcile_report weights_reconcile(const kimi_config & c, const checkpoint & ck);
 
 // Typed views, per layer, named after the checkpoint (pointers into model_weights::tensors).
@@ -95,7 +99,11 @@ struct model_weights {
 
 // Reconciles (throws with the full report when any bucket is non-empty), checks value-level rules
 // (A_log tail exactly zero), and binds the typed views. Nothing is copied.
+// Declares once; the same declarations feed the reconciler and the binding.
 std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck);
+// The same with declarations the caller already made (weights_declare(c, ck) of a checkpoint with these
+// tensors, e.g. for its own weights_reconcile); the reconciler still checks them against `ck`.
+std::unique_ptr<model_weights> weights_load(const kimi_config & c, checkpoint ck, const std::vector<weight_decl> & decls);
 // Reads every MXFP4 scale byte and lists the 0xFF (E8M0 NaN) ones, by layer and expert. Loading does
 // not do this (a routed expert is not read until it is used); perigee inspect does.
 std::vector<std::string> weights_verify_fp4(const model_weights & w);

@@ -9,6 +9,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cstring>
+
 #include <gtest/gtest.h>
 
 namespace perigee::test {
@@ -331,6 +334,43 @@ TEST(load_checks, trap_39_eos_ids_from_generation_config_merged) {
     EXPECT_EQ(config_load(d).eos_token_ids, (std::vector<int64_t>{2, 5, 7}));
     write_text(d + "/generation_config.json", R"({"eos_token_id": "2"})");
     expect_contains(error_of([&] { config_load(d); }), {"generation_config.json", "eos_token_id"}, "bad eos type");
+}
+
+// One declaration pass per load: weights_load with the caller's declarations (what `perigee inspect` does) binds
+// exactly what the declaring weights_load binds, and the reconciler still checks those declarations against the
+// checkpoint. Control: a declaration list that lost an entry is refused, the dropped tensor named as unclaimed.
+TEST(load_checks, declarations_passed_in_bind_the_same_and_are_still_reconciled) {
+    temp_dir t("decls");
+    const std::string d = synth(t, "k3-tiny");
+    const kimi_config c = config_load(d);
+    const checkpoint ck = checkpoint::open(d);
+    const auto decls = weights_declare(c, ck);
+    const reconcile_report r2 = weights_reconcile(c, ck), r3 = weights_reconcile(c, ck, decls);
+    EXPECT_TRUE(r3.ok()) << r3.str();
+    EXPECT_EQ(r3.str(), r2.str());
+    EXPECT_EQ(r3.n_declared, int64_t(decls.size()));
+    const auto a = weights_load(c, checkpoint::open(d));
+    const auto b = weights_load(c, checkpoint::open(d), decls);
+    ASSERT_EQ(a->tensors.size(), decls.size());
+    ASSERT_EQ(b->tensors.size(), a->tensors.size());
+    for (const auto & [name, ta] : a->tensors) {
+        auto it = b->tensors.find(name);
+        ASSERT_NE(it, b->tensors.end()) << name;
+        EXPECT_EQ(it->second.shape, ta.shape) << name;
+        EXPECT_EQ(it->second.type, ta.type) << name;
+        EXPECT_EQ(it->second.nbytes, ta.nbytes) << name;
+        EXPECT_EQ(std::memcmp(it->second.data, ta.data, ta.nbytes), 0) << name;
+    }
+    EXPECT_EQ(b->layers.size(), a->layers.size());
+    // Control: drop one declaration; the load must refuse and name it.
+    auto fewer = decls;
+    const std::string dropped = "language_model.model.layers.0.self_attn.q_proj.weight";
+    const auto n0 = fewer.size();
+    fewer.erase(std::remove_if(fewer.begin(), fewer.end(), [&](const weight_decl & x) { return x.name == dropped; }),
+                fewer.end());
+    ASSERT_EQ(fewer.size(), n0 - 1) << dropped << " is not declared for k3-tiny";
+    expect_contains(error_of([&] { weights_load(c, checkpoint::open(d), fewer); }), {"unclaimed: " + dropped},
+                    "load with a declaration dropped");
 }
 
 } // namespace
