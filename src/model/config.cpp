@@ -352,7 +352,9 @@ void read_native_config(kimi_config & c, key_reader & r) {
     r.ignore("pretraining_tp", "training only");
     r.ignore("head_dim", "written as qk_rope_head_dim by transformers; unused");
     r.ignore("qk_head_dim", "derived: qk_nope_head_dim + qk_rope_head_dim, checked below");
-    if (r.has("attention_bias")) PG_CHECK(!r.raw("attention_bias").get<bool>(), "{}: attention_bias=true is not supported", r.where());
+    // opt_bool checks the type (a number here was an unchecked json::get<bool> that escaped as nlohmann's type_error:
+    // fuzz_config finding #8)
+    if (const auto ab = r.opt_bool("attention_bias")) PG_CHECK(!*ab, "{}: attention_bias=true is not supported", r.where());
     c.vocab_size = r.req_int("vocab_size");
     c.hidden_size = r.req_int("hidden_size");
     c.intermediate_size = r.req_int("intermediate_size");

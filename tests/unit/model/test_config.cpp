@@ -335,6 +335,14 @@ TEST(config_defects, wrong_type) {
     json f = native_cfg();
     f["layer_types"] = {"linear_attention", "linear_attention", "linear_attention", 3};
     expect_rejected(f, {"'layer_types' must be a string"}, "layer_types entry int");
+    // fuzz_config finding #8: a number where the native form's attention_bias must be a boolean escaped as nlohmann's
+    // type_error (terminate in the CLI) instead of an error naming the key
+    json g = native_cfg();
+    g["attention_bias"] = 0.02;
+    expect_rejected(g, {"'attention_bias' must be true or false"}, "native attention_bias number");
+    json h = native_cfg();
+    h["attention_bias"] = true;
+    expect_rejected(h, {"attention_bias=true is not supported"}, "native attention_bias true");
 }
 
 TEST(config_defects, layer_lists_must_partition) {
