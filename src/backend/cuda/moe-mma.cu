@@ -1,40 +1,13 @@
 // MOE_EXPERTS on bf16 tensor cores (cuda_options::moe_mma_tokens): the grouped path's experts with at least n_min
 // tokens (the grouped GEMV kernels in moe.cu take the others). Moved out of moe.cu; declarations in cuda-ops.h.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp4.cuh"
 
 #include <mma.h>
 
 namespace perigee::cuda {
 
 namespace {
-
-// (copies of moe.cu's helpers: that file's anonymous namespace)
-// E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as bf16: high bytes and low bytes, 8 entries in two words each.
-constexpr uint32_t k_fp4_hi0 = 0x3F3F3F00u, k_fp4_hi1 = 0x40404040u;
-constexpr uint32_t k_fp4_lo0 = 0xC0800000u, k_fp4_lo1 = 0xC0804000u;
-
-// 8 E2M1 nibbles (low nibble first) -> 4 packed bf16 pairs (columns 0|1, 2|3, 4|5, 6|7; low half first), exact.
-__device__ __forceinline__ void fp4x8_pairs(uint32_t q, uint32_t (&p)[4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint32_t c = (q >> (16 * h)) & 0xFFFFu;          // 4 nibbles
-        const uint32_t sel = c & 0x7777u;
-        const uint32_t hi = __byte_perm(k_fp4_hi0, k_fp4_hi1, sel);
-        const uint32_t lo = __byte_perm(k_fp4_lo0, k_fp4_lo1, sel);
-        uint32_t p0 = __byte_perm(lo, hi, 0x5140u), p1 = __byte_perm(lo, hi, 0x7362u);
-        p0 |= ((c & 0x8u) << 12) | ((c & 0x80u) << 24);
-        p1 |= ((c & 0x800u) << 4) | ((c & 0x8000u) << 16);
-        p[2 * h] = p0;
-        p[2 * h + 1] = p1;
-    }
-}
-
-__device__ __forceinline__ float e8m0_g(uint8_t b) { return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23); }
-__device__ __forceinline__ float e4m3_g(uint8_t b) {
-    const int sgn = b >> 7, ex = (b >> 3) & 15, mn = b & 7;
-    float v = ex == 0 ? ldexpf(float(mn), -9) : ldexpf(1.0f + float(mn) / 8.0f, ex - 7);
-    return sgn ? -v : v;
-}
 
 // ---- Tensor-core grouped experts (cuda_options::moe_mma_tokens): the experts with at least n_min tokens. A block
 // takes one active expert and 128 weight rows (gate/up: 64 rows of each; down: 128 rows) and walks the expert's tokens

@@ -1,6 +1,7 @@
 // MOE_ROUTE (router logits, sigmoid/softmax, bias-steered grouped top-k) and MOE_EXPERTS (only the selected
 // experts are read; MXFP4/NVFP4 weights are dequantized in registers: Hopper has no FP4 tensor cores).
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/fp4.cuh"
 
 #include <climits>
 #include <mma.h>
@@ -253,44 +254,6 @@ __global__ void __launch_bounds__(k_grp_threads) k_moe_group(const int32_t * __r
     }
     __syncthreads();
     for (int a = threadIdx.x; a < n_act; a += blockDim.x) pos[a] = cnt[active[a]];   // pos reused: count per segment
-}
-
-// E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as bf16: high bytes and low bytes, 8 entries in two words each.
-constexpr uint32_t k_fp4_hi0 = 0x3F3F3F00u, k_fp4_hi1 = 0x40404040u;
-constexpr uint32_t k_fp4_lo0 = 0xC0800000u, k_fp4_lo1 = 0xC0804000u;
-
-// 8 E2M1 nibbles (low nibble first) -> 4 packed bf16 pairs (columns 0|1, 2|3, 4|5, 6|7; low half first), exact.
-__device__ __forceinline__ void fp4x8_pairs(uint32_t q, uint32_t (&p)[4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint32_t c = (q >> (16 * h)) & 0xFFFFu;          // 4 nibbles
-        const uint32_t sel = c & 0x7777u;
-        const uint32_t hi = __byte_perm(k_fp4_hi0, k_fp4_hi1, sel);
-        const uint32_t lo = __byte_perm(k_fp4_lo0, k_fp4_lo1, sel);
-        uint32_t p0 = __byte_perm(lo, hi, 0x5140u), p1 = __byte_perm(lo, hi, 0x7362u);
-        p0 |= ((c & 0x8u) << 12) | ((c & 0x80u) << 24);
-        p1 |= ((c & 0x800u) << 4) | ((c & 0x8000u) << 16);
-        p[2 * h] = p0;
-        p[2 * h + 1] = p1;
-    }
-}
-
-// 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
-__device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
-    uint32_t p[4];
-    fp4x8_pairs(q, p);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        o[2 * i] = __uint_as_float(p[i] << 16);
-        o[2 * i + 1] = __uint_as_float(p[i] & 0xFFFF0000u);
-    }
-}
-
-__device__ __forceinline__ float e8m0_g(uint8_t b) { return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23); }
-__device__ __forceinline__ float e4m3_g(uint8_t b) {
-    const int sgn = b >> 7, ex = (b >> 3) & 15, mn = b & 7;
-    float v = ex == 0 ? ldexpf(float(mn), -9) : ldexpf(1.0f + float(mn) / 8.0f, ex - 7);
-    return sgn ? -v : v;
 }
 
 // One 16-byte unit of a weight row: FMT 1 = BF16 (8 columns), 2 = MXFP4 (32 columns, one E8M0 scale),
