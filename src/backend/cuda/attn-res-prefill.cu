@@ -13,12 +13,14 @@ namespace perigee::cuda {
 namespace {
 
 __global__ void k_ar_weight(dweight norm_w, dweight proj_w, int64_t D, float * __restrict__ w) {
+    pdl_enter();
     const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (c < D) w[c] = wload(norm_w, c) * wload(proj_w, c);
 }
 
 __global__ void __launch_bounds__(256) k_ar_score(cand_ptrs cands, int n, int64_t R, int64_t D, const float * __restrict__ w,
                                                   float eps, float * __restrict__ s) {
+    pdl_enter();
     const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (gw >= R * n) return;
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(256) k_ar_score(cand_ptrs cands, int n, int64_
 
 __global__ void __launch_bounds__(256) k_ar_mix(cand_ptrs cands, int n, int64_t D, const float * __restrict__ s,
                                                 float * __restrict__ y) {
+    pdl_enter();
     __shared__ float a[k_attn_res_max];
     const int64_t r = blockIdx.y;
     if (threadIdx.x == 0) {   // attn-res.cu's order: max, exp, sum in candidate order, then a_i / sum
@@ -87,10 +90,10 @@ cudaError_t launch_attn_res_mix_prefill(const cand_ptrs & cands, int64_t n, int6
     if (R == 0 || D == 0) return cudaGetLastError();
     float * w = scratch;
     float * s = scratch + D;
-    k_ar_weight<<<grid_for(D, 256), 256, 0, st>>>(norm_w, proj_w, D, w);
-    k_ar_score<<<grid_for(R * n * 32, 256), 256, 0, st>>>(cands, int(n), R, D, w, eps, s);
+    launch_k(k_ar_weight, grid_for(D, 256), 256, 0, st, norm_w, proj_w, D, w);
+    launch_k(k_ar_score, grid_for(R * n * 32, 256), 256, 0, st, cands, int(n), R, D, w, eps, s);
     const int64_t chunks = (D / 4 + 255) / 256;
-    k_ar_mix<<<dim3(unsigned(chunks), unsigned(R)), 256, 0, st>>>(cands, int(n), D, s, y);
+    launch_k(k_ar_mix, dim3(unsigned(chunks), unsigned(R)), 256, 0, st, cands, int(n), D, s, y);
     return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@ namespace {
 
 __global__ void k_attn_res_mix(cand_ptrs cands, int n, int64_t D, dweight norm_w, dweight proj_w, float eps,
                                float * __restrict__ y) {
+    pdl_enter();
     __shared__ float s[k_attn_res_max];
     const int64_t r = blockIdx.x;
     for (int i = 0; i < n; ++i) {
@@ -44,6 +45,7 @@ __global__ void k_attn_res_mix(cand_ptrs cands, int n, int64_t D, dweight norm_w
 // Split form, scores: block per (candidate i, row r): s[r, i] = (v . w) * rsqrt(mean(v^2) + eps).
 __global__ void k_attn_res_score(cand_ptrs cands, int n, int64_t D, dweight norm_w, dweight proj_w, float eps,
                                  float * __restrict__ s) {
+    pdl_enter();
     const int i = blockIdx.x;
     const int64_t r = blockIdx.y;
     const float * v = cands.p[i] + r * D;
@@ -60,6 +62,7 @@ __global__ void k_attn_res_score(cand_ptrs cands, int n, int64_t D, dweight norm
 
 // Split form, mix: grid (column chunks, rows); every thread forms the softmax of the row's n scores itself.
 __global__ void k_attn_res_apply(cand_ptrs cands, int n, int64_t D, const float * __restrict__ s, float * __restrict__ y) {
+    pdl_enter();
     const int64_t r = blockIdx.y;
     float mx = -INFINITY;
     for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[r * n + i]);
@@ -80,6 +83,7 @@ __global__ void k_attn_res_apply(cand_ptrs cands, int n, int64_t D, const float 
 }
 
 __global__ void k_fill_u32(uint32_t * p, int64_t n, uint32_t v) {
+    pdl_enter();
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) p[i] = v;
 }
 
@@ -89,11 +93,11 @@ cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, i
                                 float eps, float * scratch, float * y, cudaStream_t st) {
     if (n < 1 || n > k_attn_res_max) return cudaErrorInvalidValue;
     if (R > 0 && scratch) {
-        k_attn_res_score<<<dim3(unsigned(n), unsigned(R)), 256, 0, st>>>(cands, int(n), D, norm_w, proj_w, eps, scratch);
+        launch_k(k_attn_res_score, dim3(unsigned(n), unsigned(R)), 256, 0, st, cands, int(n), D, norm_w, proj_w, eps, scratch);
         const int64_t chunks = (D + 255) / 256;
-        k_attn_res_apply<<<dim3(unsigned(chunks > 64 ? 64 : chunks), unsigned(R)), 256, 0, st>>>(cands, int(n), D, scratch, y);
+        launch_k(k_attn_res_apply, dim3(unsigned(chunks > 64 ? 64 : chunks), unsigned(R)), 256, 0, st, cands, int(n), D, scratch, y);
     } else if (R > 0) {
-        k_attn_res_mix<<<unsigned(R), 256, 0, st>>>(cands, int(n), D, norm_w, proj_w, eps, y);
+        launch_k(k_attn_res_mix, unsigned(R), 256, 0, st, cands, int(n), D, norm_w, proj_w, eps, y);
     }
     return cudaGetLastError();
 }
@@ -101,7 +105,7 @@ cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, i
 cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st) {
     if (n > 0) {
         const int64_t bl = (n + 255) / 256;
-        k_fill_u32<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(p, n, v);
+        launch_k(k_fill_u32, unsigned(bl > 4096 ? 4096 : bl), 256, 0, st, p, n, v);
     }
     return cudaGetLastError();
 }

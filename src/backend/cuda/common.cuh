@@ -6,7 +6,56 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <utility>
+
 namespace perigee::cuda {
+
+// ---- Programmatic Dependent Launch (PDL, sm_90) ----
+// A kernel launched by launch_k with PDL on may start while the kernel before it in the stream is still running. Every
+// kernel launched through launch_k therefore calls pdl_wait() as its FIRST statement (before any read of memory an
+// earlier kernel wrote, before any global write: WAR hazards, and before any early return, so that the grid's
+// completion implies its predecessor's completion for the kernel after it). pdl_wait() returns once the preceding grid
+// has completed and its writes are visible; without a programmatic dependency (an ordinary launch) it returns at once.
+// pdl_trigger() lets the next PDL-launched kernel be scheduled before this grid ends (it launches once every block of
+// this grid has triggered or exited); it carries no memory guarantee, so where it sits never affects correctness.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The prologue of every kernel launched by launch_k: wait for the predecessor, then let the successor be scheduled
+// (its blocks become resident and park in their own pdl_wait() while this grid runs: this grid's blocks are all
+// resident or done by the time the trigger fires, so they are never starved).
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_trigger();
+}
+
+// Launches `k` on `st` with the PDL attribute (cudaLaunchAttributeProgrammaticStreamSerialization) when pdl_enabled()
+// (cuda-ops.h: cuda_options::pdl for the backend's calls) and `st` is not the legacy default stream; else an ordinary
+// launch. Only for kernels that start with pdl_enter() / pdl_wait(). Returns the launch's error (also left for
+// cudaGetLastError, which the launchers return). Under stream capture a PDL launch becomes a programmatic graph edge.
+template <typename... P, typename... A>
+cudaError_t launch_k(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, A &&... args) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    if (pdl_enabled() && st != nullptr && st != cudaStreamLegacy) {
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&cfg, k, std::forward<A>(args)...);
+}
 
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 

@@ -14,6 +14,7 @@ constexpr int k_max_w = 16;   // conv.cu's limit
 
 __global__ void k_short_conv_tokens(const float * __restrict__ x, int64_t T, int64_t C, dweight w, int W,
                                     const float * __restrict__ state, dbatch b, float * __restrict__ y) {
+    pdl_enter();
     const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int H = W - 1;
@@ -32,6 +33,7 @@ __global__ void k_short_conv_tokens(const float * __restrict__ x, int64_t T, int
 }
 
 __global__ void k_short_conv_state(const float * __restrict__ x, int64_t C, int W, float * __restrict__ state, dbatch b) {
+    pdl_enter();
     const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c >= C) return;
@@ -64,10 +66,10 @@ cudaError_t launch_short_conv_tokens(const float * x, int64_t T, int64_t C, dwei
     if (W < 1 || W > k_max_w) return cudaErrorInvalidValue;
     if (T > 0 && C > 0) {
         const unsigned gy = unsigned(T > 65535 ? 65535 : T);
-        k_short_conv_tokens<<<dim3(grid_for(C, 128), gy), 128, 0, st>>>(x, T, C, w, int(W), state, b, y);
+        launch_k(k_short_conv_tokens, dim3(grid_for(C, 128), gy), 128, 0, st, x, T, C, w, int(W), state, b, y);
     }
     if (b.n_seq > 0 && C > 0 && W > 1)
-        k_short_conv_state<<<dim3(grid_for(C, 128), unsigned(b.n_seq)), 128, 0, st>>>(x, C, int(W), state, b);
+        launch_k(k_short_conv_state, dim3(grid_for(C, 128), unsigned(b.n_seq)), 128, 0, st, x, C, int(W), state, b);
     return cudaGetLastError();
 }
 

@@ -10,6 +10,7 @@ constexpr int k_max_w = 16;
 
 __global__ void k_short_conv(const float * __restrict__ x, int64_t C, dweight w, int W, float * __restrict__ state,
                              dbatch b, float * __restrict__ y) {
+    pdl_enter();
     const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c >= C) return;
@@ -50,7 +51,7 @@ __global__ void k_short_conv(const float * __restrict__ x, int64_t C, dweight w,
 cudaError_t launch_short_conv(const float * x, int64_t C, dweight w, int64_t W, float * state, const dbatch & b, float * y,
                               cudaStream_t st) {
     if (W < 1 || W > k_max_w) return cudaErrorInvalidValue;
-    if (b.n_seq > 0 && C > 0) k_short_conv<<<dim3(grid_for(C, 128), unsigned(b.n_seq)), 128, 0, st>>>(x, C, w, int(W), state, b, y);
+    if (b.n_seq > 0 && C > 0) launch_k(k_short_conv, dim3(grid_for(C, 128), unsigned(b.n_seq)), 128, 0, st, x, C, w, int(W), state, b, y);
     return cudaGetLastError();
 }
 

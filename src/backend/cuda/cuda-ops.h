@@ -31,6 +31,32 @@ struct dbatch {
     int max_pos = 0;                      // largest position of any token + 1
 };
 
+// ---- pdl.cu: Programmatic Dependent Launch (cuda_options::pdl) ----
+// Whether kernels launched through launch_k (common.cuh) on this host thread carry the PDL launch attribute. A
+// per-thread setting rather than one more argument of every launcher: the backend sets it from its options for the
+// duration of each entry point that launches kernels (pdl_scope in run, capture, weight_generate, sample_rows), so
+// several backends with different options may live in one process. Outside any scope: true (the default of
+// cuda_options::pdl; tests that call launchers directly run with it on).
+bool pdl_enabled();
+void pdl_set(bool on);
+class pdl_scope {
+public:
+    explicit pdl_scope(bool on) : old_(pdl_enabled()) { pdl_set(on); }
+    ~pdl_scope() { pdl_set(old_); }
+    pdl_scope(const pdl_scope &) = delete;
+    pdl_scope & operator=(const pdl_scope &) = delete;
+
+private:
+    bool old_;
+};
+// Test probes of the ordering (tests/ops/cuda/test-pdl-cuda.cpp), all launched through launch_k:
+// producer: pdl_wait, then pdl_trigger, then every thread spins `spin` clock64 cycles and writes buf[i] = value (n ints).
+// consumer: (pdl_wait when `wait`) out[i] = buf[i]; without the wait under PDL it may read buf before the producer
+// wrote it (the control). chain step: pdl_enter, then y[i] = x[i] * 3 + add + i after `spin` cycles (x, y: n ints).
+cudaError_t launch_pdl_probe_producer(int * buf, int64_t n, int64_t spin, int value, cudaStream_t st);
+cudaError_t launch_pdl_probe_consumer(const int * buf, int64_t n, bool wait, int * out, cudaStream_t st);
+cudaError_t launch_pdl_probe_step(const int * x, int64_t n, int add, int64_t spin, int * y, cudaStream_t st);
+
 // Device error flags (one int per kind; the backend reads them after a run and names the node).
 enum : int { ERR_ID_RANGE = 0, ERR_SEL_RANGE = 1, ERR_EXPERT_ID = 2, ERR_COUNT = 3 };
 
@@ -43,12 +69,24 @@ cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, i
                                   cudaStream_t st);
 
 // ---- linear.cu ----
+// Which GEMV kernels run (cuda_options::gemv_unroll). unroll 0: the first kernels (one warp per row, one 16-byte weight
+// load in flight per lane); 1, 2, 4 or 8: the v2 kernels with that many independent 16-byte weight loads in flight per
+// lane (at least one per row of the warp), 1-4 rows per warp by token count, the warps of a block splitting each row's
+// dot product when the grid would not fill the SMs (partials summed in shared memory in a fixed order: deterministic).
+// split: 0 = chosen from the grid size and SM count; 1, 2, 4 or 8 = that many warps per row (benchmarks, tests).
+// Any other value: cudaErrorInvalidValue.
+inline constexpr int k_gemv_unroll_default = 4;
+struct gemv_cfg {
+    int unroll = k_gemv_unroll_default;
+    int split = 0;
+};
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
-cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st);
+cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
+                               gemv_cfg cfg = {});
 // Up to k_gemv_group_max LINEARs over the same x [T, in] (same weight type) as one launch: y[s] [T, out[s]].
 inline constexpr int k_gemv_group_max = 8;
 cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wtype wt, const void * const * w,
-                                     float * const * y, const int64_t * out, int n, cudaStream_t st);
+                                     float * const * y, const int64_t * out, int n, cudaStream_t st, gemv_cfg cfg = {});
 // x F32 [n] -> bf16 [n] (round to nearest even), for the cuBLASLt path.
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st);
 // x F32 [n] -> hi = bf16(x), lo = bf16(x - hi): x is hi + lo to ~16 mantissa bits (the split-bf16 GEMM path).
@@ -146,6 +184,8 @@ struct dmoe_opts {
     bool small_v4 = false;  // T > 1, BF16/MXFP4 GEMV experts: the v4 kernels (each row read once for up to 8 tokens)
     int mma_large_step = 0;        // > 0: steps of at least this many tokens use mma_large_tokens instead of mma_tokens
     int mma_large_tokens = 0;      //   (the tensor-core threshold of prefill-sized steps)
+    bool dec_v5 = false;    // T == 1, MXFP4: the v5 kernels (fp16 tensor cores; precedes dec_v4)
+    int v5_cfg = 0;         // benchmarks: v5 kernel forms and stages (moe.cu launch_v5_one); 0 = the defaults
 };
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,

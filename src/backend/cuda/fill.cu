@@ -14,6 +14,7 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {   // splitmix64 finalize
 }
 
 __global__ void k_fill_random(void * p, int64_t n, int kind, uint64_t seed, float lo, float hi) {
+    pdl_enter();
     const uint64_t s = mix64(seed + 0x9E3779B97F4A7C15ull);
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
         const uint64_t h = mix64(s ^ (uint64_t(i) * 0xD1B54A32D192ED03ull));
@@ -36,7 +37,7 @@ __global__ void k_fill_random(void * p, int64_t n, int kind, uint64_t seed, floa
 cudaError_t launch_fill_random(void * p, int64_t n, int kind, uint64_t seed, float lo, float hi, cudaStream_t st) {
     if (n <= 0) return cudaGetLastError();
     const int64_t bl = (n + 255) / 256;
-    k_fill_random<<<unsigned(bl > 65536 ? 65536 : bl), 256, 0, st>>>(p, n, kind, seed, lo, hi);
+    launch_k(k_fill_random, unsigned(bl > 65536 ? 65536 : bl), 256, 0, st, p, n, kind, seed, lo, hi);
     return cudaGetLastError();
 }
 

@@ -14,6 +14,7 @@ constexpr int k_conv_max_w = 16;   // = conv.cu k_max_w
 
 __global__ void k_short_conv_l2(const float * __restrict__ x, int64_t C, dweight w, int W, float * __restrict__ state,
                                 dbatch b, float * __restrict__ y, float eps, float * __restrict__ yn) {
+    pdl_enter();
     const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;   // C % blockDim.x == 0: every thread has a channel
     const int s = blockIdx.y;
     const int H = W - 1;
@@ -56,7 +57,7 @@ cudaError_t launch_short_conv_l2(const float * x, int64_t C, dweight w, int64_t 
                                  int64_t N, float eps, float * yn, cudaStream_t st) {
     if (W < 1 || W > k_conv_max_w || N < 32 || N > 1024 || N % 32 != 0 || C % N != 0) return cudaErrorInvalidValue;
     if (b.n_seq > 0 && C > 0)
-        k_short_conv_l2<<<dim3(unsigned(C / N), unsigned(b.n_seq)), unsigned(N), 0, st>>>(x, C, w, int(W), state, b, y, eps, yn);
+        launch_k(k_short_conv_l2, dim3(unsigned(C / N), unsigned(b.n_seq)), unsigned(N), 0, st, x, C, w, int(W), state, b, y, eps, yn);
     return cudaGetLastError();
 }
 

@@ -14,6 +14,7 @@ __device__ __forceinline__ int64_t key_row(const dbatch & b, int s, int64_t pos)
 }
 
 __global__ void k_indexer_write(const float * __restrict__ ki, int64_t d, float * __restrict__ kcache, dbatch b) {
+    pdl_enter();
     const int64_t t = blockIdx.x;
     const int s = b.tok_seq[t];
     const int64_t pos = b.pos0[s] + t - b.seq_start[s];
@@ -24,6 +25,7 @@ __global__ void k_indexer_write(const float * __restrict__ ki, int64_t d, float 
 // score [T, max_pos]: warp per (t, p).
 __global__ void k_indexer_score(const float * __restrict__ qi, const float * __restrict__ wi, int64_t I, int64_t d,
                                 float scale, const float * __restrict__ kcache, dbatch b, float * __restrict__ score) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t t = blockIdx.y;
     const int64_t p = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -46,6 +48,7 @@ constexpr int k_sel_threads = 256;
 
 __global__ void __launch_bounds__(k_sel_threads) k_indexer_select(const float * __restrict__ score, int64_t topk, dbatch b,
                                                                   int32_t * __restrict__ sel) {
+    pdl_enter();
     __shared__ int warp_cnt[k_sel_threads / 32];
     __shared__ int base;
     const int64_t t = blockIdx.x;
@@ -97,10 +100,10 @@ cudaError_t launch_indexer_topk(const float * qi, const float * ki, const float 
                                 cudaStream_t st) {
     const int64_t T = b.n_tok;
     if (T == 0) return cudaGetLastError();
-    k_indexer_write<<<unsigned(T), 128, 0, st>>>(ki, head_dim, kcache, b);
-    k_indexer_score<<<dim3(grid_for(b.max_pos, 8), unsigned(T)), 256, 0, st>>>(qi, wi, n_head, head_dim, scale, kcache, b,
+    launch_k(k_indexer_write, unsigned(T), 128, 0, st, ki, head_dim, kcache, b);
+    launch_k(k_indexer_score, dim3(grid_for(b.max_pos, 8), unsigned(T)), 256, 0, st, qi, wi, n_head, head_dim, scale, kcache, b,
                                                                               scratch);
-    k_indexer_select<<<unsigned(T), k_sel_threads, 0, st>>>(scratch, topk, b, sel);
+    launch_k(k_indexer_select, unsigned(T), k_sel_threads, 0, st, scratch, topk, b, sel);
     return cudaGetLastError();
 }
 

@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(256) k_kda_chunk_prep(const float * __restrict
                                                         const float * __restrict__ beta, int H, int K, int V, float scale,
                                                         dbatch b, int64_t T, float * __restrict__ scratch,
                                                         float * __restrict__ o) {
+    pdl_enter();
     extern __shared__ float4 smem4[];
     float * sm = reinterpret_cast<float *>(smem4);
     float * g_row = sm;                       // [64][128] Gamma (log2 units), row-major
@@ -232,6 +233,7 @@ __device__ __forceinline__ void stage_rows(float * buf, const float * __restrict
 __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, float * __restrict__ state, dbatch b,
                                                          int64_t T, const float * __restrict__ scratch,
                                                          float * __restrict__ o) {
+    pdl_enter();
     extern __shared__ float4 smem4[];
     float * sm = reinterpret_cast<float *>(smem4);
     float * s_s = sm;                          // [128][32] state tile S[d][e0 + e]
@@ -362,11 +364,11 @@ cudaError_t launch_kda_scan_chunked(const float * q, const float * k, const floa
     }();
     if (attr_err != cudaSuccess) return attr_err;
     const unsigned n_chunks = unsigned((max_seq_len + k_c - 1) / k_c);
-    k_kda_chunk_prep<<<dim3(n_chunks, unsigned(H), unsigned(b.n_seq)), 256, prep_smem, st>>>(
+    launch_k(k_kda_chunk_prep, dim3(n_chunks, unsigned(H), unsigned(b.n_seq)), 256, prep_smem, st,
         q, k, v, g, beta, int(H), int(K), int(V), scale, b, int64_t(b.n_tok), scratch, o);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    k_kda_chunk_state<<<dim3(grid_for(V, k_vt), unsigned(H), unsigned(b.n_seq)), 256, state_smem, st>>>(
+    launch_k(k_kda_chunk_state, dim3(grid_for(V, k_vt), unsigned(H), unsigned(b.n_seq)), 256, state_smem, st,
         int(H), int(K), int(V), state, b, int64_t(b.n_tok), scratch, o);
     return cudaGetLastError();
 }

@@ -7,6 +7,7 @@ namespace {
 
 __global__ void k_kda_gate(const float * __restrict__ f, int64_t T, int64_t H, int64_t K, dweight a_log, dweight dt_bias,
                            float lb, float * __restrict__ g) {
+    pdl_enter();
     const int64_t n = T * H * K;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t hk = i % (H * K), h = hk / K;
@@ -27,6 +28,7 @@ __global__ void __launch_bounds__(k_scan_warps * 32) k_kda_scan_recurrent(
     const float * __restrict__ q, const float * __restrict__ k, const float * __restrict__ v, const float * __restrict__ g,
     const float * __restrict__ beta, int H, int K, int V, float scale, float * __restrict__ state, dbatch b,
     float * __restrict__ o) {
+    pdl_enter();
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int h = blockIdx.y, s = blockIdx.z;
     const int e0 = (blockIdx.x * k_scan_warps + wid) * k_scan_cols;
@@ -101,7 +103,7 @@ cudaError_t launch_kda_gate(const float * f, int64_t T, int64_t H, int64_t K, dw
     const int64_t n = T * H * K;
     if (n > 0) {
         const int64_t bl = (n + 255) / 256;
-        k_kda_gate<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(f, T, H, K, a_log, dt_bias, lower_bound, g);
+        launch_k(k_kda_gate, unsigned(bl > 4096 ? 4096 : bl), 256, 0, st, f, T, H, K, a_log, dt_bias, lower_bound, g);
     }
     return cudaGetLastError();
 }
@@ -114,8 +116,8 @@ cudaError_t launch_kda_scan_recurrent(const float * q, const float * k, const fl
     const int kpl = int((K + 31) / 32);
 #define PG_KDA_CASE(N)                                                                                               \
     case N:                                                                                                          \
-        k_kda_scan_recurrent<N><<<grid, k_scan_warps * 32, 0, st>>>(q, k, v, g, beta, int(H), int(K), int(V), scale, \
-                                                                     state, b, o);                                   \
+        launch_k(k_kda_scan_recurrent<N>, grid, k_scan_warps * 32, 0, st, q, k, v, g, beta, int(H), int(K), int(V),  \
+                 scale, state, b, o);                                                                                \
         break;
     switch (kpl) {
         PG_KDA_CASE(1)

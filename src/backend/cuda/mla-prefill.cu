@@ -19,6 +19,7 @@ __device__ __forceinline__ int64_t page_row(const dbatch & b, int s, int64_t pos
 
 __global__ void k_prefill_cache_write(const float * __restrict__ c, const float * __restrict__ kr, int64_t L, int64_t dr,
                                       float * __restrict__ cache, dbatch b) {
+    pdl_enter();
     const int64_t t = blockIdx.x;
     const int s = b.tok_seq[t];
     const int64_t pos = b.pos0[s] + t - b.seq_start[s];
@@ -29,6 +30,7 @@ __global__ void k_prefill_cache_write(const float * __restrict__ c, const float 
 // Row r of the packed positions: sequence s (rows from sum_{s'<s} (pos0 + len)), position p.
 __global__ void k_prefill_gather(const float * __restrict__ cache, int64_t L, int64_t dr, dbatch b, float * __restrict__ cg,
                                  float * __restrict__ krg) {
+    pdl_enter();
     const int64_t r = blockIdx.x;
     int64_t off = 0;
     int s = 0;
@@ -52,6 +54,7 @@ template <int VPT>
 __global__ void __launch_bounds__(k_threads) k_mla_prefill_attn(const float * __restrict__ q, const float * __restrict__ kv,
                                                                 const float * __restrict__ krg, int H, int dn, int dr, int dv,
                                                                 float scale, dbatch b, float * __restrict__ o) {
+    pdl_enter();
     constexpr int DVP = 16 * VPT;
     const int dqk = dn + dr, h = blockIdx.y;
     const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
@@ -219,8 +222,8 @@ size_t mla_prefill_smem(const mla_shape & d) {
 
 cudaError_t launch_mla_prefill_gather(const float * c, const float * kr, int64_t L, int64_t dr, float * cache, const dbatch & b,
                                       int64_t P, float * cg, float * krg, cudaStream_t st) {
-    if (b.n_tok > 0) k_prefill_cache_write<<<unsigned(b.n_tok), 128, 0, st>>>(c, kr, L, dr, cache, b);
-    if (P > 0) k_prefill_gather<<<unsigned(P), 128, 0, st>>>(cache, L, dr, b, cg, krg);
+    if (b.n_tok > 0) launch_k(k_prefill_cache_write, unsigned(b.n_tok), 128, 0, st, c, kr, L, dr, cache, b);
+    if (P > 0) launch_k(k_prefill_gather, unsigned(P), 128, 0, st, cache, L, dr, b, cg, krg);
     return cudaGetLastError();
 }
 
@@ -237,11 +240,11 @@ cudaError_t launch_mla_prefill_attn(const float * q, const float * kv, const flo
     if (dv <= 64) {
         e = cudaFuncSetAttribute(k_mla_prefill_attn<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         if (e != cudaSuccess) return e;
-        k_mla_prefill_attn<4><<<grid, k_threads, smem, st>>>(q, kv, krg, H, dn, dr, dv, scale, b, o);
+        launch_k(k_mla_prefill_attn<4>, grid, k_threads, smem, st, q, kv, krg, H, dn, dr, dv, scale, b, o);
     } else {
         e = cudaFuncSetAttribute(k_mla_prefill_attn<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         if (e != cudaSuccess) return e;
-        k_mla_prefill_attn<8><<<grid, k_threads, smem, st>>>(q, kv, krg, H, dn, dr, dv, scale, b, o);
+        launch_k(k_mla_prefill_attn<8>, grid, k_threads, smem, st, q, kv, krg, H, dn, dr, dv, scale, b, o);
     }
     return cudaGetLastError();
 }

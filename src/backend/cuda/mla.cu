@@ -15,6 +15,7 @@ __device__ __forceinline__ int64_t cache_row(const dbatch & b, int s, int64_t po
 
 __global__ void k_mla_cache_write(const float * __restrict__ c, const float * __restrict__ kr, int64_t L, int64_t dr,
                                   float * __restrict__ cache, dbatch b) {
+    pdl_enter();
     const int64_t t = blockIdx.x;
     const int s = b.tok_seq[t];
     const int64_t pos = b.pos0[s] + t - b.seq_start[s];
@@ -25,6 +26,7 @@ __global__ void k_mla_cache_write(const float * __restrict__ c, const float * __
 // qlat [T, H, L]: thread per (t, h, l).
 __global__ void k_mla_q_absorb(const float * __restrict__ q, dweight kv_b, int64_t H, int64_t dn, int64_t dr, int64_t dv,
                                int64_t L, float * __restrict__ qlat) {
+    pdl_enter();
     // (t, h) on x: T * H passes gridDim.y's 65535 at prefill (K3, 64 heads: T > 1023).
     const int64_t l = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
     const int64_t th = blockIdx.x, h = th % H;
@@ -43,6 +45,7 @@ __global__ void __launch_bounds__(k_attn_warps * 32) k_mla_attn_absorbed(
     const float * __restrict__ q, const float * __restrict__ qlat, int64_t H, int64_t dn, int64_t dr, int64_t L,
     float scale, const float * __restrict__ cache, const int32_t * __restrict__ sel, int64_t topk, dbatch b,
     float * __restrict__ olat, float * __restrict__ part, int * err) {
+    pdl_enter();
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int64_t th = blockIdx.x, t = th / H;
     const int s = b.tok_seq[t];
@@ -137,6 +140,7 @@ __global__ void __launch_bounds__(k_attn_warps * 32) k_mla_attn_absorbed(
 // olat [T, H, L] from the ns partials of each (t, h): block per (t, h), threads over L.
 __global__ void k_mla_combine(const float * __restrict__ part, int64_t ns, int64_t L, const int32_t * __restrict__ sel,
                               float * __restrict__ olat, int * err) {
+    pdl_enter();
     const int64_t th = blockIdx.x;
     const float * pp = part + th * ns * (L + 2);
     float M = -INFINITY;
@@ -160,6 +164,7 @@ __global__ void k_mla_combine(const float * __restrict__ part, int64_t ns, int64
 // o [T, H, dv]: warp per (t, h, i), lanes over L.
 __global__ void k_mla_out(const float * __restrict__ olat, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dv,
                           int64_t L, float * __restrict__ o) {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     if (gw >= T * H * dv) return;
@@ -196,13 +201,13 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
     float * olat = scratch + T * H * L;
     if (n_split < 1 || n_split > 16) return cudaErrorInvalidValue;
     float * part = n_split > 1 ? scratch + 2 * T * H * L : nullptr;
-    k_mla_cache_write<<<unsigned(T), 128, 0, st>>>(c, kr, L, dr, cache, b);
-    k_mla_q_absorb<<<dim3(unsigned(T * H), grid_for(L, 128)), 128, 0, st>>>(q, kv_b, H, dn, dr, dv, L, qlat);
+    launch_k(k_mla_cache_write, unsigned(T), 128, 0, st, c, kr, L, dr, cache, b);
+    launch_k(k_mla_q_absorb, dim3(unsigned(T * H), grid_for(L, 128)), 128, 0, st, q, kv_b, H, dn, dr, dv, L, qlat);
     const size_t smem = size_t(k_attn_warps * L + 2 * k_attn_warps) * sizeof(float);
     const int lpl = int((L + 31) / 32);
 #define PG_MLA_CASE(N)                                                                                                  \
-    k_mla_attn_absorbed<N><<<dim3(unsigned(T * H), unsigned(n_split)), k_attn_warps * 32, smem, st>>>(                 \
-        q, qlat, H, dn, dr, L, scale, cache, sel, topk, b, olat, part, err);                                           \
+    launch_k(k_mla_attn_absorbed<N>, dim3(unsigned(T * H), unsigned(n_split)), k_attn_warps * 32, smem, st, q, qlat, H, \
+             dn, dr, L, scale, cache, sel, topk, b, olat, part, err);                                                   \
     break;
     switch (lpl) {
         case 1: PG_MLA_CASE(1)
@@ -212,9 +217,9 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
         default: PG_MLA_CASE(16)
     }
 #undef PG_MLA_CASE
-    if (part) k_mla_combine<<<unsigned(T * H), 128, 0, st>>>(part, n_split, L, sel, olat, err);
+    if (part) launch_k(k_mla_combine, unsigned(T * H), 128, 0, st, part, n_split, L, sel, olat, err);
     const int64_t warps = T * H * dv;
-    k_mla_out<<<grid_for(warps * 32, 256), 256, 0, st>>>(olat, kv_b, T, H, dn, dv, L, o);
+    launch_k(k_mla_out, grid_for(warps * 32, 256), 256, 0, st, olat, kv_b, T, H, dn, dv, L, o);
     return cudaGetLastError();
 }
 

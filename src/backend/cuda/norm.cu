@@ -11,6 +11,7 @@ constexpr int k_threads = 256;
 template <int MODE>
 __global__ void k_norm(const float * __restrict__ x, const float * __restrict__ z, int64_t N, dweight w, dweight bias,
                        float eps, float * __restrict__ y) {
+    pdl_enter();
     const int64_t r = blockIdx.x;
     const float * xr = x + r * N;
     float mean = 0.0f;
@@ -41,21 +42,21 @@ int threads_for(int64_t N) { return N >= 4096 ? 1024 : N >= k_threads ? k_thread
 } // namespace
 
 cudaError_t launch_rms_norm(const float * x, int64_t R, int64_t N, dweight w, float eps, float * y, cudaStream_t st) {
-    if (R > 0) k_norm<0><<<unsigned(R), threads_for(N), 0, st>>>(x, nullptr, N, w, {}, eps, y);
+    if (R > 0) launch_k(k_norm<0>, unsigned(R), threads_for(N), 0, st, x, nullptr, N, w, dweight{}, eps, y);
     return cudaGetLastError();
 }
 cudaError_t launch_l2_norm(const float * x, int64_t R, int64_t N, float eps, float * y, cudaStream_t st) {
-    if (R > 0) k_norm<1><<<unsigned(R), threads_for(N), 0, st>>>(x, nullptr, N, {}, {}, eps, y);
+    if (R > 0) launch_k(k_norm<1>, unsigned(R), threads_for(N), 0, st, x, nullptr, N, dweight{}, dweight{}, eps, y);
     return cudaGetLastError();
 }
 cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, int64_t N, dweight w, float eps, float * y,
                                   cudaStream_t st) {
-    if (R > 0) k_norm<2><<<unsigned(R), threads_for(N), 0, st>>>(o, z, N, w, {}, eps, y);
+    if (R > 0) launch_k(k_norm<2>, unsigned(R), threads_for(N), 0, st, o, z, N, w, dweight{}, eps, y);
     return cudaGetLastError();
 }
 cudaError_t launch_layer_norm(const float * x, int64_t R, int64_t N, dweight w, dweight b, float eps, float * y,
                               cudaStream_t st) {
-    if (R > 0) k_norm<3><<<unsigned(R), threads_for(N), 0, st>>>(x, nullptr, N, w, b, eps, y);
+    if (R > 0) launch_k(k_norm<3>, unsigned(R), threads_for(N), 0, st, x, nullptr, N, w, b, eps, y);
     return cudaGetLastError();
 }
 

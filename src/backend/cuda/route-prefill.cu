@@ -17,6 +17,7 @@ __device__ __forceinline__ uint16_t bf16_rn_bits(float v, float & back) {
 // are exact in fp32). Non-finite x: p0 carries it, p1 = p2 = 0 (an inf/NaN logit as the fp32 GEMV would give).
 __global__ void k_f32_to_bf16_split3(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ p0,
                                      uint16_t * __restrict__ p1, uint16_t * __restrict__ p2) {
+    pdl_enter();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float v = x[i];
@@ -36,7 +37,7 @@ __global__ void k_f32_to_bf16_split3(const float * __restrict__ x, int64_t n, ui
 
 cudaError_t launch_f32_to_bf16_split3(const float * x, int64_t n, uint16_t * p0, uint16_t * p1, uint16_t * p2,
                                       cudaStream_t st) {
-    if (n > 0) k_f32_to_bf16_split3<<<grid_for(n, 256), 256, 0, st>>>(x, n, p0, p1, p2);
+    if (n > 0) launch_k(k_f32_to_bf16_split3, grid_for(n, 256), 256, 0, st, x, n, p0, p1, p2);
     return cudaGetLastError();
 }
 

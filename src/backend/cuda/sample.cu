@@ -12,7 +12,7 @@
 // CUDA's exp (<= 1 ulp in double vs glibc); the sums and the cumulative c_i are a parallel scan in double instead of
 // the host's sequential loop (relative differences ~1e-16). So the ids agree unless top_p or u * mass lies within
 // ~1e-13 (relative) of a cumulative boundary c_i: an exact floating tie in practice (test-sample-cuda counts them).
-#include "backend/cuda/cuda-ops.h"
+#include "backend/cuda/common.cuh"
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -46,6 +46,7 @@ struct arg_op {
 
 // ids[r] = argmax of row r (ties to the lower id), or -1 when the row holds a NaN/Inf.
 __global__ void __launch_bounds__(k_threads) k_sample_argmax(const float * __restrict__ x, int64_t V, int32_t * ids) {
+    pdl_enter();
     using reduce = cub::BlockReduce<arg_best, k_threads>;
     __shared__ typename reduce::TempStorage tmp;
     const float * row = x + int64_t(blockIdx.x) * V;
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(k_threads) k_sample_argmax(const float * __res
 }
 
 __global__ void k_sample_iota(int32_t * v, int64_t V, int n_rows) {
+    pdl_enter();
     const int64_t n = V * n_rows;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
         v[i] = int32_t(i % V);
@@ -76,6 +78,7 @@ struct pick_param {
 __global__ void __launch_bounds__(k_threads) k_sample_pick(const float * __restrict__ keys, const int32_t * __restrict__ vals,
                                                            int64_t V, const pick_param * __restrict__ prm,
                                                            const int32_t * __restrict__ rows_out, int32_t * ids) {
+    pdl_enter();
     using reduce_d = cub::BlockReduce<double, k_threads>;
     using reduce_i = cub::BlockReduce<int64_t, k_threads>;
     using scan_d = cub::BlockScan<double, k_threads>;
@@ -177,7 +180,7 @@ cudaError_t sample_rows(const float * logits, int R, int64_t V, const sample_row
     int32_t * d_ids = nullptr;
     cudaError_t err = cudaMallocAsync(&d_ids, sizeof(int32_t) * size_t(R), st);
     if (err != cudaSuccess) return err;
-    k_sample_argmax<<<R, k_threads, 0, st>>>(logits, V, d_ids);
+    launch_k(k_sample_argmax, R, k_threads, 0, st, logits, V, d_ids);
     std::vector<pick_param> pp;
     std::vector<int32_t> rows_out;
     std::vector<int> begin;
@@ -219,11 +222,11 @@ cudaError_t sample_rows(const float * logits, int R, int64_t V, const sample_row
             cudaMemcpyAsync(d_end, end.data(), sizeof(int) * S, cudaMemcpyHostToDevice, st);
             cudaMemcpyAsync(d_pp, pp.data(), sizeof(pick_param) * S, cudaMemcpyHostToDevice, st);
             cudaMemcpyAsync(d_rows, rows_out.data(), sizeof(int32_t) * S, cudaMemcpyHostToDevice, st);
-            k_sample_iota<<<264, 256, 0, st>>>(vals_in, V, R);
+            launch_k(k_sample_iota, 264, 256, 0, st, vals_in, V, R);
             err = cub::DeviceSegmentedRadixSort::SortPairsDescending(b + off_tmp, tmp_bytes, logits, keys_out, vals_in,
                                                                      vals_out, int(R * V), S, d_begin, d_end, 0, 32, st);
             if (err == cudaSuccess) {
-                k_sample_pick<<<S, k_threads, 0, st>>>(keys_out, vals_out, V, d_pp, d_rows, d_ids);
+                launch_k(k_sample_pick, S, k_threads, 0, st, keys_out, vals_out, V, d_pp, d_rows, d_ids);
                 err = cudaGetLastError();
             }
         }
