@@ -60,6 +60,9 @@ std::string read_small_file(const std::string & path, uint64_t max) {
 
 // Strict JSON parse: duplicate keys at any level and nesting deeper than `max_depth` are errors.
 nlohmann::json parse_json_strict(const std::string & text, const std::string & path, int max_depth) {
+    // nlohmann's lexer ends the input at a NUL byte and silently ignores the rest: refuse it by name.
+    if (const size_t nul = text.find('\0'); nul != std::string::npos)
+        PG_FAIL("{}: invalid JSON: a NUL byte at offset {}", path, nul);
     std::vector<std::unordered_set<std::string>> keys;
     auto cb = [&](int depth, nlohmann::json::parse_event_t ev, nlohmann::json & parsed) -> bool {
         using ev_t = nlohmann::json::parse_event_t;

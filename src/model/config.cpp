@@ -442,6 +442,10 @@ void validate(const kimi_config & c, const std::string & where) {
 } // namespace
 
 kimi_config config_parse(const std::string & text, const std::string & where) {
+    // nlohmann's lexer ends the input at a NUL byte and ignores whatever follows it, so `{...}\0garbage` would parse
+    // (the same finding as fuzz_server_request #6); JSON text has no raw NUL, so it is refused by name.
+    if (const size_t nul = text.find('\0'); nul != std::string::npos)
+        PG_FAIL("{}: not valid JSON: a NUL byte at offset {}", where, nul);
     json j;
     try {
         j = json::parse(text);
@@ -517,9 +521,12 @@ kimi_config config_load(const std::string & dir) {
     if (g.good()) {
         std::stringstream gs;
         gs << g.rdbuf();
+        const std::string gtext = gs.str();
+        if (const size_t nul = gtext.find('\0'); nul != std::string::npos)
+            PG_FAIL("{}/generation_config.json: not valid JSON: a NUL byte at offset {}", dir, nul);
         json gj;
         try {
-            gj = json::parse(gs.str());
+            gj = json::parse(gtext);
         } catch (const json::exception & e) {  // parse_error, and out_of_range 406 (number overflow, e.g. 1e3092)
             PG_FAIL("{}/generation_config.json: not valid JSON: {}", dir, e.what());
         }

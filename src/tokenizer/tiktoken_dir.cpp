@@ -33,9 +33,13 @@ tiktoken_dir load_tiktoken_dir(const std::string & dir) {
     PG_CHECK(fs::exists(info.model_path), "tokenizer: {} not found", info.model_path);
     PG_CHECK(fs::exists(info.config_path), "tokenizer: {} not found", info.config_path);
 
+    const std::string cfg_text = read_file_bytes(info.config_path);
+    // nlohmann's lexer ends the input at a NUL byte and silently ignores the rest: refuse it by name.
+    if (const size_t nul = cfg_text.find('\0'); nul != std::string::npos)
+        PG_FAIL("{}: invalid JSON: a NUL byte at offset {}", info.config_path, nul);
     nlohmann::json cfg;
     try {
-        cfg = nlohmann::json::parse(read_file_bytes(info.config_path));
+        cfg = nlohmann::json::parse(cfg_text);
     } catch (const nlohmann::json::exception & e) {
         PG_FAIL("{}: invalid JSON: {}", info.config_path, e.what());
     }

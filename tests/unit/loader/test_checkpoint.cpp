@@ -195,6 +195,12 @@ TEST(checkpoint, malformed_index) {
         fx.raw_index(b.json);
         expect_ckpt_fails(fx.dir, {"model.safetensors.index.json", b.expect});
     }
+    {
+        // nlohmann stops at a NUL byte and would ignore the rest (here an unknown key): refused by name
+        sharded_fixture fx;
+        fx.raw_index(std::string(R"({"weight_map":{}})") + std::string(1, '\0') + R"(,"extra":1})");
+        expect_ckpt_fails(fx.dir, {"model.safetensors.index.json", "a NUL byte at offset 17"});
+    }
     sharded_fixture fx;
     fx.raw_index(std::string(100000, '[') + std::string(100000, ']'));
     expect_ckpt_fails(fx.dir, {"nested deeper"});

@@ -316,6 +316,20 @@ TEST(config_defects, missing_required_key) {
     expect_rejected(g, {"dsa_config", "index_topk"}, "K3.1 index_topk");
 }
 
+// nlohmann's lexer stops at a NUL byte: `{...}\0garbage` parsed as `{...}` before the check (RELIABILITY: no silent
+// acceptance); the control is the same text without the NUL, which parses.
+TEST(config_defects, nul_byte_is_refused) {
+    const std::string text = native_cfg().dump();
+    EXPECT_NO_THROW(config_parse(text, "config.json"));
+    try {
+        config_parse(text + std::string(1, '\0') + "{\"junk\": [", "config.json");
+        ADD_FAILURE() << "a config.json with a NUL byte was accepted";
+    } catch (const perigee::error & e) {
+        EXPECT_NE(std::string(e.what()).find(fmt::format("config.json: not valid JSON: a NUL byte at offset {}", text.size())),
+                  std::string::npos) << e.what();
+    }
+}
+
 TEST(config_defects, wrong_type) {
     json a = native_cfg();
     a["hidden_size"] = "64";

@@ -97,6 +97,9 @@ TEST(tokenizer_dir, errors_name_file_and_key) {
     EXPECT_NE(load_error(d).find("given twice"), std::string::npos);
     d.write("tokenizer_config.json", "{not json");
     EXPECT_NE(load_error(d).find("invalid JSON"), std::string::npos);
+    // nlohmann stops at a NUL byte and ignores the rest: refused by name (the text before the NUL alone is valid)
+    d.write("tokenizer_config.json", std::string(k3_like_config) + std::string(1, '\0') + "junk");
+    EXPECT_NE(load_error(d).find("invalid JSON: a NUL byte at offset"), std::string::npos) << load_error(d);
     d.write("tiktoken.model", tiny_model() + "!!!! 258\n");
     d.write("tokenizer_config.json", k3_like_config);
     EXPECT_NE(load_error(d).find("tiktoken.model:259: invalid base64"), std::string::npos) << load_error(d);
