@@ -14,6 +14,11 @@ cudaError_t launch_f32_to_bf16_split3(const float * x, int64_t n, uint16_t * p0,
 // logits [T, E] the backend computed: ids [T, topk], w [T, topk].
 cudaError_t launch_moe_select(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                               cudaStream_t st);
+// ---- route-select.cu ----
+// The same selection with one warp per token and no block barrier (cuda_options::moe_select_warp): ids and weights
+// bit for bit those of launch_moe_select. E <= 1024, topk <= 64, n_group <= 64.
+cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                   cudaStream_t st);
 
 // ---- mla-prefill.cu ----
 // MLA_ATTN prefill without a selection (cuda_options::mla_prefill_tokens), the CPU reference's expanded form:
