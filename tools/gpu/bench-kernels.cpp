@@ -1,11 +1,13 @@
 // bench-kernels: the card's two ceilings and the decode kernels against them, measured in one run.
 //   copy:  device-to-device copy of 2 GiB (bytes read + written) -> the HBM bandwidth ceiling
 //   gemm:  cuBLASLt bf16 x bf16 -> f32, 8192^3 -> the bf16 matrix ceiling
-//   gemv:  the backend's LINEAR GEMV (bf16 weights, T = 1 and 8) on K3-sized matrices (weights >> L2)
+//   gemv:  the backend's LINEAR GEMV kernels (bf16 weights, T = 1 and 8) on K3's dense shapes, each cuda_options::gemv_unroll
+//          variant side by side (weights rotated over > 3x the L2; graphs of back-to-back launches)
 //   moe:   MOE_EXPERTS decode, MXFP4 experts at K3's latent-MoE widths, 16 of 64 experts selected
 //   kda:   KDA recurrent decode step at K3 widths (H 96, K = V = 128), state rotated over 16 slots
 // Every figure: median of 20 timed launches after 3 warm-ups, cudaEvent timing, inputs random (never zeros).
 #include "backend/cuda/cuda-ops.h"
+#include "backend/cuda/fuse-ops.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -117,20 +119,139 @@ int main() {
         CK(cudaFree(A)); CK(cudaFree(B)); CK(cudaFree(D)); CK(cudaFree(ws));
     }
 
-    // GEMV: the decode LINEAR path
-    for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{7168, 18432}, {16384, 7168}, {163840, 7168}, {2048, 7168}}) {
-        void * W = dev_random(size_t(out * in) * 2, 4, true);
-        float *x, *y;
-        CK(cudaMalloc(reinterpret_cast<void **>(&x), size_t(8 * in) * 4));
-        CK(cudaMemset(x, 0x3c, size_t(8 * in) * 4));   // 0x3c3c3c3c ~ 0.0115, nonzero
-        CK(cudaMalloc(reinterpret_cast<void **>(&y), size_t(8 * out) * 4));
-        for (int T : {1, 8}) {
-            const double ms = median_ms([&] { CK(launch_linear_gemv(x, T, in, {W, wtype::BF16}, out, y, st)); });
-            const double bytes = double(out * in) * 2 + double(T) * (in + out) * 4;
-            std::printf("gemv   bf16 [%lld x %lld] T=%d: %.4f ms, %.0f GB/s = %.0f%% of copy\n", (long long)out, (long long)in, T, ms,
-                        bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / bw);
+    // GEMV: the decode LINEAR path on K3's dense shapes (k3-layers-4: 3 KDA + 1 MLA layer, layer 1 dense, 3 MoE layers),
+    // every kernel generation side by side (cuda_options::gemv_unroll: u0 = the first kernels; uN = v2 with N 16-byte
+    // loads in flight per lane, split chosen at launch; uNs1 = v2 without the row split). Each figure: a CUDA graph of n
+    // launches (n so that a replay streams >= 512 MB) over rotating weight copies (>= 160 MB in all: the L2 is 50 MB, so
+    // every launch reads its weights from HBM), 3 warm-up replays, median of 7 replays / n; GB/s = weight + x + y bytes.
+    // The launches of a graph run back to back as in the decode step's graph, so the time includes the gaps between
+    // kernels (what the step pays). The last lines weight each case by its count in one k3-layers-4 step.
+    {
+        struct gcase {
+            const char * name;
+            std::vector<int64_t> outs;
+            int64_t in;
+            int kind;    // 0 plain / grouped, 1 RMSNorm folded (staged), 2 ADD epilogue (one residual)
+            int count;   // launches per k3-layers-4 step
+        };
+        const std::vector<gcase> cases = {
+            {"kda q/k/v/f_a/b/g_a (grouped)", {12288, 12288, 12288, 128, 96, 128}, 7168, 0, 3},
+            {"kda f_b", {12288}, 128, 0, 3},
+            {"kda g_b", {12288}, 128, 0, 3},
+            {"kda o_proj + ADD", {7168}, 12288, 2, 3},
+            {"mla q_a/kv_a/g + norm (staged)", {1536, 576, 12288}, 7168, 1, 1},
+            {"mla q_b + q_a_layernorm (staged)", {18432}, 1536, 1, 1},
+            {"mla o_proj + ADD", {7168}, 12288, 2, 1},
+            {"dense gate/up (grouped)", {33792, 33792}, 7168, 0, 1},
+            {"dense down + ADD", {7168}, 33792, 2, 1},
+            {"moe router gate (MOE_ROUTE's GEMV)", {896}, 7168, 0, 3},
+            {"moe latent down/shared gate/up + norm (staged)", {3584, 6144, 6144}, 7168, 1, 3},
+            {"moe latent up + routed norm (staged)", {7168}, 3584, 1, 3},
+            {"moe shared down + ADD", {7168}, 6144, 2, 3},
+            {"lm_head", {163840}, 7168, 0, 1},
+            {"q_a alone (narrow)", {1536}, 7168, 0, 0},
+            {"kv_a alone (narrow)", {576}, 7168, 0, 0},
+        };
+        const std::vector<std::pair<const char *, gemv_cfg>> vars = {
+            {"u0", {0, 0}}, {"u1", {1, 0}}, {"u2", {2, 0}}, {"u4", {4, 0}}, {"u8", {8, 0}}, {"u4s1", {4, 1}}, {"u8s1", {8, 1}}};
+        std::vector<double> step_ms(vars.size(), 0.0);
+        double step_bytes = 0.0;
+        for (const auto & c : cases) {
+            const int n = int(c.outs.size());
+            int64_t rows = 0;
+            for (auto o : c.outs) rows += o;
+            const size_t wbytes = size_t(rows * c.in) * 2;
+            const int copies = int(std::max<size_t>(1, (size_t(160) << 20) / wbytes + 1));
+            const int nl = int(std::min<size_t>(50, std::max<size_t>(2, (size_t(512) << 20) / wbytes)));
+            // one weight buffer per copy holding every segment's rows; random bf16 in +-0.05 (a 64 MB random block
+            // repeated: generating GBs on the host takes seconds)
+            const size_t blk = std::min(wbytes, size_t(64) << 20);
+            void * wr = dev_random(blk, 4, true);
+            void * w0;
+            CK(cudaMalloc(&w0, wbytes));
+            for (size_t o = 0; o < wbytes; o += blk)
+                CK(cudaMemcpy(static_cast<char *>(w0) + o, wr, std::min(blk, wbytes - o), cudaMemcpyDeviceToDevice));
+            CK(cudaFree(wr));
+            std::vector<void *> wc{w0};
+            for (int i = 1; i < copies; ++i) {
+                void * d;
+                CK(cudaMalloc(&d, wbytes));
+                CK(cudaMemcpy(d, w0, wbytes, cudaMemcpyDeviceToDevice));
+                wc.push_back(d);
+            }
+            float *x, *nw, *yn, *res;
+            CK(cudaMalloc(reinterpret_cast<void **>(&x), size_t(8 * c.in) * 4));
+            CK(cudaMemset(x, 0x3c, size_t(8 * c.in) * 4));   // 0x3c3c3c3c ~ 0.0115, nonzero
+            CK(cudaMalloc(reinterpret_cast<void **>(&nw), size_t(c.in) * 4));
+            CK(cudaMemset(nw, 0x3f, size_t(c.in) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&yn), size_t(8 * c.in) * 4));
+            std::vector<float *> ys(static_cast<size_t>(n)), zs(static_cast<size_t>(n));
+            for (int s = 0; s < n; ++s) {
+                CK(cudaMalloc(reinterpret_cast<void **>(&ys[size_t(s)]), size_t(8 * c.outs[size_t(s)]) * 4));
+                CK(cudaMalloc(reinterpret_cast<void **>(&zs[size_t(s)]), size_t(8 * c.outs[size_t(s)]) * 4));
+            }
+            CK(cudaMalloc(reinterpret_cast<void **>(&res), size_t(8 * rows) * 4));
+            CK(cudaMemset(res, 0, size_t(8 * rows) * 4));
+            auto launch = [&](int copy, const gemv_cfg & cfg, int T) {
+                const char * base = static_cast<const char *>(wc[size_t(copy)]);
+                const void * wp[k_gemv_group_max];
+                gemv_fused_seg segs[k_gemv_group_max];
+                int64_t off = 0;
+                for (int s = 0; s < n; ++s) {
+                    wp[s] = base + off * c.in * 2;
+                    segs[s].w = wp[s];
+                    segs[s].y = ys[size_t(s)];
+                    segs[s].out = c.outs[size_t(s)];
+                    if (c.kind == 2) segs[s].res[0] = res, segs[s].z[0] = zs[size_t(s)];
+                    off += c.outs[size_t(s)];
+                }
+                if (c.kind == 0 && n == 1) CK(launch_linear_gemv(x, T, c.in, {wp[0], wtype::BF16}, c.outs[0], ys[0], st, cfg));
+                else if (c.kind == 0) CK(launch_linear_gemv_group(x, T, c.in, wtype::BF16, wp, ys.data(), c.outs.data(), n, st, cfg));
+                else {
+                    gemv_norm nm;
+                    if (c.kind == 1) nm.on = true, nm.staged = true, nm.w = nw, nm.eps = 1e-5f, nm.y = yn;
+                    CK(launch_linear_gemv_fused(x, T, c.in, wtype::BF16, segs, n, nm, st, nullptr, cfg));
+                }
+            };
+            for (int T : {1, 8}) {
+                if (T == 8 && c.count == 0) continue;
+                const double bytes = double(wbytes) + double(T) * double(c.in + rows) * 4;
+                std::printf("gemv   %-46s [%6lld x %5lld] %7.1f MB T=%d x%d:", c.name, (long long)rows, (long long)c.in,
+                            double(wbytes) / 1e6, T, c.count);
+                double best = 1e30, u0 = 0;
+                const char * best_name = "";
+                for (size_t v = 0; v < vars.size(); ++v) {
+                    launch(0, vars[v].second, T);   // eager once: outside any capture (one-time function attributes)
+                    CK(cudaStreamSynchronize(st));
+                    cudaGraph_t gr;
+                    cudaGraphExec_t ge;
+                    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                    for (int i = 0; i < nl; ++i) launch(i % copies, vars[v].second, T);
+                    CK(cudaStreamEndCapture(st, &gr));
+                    CK(cudaGraphInstantiate(&ge, gr, 0));
+                    const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
+                    CK(cudaGraphExecDestroy(ge));
+                    CK(cudaGraphDestroy(gr));
+                    const double gbs = bytes / (ms * 1e-3) / 1e9;
+                    std::printf(" | %s %.4f ms %4.0f GB/s %3.0f%%", vars[v].first, ms, gbs, 100.0 * gbs / bw);
+                    if (v == 0) u0 = ms;
+                    if (ms < best) best = ms, best_name = vars[v].first;
+                    if (T == 1) step_ms[v] += ms * c.count;
+                }
+                std::printf(" | best %s %.2fx u0\n", best_name, u0 / best);
+                if (T == 1) step_bytes += bytes * c.count;
+            }
+            for (void * p : wc) CK(cudaFree(p));
+            for (int s = 0; s < n; ++s) {
+                CK(cudaFree(ys[size_t(s)]));
+                CK(cudaFree(zs[size_t(s)]));
+            }
+            CK(cudaFree(x)); CK(cudaFree(nw)); CK(cudaFree(yn)); CK(cudaFree(res));
         }
-        CK(cudaFree(W)); CK(cudaFree(x)); CK(cudaFree(y));
+        std::printf("gemv   k3-layers-4 step, dense LINEARs at T=1 (%.2f GB):", step_bytes / 1e9);
+        for (size_t v = 0; v < vars.size(); ++v)
+            std::printf(" | %s %.3f ms %3.0f%%", vars[v].first, step_ms[v], 100.0 * step_bytes / (step_ms[v] * 1e-3) / 1e9 / bw);
+        std::printf("\n");
     }
 
     // MoE decode, MXFP4 experts: latent width 3584 -> 3072 -> 3584 (k3-layers-4 geometry), 16 of 64 experts

@@ -32,7 +32,8 @@ struct gemv_norm {
 // Up to k_gemv_group_max segments over the same x [T, in], one weight type; any T (chunks of 8 tokens).
 // staged_launches (optional): incremented per launch of the staged-norm kernel (the tests' proof that it ran).
 cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wtype wt, const gemv_fused_seg * segs, int n,
-                                     const gemv_norm & nm, cudaStream_t st, int * staged_launches = nullptr);
+                                     const gemv_norm & nm, cudaStream_t st, int * staged_launches = nullptr,
+                                     gemv_cfg cfg = {});
 // SHORT_CONV (as launch_short_conv: y [T, C], state updated) and the L2_NORM of y per head of N channels into yn [T, C]
 // in one launch (fuse-conv.cu). N % 32 == 0, 32 <= N <= 1024, C % N == 0.
 cudaError_t launch_short_conv_l2(const float * x, int64_t C, dweight w, int64_t W, float * state, const dbatch & b, float * y,

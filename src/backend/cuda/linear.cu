@@ -3,6 +3,7 @@
 #include "backend/cuda/fuse-ops.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace perigee::cuda {
 
@@ -444,6 +445,343 @@ void fused_chunk(const float * x, int64_t tt, int64_t in, const fused_segs & g, 
     }
 }
 
+// ---- GEMV v2 (cuda_options::gemv_unroll = U > 0) ----
+// The first kernels above give each lane ONE 16-byte weight load in flight per loop iteration (a 7168-wide bf16 row is
+// 28 dependent round trips per warp) and one warp per row, so a grid of few rows (4096 rows = 512 blocks) leaves the
+// SMs short of bytes in flight: ~60% of the copy bandwidth on K3's dense LINEARs (bench/RESULTS.md round 3). v2:
+//  - each lane issues U independent 16-byte weight loads (ld.global.nc, no L1 allocation: the weights are streamed once,
+//    L1 keeps x) before any conversion or math;
+//  - R rows per warp (1 for 1-2 tokens, 2 for 3-5, 4 for 6-8; at most 2 in the staged-norm kernel): each x chunk a lane
+//    loads serves R rows (at T = 8 the x reads, TT times the weight bytes, otherwise load the L1 harder than the weights);
+//  - S warps of a block share each row (split-K over whole 32 x VN-element chunks) when the tiles would not spread evenly
+//    over the SMs (launch-time choice, gemv2_split); the S partials are summed in shared memory in warp order.
+// The per-lane accumulation order is the first kernels' (4 products summed, then added), then the warp's butterfly sum;
+// with S > 1 the slices' sums are added in slice order. Deterministic for a given (unroll, split, rows per warp).
+constexpr int gemv2_rows_per_warp(int tt, bool staged) {
+    return tt >= 6 ? (staged ? 2 : 4) : tt >= 3 ? 2 : 1;
+}
+
+static_assert(k_gemv_norm_stage_max + (k_gemv_warps * gemv2_rows_per_warp(8, true) * 8 + 8 * k_gemv_warps + 8) * 4 <= 48 * 1024,
+              "v2 staged: x' and the static scratch (partials, x^2 sums, inv) must fit 48 KiB (no dynamic-smem opt-in)");
+
+template <wtype WT>
+__device__ __forceinline__ uint4 wraw_load(const void * base, int64_t i) {
+    const char * p = static_cast<const char *>(base) + i * (WT == wtype::F32 ? 4 : 2);
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+template <wtype WT>
+__device__ __forceinline__ void wraw_cvt(const uint4 & u, float * o) {
+    if constexpr (WT == wtype::BF16) {
+        const uint32_t p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[2 * j] = __uint_as_float(p[j] << 16);
+            o[2 * j + 1] = __uint_as_float(p[j] & 0xffff0000u);
+        }
+    } else if constexpr (WT == wtype::F16) {
+        const __half2 * h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(h[j]);
+            o[2 * j] = f.x;
+            o[2 * j + 1] = f.y;
+        }
+    } else {
+        o[0] = __uint_as_float(u.x), o[1] = __uint_as_float(u.y), o[2] = __uint_as_float(u.z), o[3] = __uint_as_float(u.w);
+    }
+}
+
+// y (and the epilogue outputs) of segment s, row `row`, token t.
+__device__ __forceinline__ void gemv_store(const fused_segs & g, int s, int64_t row, int t, float v) {
+    const int64_t i = t * g.out[s] + row;
+    g.y[s][i] = v;
+    if (g.sig[s]) g.sig[s][i] = sigmoid_d(v);
+    if (g.z0[s]) {
+        v = v + g.res0[s][i];
+        g.z0[s][i] = v;
+        if (g.z1[s]) g.z1[s][i] = v + g.res1[s][i];
+    }
+}
+
+// One launch over all segments of g (plain GEMV: one segment, no epilogue). Tiles of (8 / split) * R rows; block b takes
+// tiles b, b + gridDim, ... (the plain grid has one block per tile; the staged grid is at most the resident blocks).
+// STAGED: x' = RMSNorm(x) * nw staged once per block in dynamic shared memory [TT, in] as k_linear_gemv_norm_staged
+// does (same arithmetic), yn written from it; needs in % 4 == 0.
+template <wtype WT, int TT, int U, bool STAGED>
+__global__ void __launch_bounds__(k_gemv_warps * 32)
+    k_linear_gemv_v2(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
+                     float eps, float * __restrict__ yn) {
+    constexpr int R = gemv2_rows_per_warp(TT, STAGED);
+    constexpr int UC = U / R >= 1 ? U / R : 1;   // chunks per iteration (R * UC loads in flight per lane)
+    constexpr int VN = wvec<WT>::n;
+    constexpr int CH = 32 * VN;                  // elements of one warp-wide chunk (512 bytes)
+    constexpr int NT = k_gemv_warps * 32;
+    __shared__ float part[k_gemv_warps][R * TT];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float * xs = x;
+    if constexpr (STAGED) {
+        extern __shared__ float4 stage4[];
+        float * st = reinterpret_cast<float *>(stage4);   // [TT, in]
+        __shared__ float red[TT][k_gemv_warps];
+        __shared__ float inv_s[TT];
+        float ss[TT];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
+        const int64_t n4 = in / 4;
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            for (int64_t c = tid; c < n4; c += NT) {
+                const float4 v = reinterpret_cast<const float4 *>(x + t * in)[c];
+                reinterpret_cast<float4 *>(st + t * in)[c] = v;
+                ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            const float v = warp_sum(ss[t]);
+            if (lane == 0) red[t][warp] = v;
+        }
+        __syncthreads();
+        if (tid < TT) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < k_gemv_warps; ++w) s += red[tid][w];
+            inv_s[tid] = rsqrtf(s / float(in) + eps);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            const float inv = inv_s[t];
+            for (int64_t c = tid; c < in; c += NT) {
+                float v = st[t * in + c] * inv;
+                if (nw) v *= nw[c];
+                st[t * in + c] = v;
+            }
+        }
+        __syncthreads();
+        if (yn)
+            for (int64_t i = int64_t(blockIdx.x) * NT + tid; i < int64_t(TT) * in; i += int64_t(gridDim.x) * NT) yn[i] = st[i];
+        xs = st;
+    }
+    const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
+    const int64_t rows_tile = int64_t(groups) * R;
+    const unsigned total = g.start[g.n];
+    const bool vec = in % VN == 0;
+    const int64_t nch = (in + CH - 1) / CH;
+    // 16-bit weights: a lane's 8 x values are two float4s; lanes 4-7 of each quarter warp read their second half first,
+    // so each 16-byte shared-memory phase touches 32 distinct banks (staged x'); the sums keep the fixed order.
+    const int sw = VN == 8 ? ((lane >> 2) & 1) * 4 : 0;
+    for (unsigned vb = blockIdx.x; vb < total; vb += gridDim.x) {
+        int s = 0;
+        while (s + 1 < g.n && vb >= g.start[s + 1]) ++s;
+        const int64_t out = g.out[s];
+        const int64_t tile0 = int64_t(vb - g.start[s]) * rows_tile;
+        const int64_t r0 = tile0 + int64_t(gi) * R;
+        const void * W = g.w[s];
+        int64_t rb[R];   // row bases, rows past the end clamped to the last row (read, never written)
+#pragma unroll
+        for (int r = 0; r < R; ++r) rb[r] = (r0 + r < out ? r0 + r : out - 1) * in;
+        float acc[R][TT];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+        if (vec) {
+            const int64_t kb = nch * ks / S, ke = nch * (ks + 1) / S;
+            for (int64_t k = kb; k < ke; k += UC) {
+                uint4 raw[R][UC];
+#pragma unroll
+                for (int u = 0; u < UC; ++u) {
+                    const int64_t c = (k + u) * CH + int64_t(lane) * VN;
+                    const bool ok = k + u < ke && c < in;
+#pragma unroll
+                    for (int r = 0; r < R; ++r) raw[r][u] = ok ? wraw_load<WT>(W, rb[r] + c) : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (int u = 0; u < UC; ++u) {
+                    const int64_t c = (k + u) * CH + int64_t(lane) * VN;
+                    if (k + u < ke && c < in) {
+                        float wv[R][VN];
+#pragma unroll
+                        for (int r = 0; r < R; ++r) wraw_cvt<WT>(raw[r][u], wv[r]);
+#pragma unroll
+                        for (int t = 0; t < TT; ++t) {
+                            const float * xt = xs + t * in + c;
+                            if constexpr (VN == 8) {
+                                const float4 p = *reinterpret_cast<const float4 *>(xt + sw);
+                                const float4 q = *reinterpret_cast<const float4 *>(xt + (sw ^ 4));
+                                const float4 a = sw ? q : p, b = sw ? p : q;
+#pragma unroll
+                                for (int r = 0; r < R; ++r) {
+                                    acc[r][t] += wv[r][0] * a.x + wv[r][1] * a.y + wv[r][2] * a.z + wv[r][3] * a.w;
+                                    acc[r][t] += wv[r][4] * b.x + wv[r][5] * b.y + wv[r][6] * b.z + wv[r][7] * b.w;
+                                }
+                            } else {
+                                const float4 a = *reinterpret_cast<const float4 *>(xt);
+#pragma unroll
+                                for (int r = 0; r < R; ++r)
+                                    acc[r][t] += wv[r][0] * a.x + wv[r][1] * a.y + wv[r][2] * a.z + wv[r][3] * a.w;
+                            }
+                        }
+                    }
+                }
+            }
+        } else {   // in % VN != 0: element by element over this warp's slice of the row
+            const dweight Wd{W, WT};
+            const int64_t eb = in * ks / S, ee = in * (ks + 1) / S;
+            for (int64_t c = eb + lane; c < ee; c += 32) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const float wv = wload(Wd, rb[r] + c);
+#pragma unroll
+                    for (int t = 0; t < TT; ++t) acc[r][t] += wv * xs[t * in + c];
+                }
+            }
+        }
+        if (S == 1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int t = 0; t < TT; ++t) {
+                    const float v = warp_sum(acc[r][t]);
+                    if (lane == r * TT + t && r0 + r < out) gemv_store(g, s, r0 + r, t, v);
+                }
+        } else {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int t = 0; t < TT; ++t) {
+                    const float v = warp_sum(acc[r][t]);
+                    if (lane == r * TT + t) part[warp][r * TT + t] = v;
+                }
+            __syncthreads();
+            if (tid < groups * R * TT) {
+                const int g2 = tid / (R * TT), rt = tid % (R * TT);
+                const int64_t row = tile0 + int64_t(g2) * R + rt / TT;
+                float v = 0.0f;
+                for (int q = 0; q < S; ++q) v += part[g2 * S + q][rt];
+                if (row < out) gemv_store(g, s, row, rt % TT, v);
+            }
+            __syncthreads();   // part is reused by the next tile
+        }
+    }
+}
+
+int device_sms() {
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return std::max(1, sms);
+}
+
+// Warps per row: the smallest S in 1, 2, 4, 8 whose tiles spread evenly (>= 90%) over the machine, each warp keeping at
+// least one chunk of the row; else the S with the best balance. Balance: when every tile is resident at once (tiles <=
+// `slots`, the resident blocks of the kernel), tiles per SM over its ceiling; else (several waves of the plain grid, or
+// a persistent staged grid) tiles per slot over its ceiling: the last wave's share. >= 8 per SM or per slot counts as
+// balanced. (ncu, k3-layers-4 B=1: the first kernels' 896-block grids of 7168 rows ran at 57-65% of the DRAM peak with
+// one wave of ~6.8 blocks per SM; the 112-block router grid at 18%.)
+int gemv2_split(const int64_t * out, int n, int64_t in, int rows_per_warp, int vn, int sms, int64_t slots) {
+    const int64_t nch = (in + 32 * vn - 1) / (32 * vn);
+    int best = 1;
+    double best_eff = -1.0;
+    for (int S = 1; S <= k_gemv_warps; S *= 2) {
+        if (S > 1 && nch < S) break;
+        const int64_t rows_tile = int64_t(k_gemv_warps / S) * rows_per_warp;
+        int64_t tiles = 0;
+        for (int i = 0; i < n; ++i) tiles += (out[i] + rows_tile - 1) / rows_tile;
+        const double per = tiles > slots ? double(tiles) / double(slots) : double(tiles) / sms;
+        const double eff = per >= 8.0 ? 1.0 : per / std::ceil(per);
+        if (eff >= 0.9) return S;
+        if (eff > best_eff + 1e-9) best_eff = eff, best = S;
+    }
+    return best;
+}
+
+template <wtype WT, int TT, int U, bool STAGED>
+cudaError_t v2_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg & cfg, const float * nw, float eps,
+                      float * yn, cudaStream_t st) {
+    constexpr int R = gemv2_rows_per_warp(TT, STAGED);
+    const auto kern = k_linear_gemv_v2<WT, TT, U, STAGED>;
+    const int th = k_gemv_warps * 32;
+    const int sms = device_sms();
+    const size_t smem = STAGED ? size_t(TT) * size_t(in) * 4 : 0;
+    int occ = 0;
+    if constexpr (STAGED) {
+        static bool carveout_set = false;   // a hint; once per instantiation, never inside a stream capture
+        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        cudaStreamIsCapturing(st, &cap);
+        if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
+            cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+            carveout_set = true;
+        }
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
+    } else {
+        static int occ_plain = 0;   // no dynamic shared memory: one query per instantiation
+        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, kern, th, 0);
+        occ = occ_plain;
+    }
+    const int64_t slots = int64_t(sms) * std::max(1, occ);
+    const int S = cfg.split > 0 ? cfg.split : gemv2_split(g.out, g.n, in, R, wvec<WT>::n, sms, slots);
+    const int64_t rows_tile = int64_t(k_gemv_warps / S) * R;
+    g.start[0] = 0;
+    for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
+    const unsigned total = g.start[g.n];
+    const unsigned grid = STAGED ? unsigned(std::min<int64_t>(total, slots)) : total;
+    kern<<<grid, th, smem, st>>>(x, in, g, S, nw, eps, yn);
+    return cudaGetLastError();
+}
+
+template <wtype WT, int TT, bool STAGED>
+cudaError_t v2_unroll(const float * x, int64_t in, const fused_segs & g, const gemv_cfg & cfg, const float * nw, float eps,
+                      float * yn, cudaStream_t st) {
+    switch (cfg.unroll) {
+        case 1: return v2_launch<WT, TT, 1, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 2: return v2_launch<WT, TT, 2, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 4: return v2_launch<WT, TT, 4, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        default: return v2_launch<WT, TT, 8, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+    }
+}
+
+template <wtype WT, bool STAGED>
+cudaError_t v2_tokens(const float * x, int64_t tt, int64_t in, const fused_segs & g, const gemv_cfg & cfg,
+                      const float * nw, float eps, float * yn, cudaStream_t st) {
+    switch (tt) {
+        case 1: return v2_unroll<WT, 1, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 2: return v2_unroll<WT, 2, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 3: return v2_unroll<WT, 3, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 4: return v2_unroll<WT, 4, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 5: return v2_unroll<WT, 5, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 6: return v2_unroll<WT, 6, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 7: return v2_unroll<WT, 7, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        default: return v2_unroll<WT, 8, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+    }
+}
+
+// One chunk of <= 8 tokens through the v2 kernels (g.start is set here from the chosen tile size).
+cudaError_t v2_chunk(const float * x, int64_t tt, int64_t in, wtype wt, const fused_segs & g, const gemv_cfg & cfg,
+                     bool staged, const float * nw, float eps, float * yn, cudaStream_t st) {
+    switch (wt) {
+        case wtype::BF16:
+            return staged ? v2_tokens<wtype::BF16, true>(x, tt, in, g, cfg, nw, eps, yn, st)
+                          : v2_tokens<wtype::BF16, false>(x, tt, in, g, cfg, nw, eps, yn, st);
+        case wtype::F16:
+            return staged ? v2_tokens<wtype::F16, true>(x, tt, in, g, cfg, nw, eps, yn, st)
+                          : v2_tokens<wtype::F16, false>(x, tt, in, g, cfg, nw, eps, yn, st);
+        default:
+            return staged ? v2_tokens<wtype::F32, true>(x, tt, in, g, cfg, nw, eps, yn, st)
+                          : v2_tokens<wtype::F32, false>(x, tt, in, g, cfg, nw, eps, yn, st);
+    }
+}
+
+bool cfg_valid(const gemv_cfg & c) {
+    const bool u = c.unroll == 0 || c.unroll == 1 || c.unroll == 2 || c.unroll == 4 || c.unroll == 8;
+    const bool s = c.split == 0 || c.split == 1 || c.split == 2 || c.split == 4 || c.split == 8;
+    return u && s;
+}
+
 __global__ void k_weight_to_f32(dweight w, int64_t n, float * __restrict__ y) {
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
         y[i] = wload(w, i);
@@ -480,9 +818,21 @@ __global__ void k_get_rows(dweight table, int64_t V, int64_t D, const int32_t * 
 
 } // namespace
 
-cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st) {
+cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
+                               gemv_cfg cfg) {
+    if (!cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
         const int64_t tt = T - t0 < 8 ? T - t0 : 8;
+        if (cfg.unroll > 0) {
+            fused_segs g{};
+            g.n = 1;
+            g.w[0] = W.data;
+            g.y[0] = y + t0 * out;
+            g.out[0] = out;
+            const cudaError_t e = v2_chunk(x + t0 * in, tt, in, W.type, g, cfg, false, nullptr, 0.0f, nullptr, st);
+            if (e != cudaSuccess) return e;
+            continue;
+        }
         // y rows t0.. are written with ldy = out by each chunk (y offset by t0 rows).
         switch (W.type) {
             case wtype::BF16: gemv_chunk<wtype::BF16>(x + t0 * in, tt, in, W, out, y + t0 * out, st); break;
@@ -496,10 +846,22 @@ cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W
 }
 
 cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wtype wt, const void * const * w,
-                                     float * const * y, const int64_t * out, int n, cudaStream_t st) {
-    if (n < 1 || n > k_gemv_group_max) return cudaErrorInvalidValue;
+                                     float * const * y, const int64_t * out, int n, cudaStream_t st, gemv_cfg cfg) {
+    if (n < 1 || n > k_gemv_group_max || !cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
         const int64_t tt = T - t0 < 8 ? T - t0 : 8;
+        if (cfg.unroll > 0) {
+            fused_segs g{};
+            g.n = n;
+            for (int s = 0; s < n; ++s) {
+                g.w[s] = w[s];
+                g.y[s] = y[s] + t0 * out[s];
+                g.out[s] = out[s];
+            }
+            const cudaError_t e = v2_chunk(x + t0 * in, tt, in, wt, g, cfg, false, nullptr, 0.0f, nullptr, st);
+            if (e != cudaSuccess) return e;
+            continue;
+        }
         gemv_segs g{};
         g.n = n;
         g.start[0] = 0;
@@ -521,8 +883,8 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
 }
 
 cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wtype wt, const gemv_fused_seg * segs, int n,
-                                     const gemv_norm & nm, cudaStream_t st, int * staged_launches) {
-    if (n < 1 || n > k_gemv_group_max || in < 1) return cudaErrorInvalidValue;
+                                     const gemv_norm & nm, cudaStream_t st, int * staged_launches, gemv_cfg cfg) {
+    if (n < 1 || n > k_gemv_group_max || in < 1 || !cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int s = 0; s < n; ++s)
         if (segs[s].out < 1 || (segs[s].z[1] && !segs[s].z[0])) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
@@ -544,7 +906,14 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
         }
         const float * xc = x + t0 * in;
         float * yn = nm.on && nm.y ? nm.y + t0 * in : nullptr;
-        if (nm.on && nm.staged && tt * in * 4 <= k_gemv_norm_stage_max && in % 4 == 0) {
+        const bool staged = nm.on && nm.staged && tt * in * 4 <= k_gemv_norm_stage_max && in % 4 == 0;
+        if (cfg.unroll > 0 && (staged || !nm.on)) {   // the in-warp norm prologue (not staged) keeps the first kernel
+            const cudaError_t e = v2_chunk(xc, tt, in, wt, g, cfg, staged, nm.w, nm.eps, yn, st);
+            if (e != cudaSuccess) return e;
+            if (staged && staged_launches) ++*staged_launches;
+            continue;
+        }
+        if (staged) {
             switch (wt) {
                 case wtype::BF16: staged_chunk<wtype::BF16>(xc, tt, in, g, nm.w, nm.eps, yn, st); break;
                 case wtype::F16: staged_chunk<wtype::F16>(xc, tt, in, g, nm.w, nm.eps, yn, st); break;

@@ -9,6 +9,7 @@
 // write-back, swapped expert ids. The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/fuse-ops.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -18,6 +19,8 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <memory>
 #include <set>
 
 namespace perigee::test {
@@ -738,7 +741,17 @@ TEST(cuda_ops, attn_res_mix) {
         EXPECT_TRUE(parity("attn_res/n" + std::to_string(n), g, {{y, metric::NMSE, k_tol_f32}}, {}));
         cuda_options first{true, 8};   // the first kernel (one block per row) stays selectable
         first.attn_res_split = false;
+        first.attn_res_chunk = 0;
         EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/one-block", g, {{y, metric::NMSE, k_tol_f32}}, {}, first));
+        cuda_options split{true, 8};   // the split form (block per (row, candidate) over all D columns)
+        split.attn_res_chunk = 0;
+        EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/split", g, {{y, metric::NMSE, k_tol_f32}}, {}, split));
+        for (int chunk : {16, 64, 1024}) {   // the chunked form (the default at 1024): 5 / 2 / 1 chunks at D 80, 448 / 112 / 7 at 7168
+            cuda_options ch{true, 8};
+            ch.attn_res_chunk = chunk;
+            EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/chunk" + std::to_string(chunk), g,
+                               {{y, metric::NMSE, k_tol_f32}}, {}, ch));
+        }
         if (n == 17) {
             auto cpu = backend_cpu_init();
             cpu->run(g);
@@ -832,7 +845,7 @@ TEST(cuda_ops, linear_group_same_input) {
 // after an RMS_NORM, with every fusion switch explicitly off and explicitly on (the defaults turn them on since round 2),
 // each run in a fresh backend after a decoy backend of the same shapes and other values (round 2's K7168/F32/T8 failure:
 // a leaf read before its upload landed gave all-zero LINEARs in the 2nd and later backends of a case). x must come back
-// bitwise equal to its leaf.
+// bitwise equal to its leaf. Each with the first GEMV kernels (cuda_options::gemv_unroll 0) and the default v2 kernels.
 TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
     NEED_GPU();
     const int K = 7168, O = 2304;
@@ -859,9 +872,12 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
             graph gd = build(ad, seed + 1, yd, xd, xdv);
             std::vector<out_check> oc;
             for (auto & y : ys) oc.push_back({y, metric::NMSE, k_tol_f32});
-            for (int on = 0; on < 2; ++on) {
-                const std::string nm = fmt::format("linear_wide/{}/K{}/T{}/fusions-{}", dtype_name(wt), K, T, on ? "on" : "off");
+            for (int on = 0; on < 2; ++on)
+            for (int unroll : {0, cuda::k_gemv_unroll_default}) {   // the first GEMV kernels and the default v2 kernels
+                const std::string nm = fmt::format("linear_wide/{}/K{}/T{}/fusions-{}/u{}", dtype_name(wt), K, T, on ? "on" : "off",
+                                                   unroll);
                 cuda_options o{true, 8};
+                o.gemv_unroll = unroll;
                 o.linear_group = on != 0;
                 o.fuse_norm_linear = o.fuse_add = o.fuse_conv_l2 = o.fuse_sigmoid = on != 0;
                 o.fuse_norm_staged = true;
@@ -894,6 +910,198 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
                 }
             }
         }
+}
+
+// ---- GEMV kernels at the launcher level (linear.cu; cuda_options::gemv_unroll) ----
+// Every kernel generation (unroll 0: the first kernels; 1/2/4/8: v2 with that many 16-byte loads in flight per lane) and
+// forced row splits (1/2/8 warps per row; 0: the launch-time choice) against an fp64 host reference, four launch kinds:
+// plain (launch_linear_gemv), grouped (3 segments), fused with the epilogues (sigmoid, +res0, +res0+res1) and the folded
+// RMSNorm (staged where it fits: T_chunk * in * 4 <= 47 KiB, else the first in-warp kernel). Shapes: in not a multiple of
+// the 256-element chunk nor of the unroll, in % 8 != 0 (the element path of 16-bit weights), out not a multiple of the
+// rows per tile, 1 row per segment; T 1..8 and 11 (two token chunks); BF16 / F16 / F32 weights. Each output buffer is
+// filled with NaN before the launch (an unwritten element fails the NaN placement). Worst NMSE per (dtype, kind, cfg)
+// printed; controls: a perturbed candidate per (dtype, kind) must fail, a second launch must be bitwise equal, an invalid
+// cfg must be refused.
+struct dmem {
+    void * p = nullptr;
+    explicit dmem(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 16)), cudaSuccess); }
+    dmem(const void * h, size_t bytes) : dmem(bytes) { EXPECT_EQ(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), cudaSuccess); }
+    ~dmem() { cudaFree(p); }
+    dmem(const dmem &) = delete;
+    dmem & operator=(const dmem &) = delete;
+    float * f() const { return static_cast<float *>(p); }
+};
+std::vector<float> dget(const float * p, size_t n) {
+    std::vector<float> v(n);
+    EXPECT_EQ(cudaMemcpy(v.data(), p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+}
+
+TEST(cuda_ops, linear_gemv_kernels_all_variants) {
+    NEED_GPU();
+    const std::vector<cuda::gemv_cfg> cfgs = {{0, 0}, {1, 0}, {2, 0}, {4, 0}, {8, 0}, {4, 1}, {4, 2}, {4, 8}, {8, 8}, {1, 2}};
+    const char * kinds[] = {"plain", "group", "epilogue", "norm"};
+    std::map<std::string, std::pair<double, int>> worst;   // (dtype/kind/cfg) -> (worst NMSE, cases)
+    int n_bad = 0;
+    bool controls_done[3][4] = {};
+    for (dtype wt : {dtype::BF16, dtype::F16, dtype::F32}) {
+        const cuda::wtype cw = wt == dtype::BF16 ? cuda::wtype::BF16 : wt == dtype::F16 ? cuda::wtype::F16 : cuda::wtype::F32;
+        std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 264}, {300, 1000}, {130, 100}, {70, 2312}, {1, 520}};
+        if (wt == dtype::BF16) shapes.push_back({65, 7176});
+        for (auto [out0, in] : shapes)
+            for (int T : {1, 2, 3, 4, 5, 6, 7, 8, 11}) {
+                rng r(9100 + uint32_t(T) * 13 + uint32_t(in) + uint32_t(out0) * 7 + uint32_t(wt) * 100000);
+                arena a;
+                const int64_t outs[3] = {out0, 17, 260};
+                auto xv = r.vec(size_t(T * in));
+                std::vector<std::vector<float>> wv(3);
+                std::vector<const tensor *> wtens(3);
+                for (int s = 0; s < 3; ++s) {
+                    wv[size_t(s)] = r.vec(size_t(outs[s] * in), -0.1f, 0.1f);
+                    wtens[size_t(s)] = &a.typed(wt, {outs[s], in}, wv[size_t(s)]);   // wv rounded to the stored values
+                }
+                auto nw = r.vec(size_t(in), 0.8f, 1.2f);
+                std::vector<std::vector<float>> res0(3), res1(3);
+                for (int s = 0; s < 3; ++s) res0[size_t(s)] = r.vec(size_t(T * outs[s])), res1[size_t(s)] = r.vec(size_t(T * outs[s]));
+                const float eps = 1e-5f;
+                // fp64 references: y_s = x W_s^T; norm: x' = x * rsqrt(mean(x^2) + eps) * nw
+                std::vector<double> xn(size_t(T * in));
+                for (int t = 0; t < T; ++t) {
+                    double ss = 0;
+                    for (int64_t c = 0; c < in; ++c) ss += double(xv[size_t(t * in + c)]) * xv[size_t(t * in + c)];
+                    const double inv = 1.0 / std::sqrt(ss / double(in) + eps);
+                    for (int64_t c = 0; c < in; ++c) xn[size_t(t * in + c)] = xv[size_t(t * in + c)] * inv * nw[size_t(c)];
+                }
+                auto mm = [&](const std::vector<double> & xx, int s) {
+                    std::vector<double> y(size_t(T * outs[s]));
+                    for (int t = 0; t < T; ++t)
+                        for (int64_t o = 0; o < outs[s]; ++o) {
+                            double acc = 0;
+                            const float * w = wv[size_t(s)].data() + o * in;
+                            for (int64_t c = 0; c < in; ++c) acc += double(w[c]) * xx[size_t(t * in + c)];
+                            y[size_t(t * outs[s] + o)] = acc;
+                        }
+                    return y;
+                };
+                std::vector<std::vector<double>> yref(3), ynref(3);
+                for (int s = 0; s < 3; ++s) yref[size_t(s)] = mm(to_f64(xv), s), ynref[size_t(s)] = mm(xn, s);
+                dmem dx(xv.data(), xv.size() * 4), dnw(nw.data(), nw.size() * 4);
+                std::vector<std::unique_ptr<dmem>> dw, dy, dsig, dz0, dz1, dr0, dr1;
+                for (int s = 0; s < 3; ++s) {
+                    const size_t no = size_t(T * outs[s]);
+                    dw.push_back(std::make_unique<dmem>(wtens[size_t(s)]->data, wtens[size_t(s)]->nbytes));
+                    for (auto * v : {&dy, &dsig, &dz0, &dz1}) v->push_back(std::make_unique<dmem>(no * 4));
+                    dr0.push_back(std::make_unique<dmem>(res0[size_t(s)].data(), no * 4));
+                    dr1.push_back(std::make_unique<dmem>(res1[size_t(s)].data(), no * 4));
+                }
+                dmem dyn(size_t(T * in) * 4);
+                auto nan_fill = [&] {
+                    for (int s = 0; s < 3; ++s)
+                        for (auto * v : {&dy, &dsig, &dz0, &dz1}) cudaMemset((*v)[size_t(s)]->p, 0xff, size_t(T * outs[s]) * 4);
+                    cudaMemset(dyn.p, 0xff, size_t(T * in) * 4);
+                };
+                for (const auto & cfg : cfgs)
+                    for (int kind = 0; kind < 4; ++kind) {
+                        nan_fill();
+                        cudaError_t e = cudaSuccess;
+                        const void * wp[3] = {dw[0]->p, dw[1]->p, dw[2]->p};
+                        float * yp[3] = {dy[0]->f(), dy[1]->f(), dy[2]->f()};
+                        cuda::gemv_fused_seg segs[3];
+                        for (int s = 0; s < 3; ++s) segs[s].w = wp[s], segs[s].y = yp[s], segs[s].out = outs[s];
+                        cuda::gemv_norm nm;
+                        if (kind == 0) e = cuda::launch_linear_gemv(dx.f(), T, in, {dw[0]->p, cw}, outs[0], yp[0], nullptr, cfg);
+                        if (kind == 1) e = cuda::launch_linear_gemv_group(dx.f(), T, in, cw, wp, yp, outs, 3, nullptr, cfg);
+                        if (kind == 2) {   // seg 0: sigmoid + both residuals; seg 1: sigmoid; seg 2: one residual
+                            segs[0].sig = dsig[0]->f(), segs[1].sig = dsig[1]->f();
+                            segs[0].res[0] = dr0[0]->f(), segs[0].res[1] = dr1[0]->f(), segs[0].z[0] = dz0[0]->f(), segs[0].z[1] = dz1[0]->f();
+                            segs[2].res[0] = dr0[2]->f(), segs[2].z[0] = dz0[2]->f();
+                        }
+                        if (kind == 3) nm.on = true, nm.staged = true, nm.w = dnw.f(), nm.eps = eps, nm.y = dyn.f();
+                        if (kind >= 2) e = cuda::launch_linear_gemv_fused(dx.f(), T, in, cw, segs, 3, nm, nullptr, nullptr, cfg);
+                        if (e == cudaSuccess) e = cudaDeviceSynchronize();
+                        const std::string key = fmt::format("gemv/{}/{}/u{}s{}", dtype_name(wt), kinds[kind], cfg.unroll, cfg.split);
+                        const std::string nm_case = fmt::format("{}/{}x{}/T{}", key, out0, in, T);
+                        EXPECT_EQ(e, cudaSuccess) << nm_case << ": " << cudaGetErrorString(e);
+                        // (reference, candidate) pairs of this launch
+                        std::vector<std::pair<std::vector<double>, std::vector<float>>> pr;
+                        const int nseg = kind == 0 ? 1 : 3;
+                        for (int s = 0; s < nseg; ++s) {
+                            const size_t no = size_t(T * outs[s]);
+                            const auto & yr = kind == 3 ? ynref[size_t(s)] : yref[size_t(s)];
+                            pr.push_back({yr, dget(dy[size_t(s)]->f(), no)});
+                            if (kind == 2 && s <= 1) {
+                                std::vector<double> sg(no);
+                                for (size_t i = 0; i < no; ++i) sg[i] = sigmoid_d(yr[i]);
+                                pr.push_back({sg, dget(dsig[size_t(s)]->f(), no)});
+                            }
+                            if (kind == 2 && s != 1) {
+                                std::vector<double> z0(no), z1(no);
+                                for (size_t i = 0; i < no; ++i) z0[i] = yr[i] + res0[size_t(s)][i], z1[i] = z0[i] + res1[size_t(s)][i];
+                                pr.push_back({z0, dget(dz0[size_t(s)]->f(), no)});
+                                if (s == 0) pr.push_back({z1, dget(dz1[size_t(s)]->f(), no)});
+                            }
+                        }
+                        if (kind == 3) pr.push_back({xn, dget(dyn.f(), size_t(T * in))});
+                        for (size_t i = 0; i < pr.size(); ++i) {
+                            const cmp_result c = compare(pr[i].first, pr[i].second, metric::NMSE, k_tol_f32);
+                            auto & w = worst[key];
+                            w.first = std::max(w.first, c.ok ? c.measured : 1.0), w.second++;
+                            tally(c.ok);
+                            if (!c.ok) {
+                                ++n_bad;
+                                std::printf("[%s/out%zu] FAIL: NMSE %.3e %s\n", nm_case.c_str(), i, c.measured, c.why.c_str());
+                            }
+                            EXPECT_TRUE(c.ok) << nm_case << " output " << i;
+                        }
+                        // controls, once per (dtype, kind) with the default cfg: a perturbed output must fail
+                        const int di = wt == dtype::BF16 ? 0 : wt == dtype::F16 ? 1 : 2;
+                        if (cfg.unroll == cuda::k_gemv_unroll_default && cfg.split == 0 && !controls_done[di][kind] && T == 3) {
+                            controls_done[di][kind] = true;
+                            const bool pert = check(nm_case + "/control(perturbed 10x)", pr[0].first,
+                                                    perturb(pr[0].first, pr[0].second, metric::NMSE, k_tol_f32), metric::NMSE, k_tol_f32);
+                            std::printf("[%s/control] (must FAIL) %s\n", nm_case.c_str(), pert ? "PASSED - BAD" : "FAILED as required");
+                            EXPECT_FALSE(pert);
+                            tally(!pert);
+                        }
+                        // determinism: the same launch again gives the same bits (split rows summed in a fixed order)
+                        if (kind == 1 && cfg.split != 1 && (T == 1 || T == 8)) {
+                            const auto first = pr[0].second;
+                            e = cuda::launch_linear_gemv_group(dx.f(), T, in, cw, wp, yp, outs, 3, nullptr, cfg);
+                            EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+                            const auto again = dget(dy[0]->f(), size_t(T * outs[0]));
+                            const bool same = std::memcmp(first.data(), again.data(), first.size() * 4) == 0;
+                            if (!same) std::printf("[%s/again] NOT bitwise equal\n", nm_case.c_str());
+                            EXPECT_TRUE(same) << nm_case;
+                            tally(same);
+                        }
+                    }
+            }
+    }
+    for (const auto & [k, w] : worst) std::printf("[%s] worst NMSE %.3e <= %.1e over %d outputs\n", k.c_str(), w.first, k_tol_f32, w.second);
+    std::printf("[gemv] %d failing outputs\n", n_bad);
+    // an invalid cfg is refused, not run
+    {
+        dmem x(64 * 4), w(64 * 64 * 2), y(64 * 4);
+        const cudaError_t e3 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {3, 0});
+        const cudaError_t e5 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {4, 3});
+        std::printf("[gemv/invalid cfg] unroll 3: %s, split 3: %s (both must be invalid value)\n", cudaGetErrorString(e3),
+                    cudaGetErrorString(e5));
+        EXPECT_EQ(e3, cudaErrorInvalidValue);
+        EXPECT_EQ(e5, cudaErrorInvalidValue);
+        tally(e3 == cudaErrorInvalidValue && e5 == cudaErrorInvalidValue);
+        cudaGetLastError();
+        cuda_options o;
+        o.gemv_unroll = 3;   // the backend refuses it at init, naming the option
+        bool named = false;
+        try {
+            backend_cuda_init(0, o);
+        } catch (const error & e) {
+            named = std::string(e.what()).find("gemv_unroll") != std::string::npos;
+            std::printf("[gemv/invalid option] %s\n", e.what());
+        }
+        EXPECT_TRUE(named);
+        tally(named);
+    }
 }
 
 TEST(cuda_ops, unsupported_is_an_error_naming_the_node) {
