@@ -1145,6 +1145,291 @@ void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexper
                                                                                                      gw, c, ybuf, n_max);
 }
 
+// ---- Decode v5 (cuda_options::moe_decode_v5, MXFP4 at T == 1): the expert GEMVs on fp16 tensor cores.
+// Why: v2, v3 and v4 all stop near 0.23 ms per K3 expert node (28% of the copy rate) although they differ in shape; what
+// they share is the per-value work on the FP32 and integer pipes: a dequant (~2-4.5 integer ops, half rate on sm_90), a
+// conversion (v3/v4: cvt.f32.f16, a conversion-unit op) and an FMA for every weight, i.e. 4+ instructions per value and
+// 4 values per byte. v5 keeps only the dequant (~1.75 integer ops per value, below) and gives the multiply-adds to
+// mma.sync m16n8k16 (f16 x f16 -> f32): no FMA, no conversion per value.
+// - A (16 x 16) = 16 weight rows of one matrix: fp16 by bit placement (E2M1 magnitude bits to fp16 bits 9-11, sign to
+//   15: exactly the E2M1 value * 2^-14, subnormals included), two values per 32-bit op; the sign comes from a byte
+//   permute of the word's masked sign bits (fp4x8_f16_v5).
+// - The E8M0 scale differs per 32 columns, so one mma must not mix units of different scales... unless its output
+//   columns keep them apart: lane (g, t) of a quad holds A's k slots {2t, 2t+1, 2t+8, 2t+9}; those slots carry unit t of
+//   a 4-unit (128-column) step, and B (16 x 8) is block diagonal: column n = 2 u + v holds x's hi (v = 0) or lo (v = 1)
+//   part on unit u's k slots and zeros elsewhere. D[row][2u + v] is then unit u's dot with x_v, and lane (g, t) holds
+//   exactly D[g][2t, 2t+1] and D[g+8][2t, 2t+1]: its own unit's partial sums for its rows, to which it applies its own
+//   scale bytes. Every column of the 8 is used; 8 mmas per step and matrix (4 values per lane and row each).
+// - x (f32) is split per block into fp16 hi + lo after scaling by 2^e (max|x| 2^e in [2^14, 2^15)): ~22 mantissa bits
+//   (the prefill mma kernels' bf16 hi + lo carry ~16) and no fp16 range problem; 2^-e is applied to the final sums. The
+//   split x lives in shared memory, permuted so that one 16-byte load gives a lane the B values of one word (8 columns).
+// - Rows: a warp owns 16 rows (gate and up for the first kernel); a block of 8 warps 128 rows of one slot. Weight units
+//   of the next PD steps are in flight (registers) while one step is dequantized and multiplied; the first steps are
+//   issued before the x prologue. The down kernel writes y_j unweighted per slot; k_moe_combine_g sums w_j y_j in slot
+//   order (the reference's order): 3 launches per node.
+
+// 8 E2M1 nibbles (column i = bits 4i..4i+3) -> 4 fp16 pairs p[i] = (column i | column i + 4), each value E2M1 * 2^-14.
+// 14 integer ops for 8 values: per pair a shift (magnitudes), a byte permute (signs) and a LOP3 merging them.
+__device__ __forceinline__ void fp4x8_f16_v5(uint32_t q, uint32_t (&p)[4]) {
+    constexpr uint32_t P = 0x0E000E00u;    // fp16 bits 9-11 of both halves: the magnitude
+    const uint32_t t = q & 0x88888888u;    // sign bits: odd nibbles at bit 7 of their byte, even ones at bit 3
+    const uint32_t t4 = t << 4;            // even nibbles' signs at bit 7 of their byte (odd ones at bit 3 of the next)
+    // Byte permutes move the byte holding sign i to byte 1 (bit 15) and sign i + 4 to byte 3 (bit 31); bytes 0 and 2 are
+    // zero. The other sign bit of a moved byte lands on bit 11 or 27, inside P, where the magnitude word wins.
+    const uint32_t s0 = __byte_perm(t4, 0u, 0x2404u), s1 = __byte_perm(t, 0u, 0x2404u);
+    const uint32_t s2 = __byte_perm(t4, 0u, 0x3414u), s3 = __byte_perm(t, 0u, 0x3414u);
+    p[0] = ((q << 9) & P) | (s0 & ~P);
+    p[1] = ((q << 5) & P) | (s1 & ~P);
+    p[2] = ((q << 1) & P) | (s2 & ~P);
+    p[3] = ((q >> 3) & P) | (s3 & ~P);
+}
+
+__device__ __forceinline__ void mma_f16_v5(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+constexpr int k_v5_warps = 8;
+constexpr int k_v5_rows = 16 * k_v5_warps;   // rows per block
+// The lo array starts 16 bytes after the hi array's end: the two lanes of a quarter warp that read one unit's hi and lo
+// words (lanes 9t and 9t + 4) then hit different banks (without it: 2-way conflicts on every B load).
+constexpr int k_v5_lo_pad = 4;
+inline size_t v5_smem(int64_t K) { return size_t(K) * 4 + k_v5_lo_pad * 4; }
+
+// x [K] (f32, global) -> shared hi / lo [K / 2] fp16 pairs, scaled by 2^e (returned), permuted: entry u*16 + w*4 + i =
+// (column 32u + 8w + i | column 32u + 8w + i + 4), the order of fp4x8_f16_v5's pairs. Every thread of the block calls it.
+__device__ __forceinline__ int v5_stage_x(const float * __restrict__ x, int64_t K, uint32_t * xs_hi, uint32_t * xs_lo) {
+    __shared__ float red[k_v5_warps];
+    float m = 0.0f;
+    for (int64_t c = threadIdx.x; c < K; c += blockDim.x) m = fmaxf(m, fabsf(x[c]));
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int i = 1; i < k_v5_warps; ++i) m = fmaxf(m, red[i]);
+    int e = 0;
+    if (m > 0.0f && m <= 3.0e38f) {   // finite and non-zero: max |x| 2^e in [2^14, 2^15)
+        int ex;
+        frexpf(m, &ex);
+        e = 15 - ex;
+    }
+    for (int64_t idx = threadIdx.x; idx < K / 2; idx += blockDim.x) {
+        const int64_t c0 = (idx >> 4) * 32 + ((idx >> 2) & 3) * 8 + (idx & 3);
+        const float a = ldexpf(x[c0], e), b = ldexpf(x[c0 + 4], e);
+        const __half ah = __float2half_rn(a), bh = __float2half_rn(b);
+        const __half al = __float2half_rn(a - __half2float(ah)), bl = __float2half_rn(b - __half2float(bh));
+        xs_hi[idx] = uint32_t(__half_as_ushort(ah)) | (uint32_t(__half_as_ushort(bh)) << 16);
+        xs_lo[idx] = uint32_t(__half_as_ushort(al)) | (uint32_t(__half_as_ushort(bl)) << 16);
+    }
+    __syncthreads();
+    return e;
+}
+
+// One step's weights for a lane: unit (4 s + t) of rows g and g + 8 of each matrix, and their scale bytes.
+template <int NM>
+struct v5_buf {
+    uint4 q[NM][2];
+    uint32_t sc[NM][2];
+};
+
+template <int NM>
+__device__ __forceinline__ void v5_load(v5_buf<NM> & b, const uint8_t * const * base, const uint8_t * const * scl,
+                                        int64_t row_g, int64_t n_rows, int64_t nu, int64_t s, int t) {
+    const int64_t u = 4 * s + t;
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int64_t row = row_g + 8 * h;
+            b.q[m][h] = make_uint4(0, 0, 0, 0);
+            b.sc[m][h] = 0;
+            if (base[m] && u < nu && row < n_rows) {
+                b.q[m][h] = __ldg(reinterpret_cast<const uint4 *>(base[m] + row * nu * 16) + u);
+                b.sc[m][h] = __ldg(scl[m] + row * nu + u);
+            }
+        }
+}
+
+// acc[m][h] += this step's dot of row (g + 8 h) of matrix m with x, over unit 4 s + t only (the quad sums the units later).
+template <int NM>
+__device__ __forceinline__ void v5_step(const v5_buf<NM> & b, const uint32_t * xs_hi, const uint32_t * xs_lo, int64_t nu,
+                                        int64_t s, int g, int t, float (&acc)[NM][2]) {
+    // B: lane (g, t) supplies column n = g of B on its k slots; non-zero when n's unit (g >> 1) is the lane's unit t.
+    const int64_t u = 4 * s + t;
+    const bool act = (g >> 1) == t && u < nu;
+    const uint32_t * xv = (g & 1) ? xs_lo : xs_hi;
+    float d[NM][4];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        uint4 xb = make_uint4(0, 0, 0, 0);
+        if (act) xb = *reinterpret_cast<const uint4 *>(xv + u * 16 + w * 4);
+        uint32_t pg[NM][4], ph[NM][4];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            const uint4 & q0 = b.q[m][0];
+            const uint4 & q1 = b.q[m][1];
+            fp4x8_f16_v5(w == 0 ? q0.x : w == 1 ? q0.y : w == 2 ? q0.z : q0.w, pg[m]);
+            fp4x8_f16_v5(w == 0 ? q1.x : w == 1 ? q1.y : w == 2 ? q1.z : q1.w, ph[m]);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {   // pairs 2hh, 2hh + 1 of the word: k slots (2t, 2t+1) and (2t+8, 2t+9)
+            const uint32_t b0 = hh == 0 ? xb.x : xb.z, b1 = hh == 0 ? xb.y : xb.w;
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                const uint32_t a[4] = {pg[m][2 * hh], ph[m][2 * hh], pg[m][2 * hh + 1], ph[m][2 * hh + 1]};
+                mma_f16_v5(d[m], a, b0, b1);
+            }
+        }
+    }
+    // D[g][2t + v], D[g + 8][2t + v]: unit t's hi and lo sums for rows g, g + 8. E8M0 byte b: 2^(b - 127); the fp16
+    // placement's 2^14 goes on the partial sum first (2^14 times a scale near 2^127 would overflow).
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        acc[m][0] = fmaf((d[m][0] + d[m][1]) * 16384.0f, e8m0_g(uint8_t(b.sc[m][0])), acc[m][0]);
+        acc[m][1] = fmaf((d[m][2] + d[m][3]) * 16384.0f, e8m0_g(uint8_t(b.sc[m][1])), acc[m][1]);
+    }
+}
+
+// The K loop of one warp: acc[m][h] = dot of row (row_g + 8 h) of matrix m with x (the quad's partial sums added, on every
+// lane of the quad), scaled back by 2^-e. PD steps in flight ahead of the one being computed; the first PD are issued
+// before x is staged (the caller passes `stage`, run between the first loads and the loop).
+template <int NM, int PD, typename STAGE>
+__device__ __forceinline__ void v5_rows(const uint8_t * const * base, const uint8_t * const * scl, int64_t row_g,
+                                        int64_t n_rows, int64_t nu, const uint32_t * xs_hi, const uint32_t * xs_lo,
+                                        STAGE stage, float (&acc)[NM][2]) {
+    constexpr int NB = PD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t ns = (nu + 3) / 4;
+    v5_buf<NM> buf[NB];
+#pragma unroll
+    for (int i = 0; i < PD; ++i) v5_load<NM>(buf[i], base, scl, row_g, n_rows, nu, i, t);
+    const int e = stage();
+#pragma unroll
+    for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.0f;
+    for (int64_t s0 = 0; s0 < ns; s0 += NB) {
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            const int64_t s = s0 + i;
+            if (s + PD < ns) v5_load<NM>(buf[(i + PD) % NB], base, scl, row_g, n_rows, nu, s + PD, t);
+            if (s < ns) v5_step<NM>(buf[i], xs_hi, xs_lo, nu, s, g, t, acc);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = acc[m][h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            acc[m][h] = ldexpf(v, -e);
+        }
+}
+
+// hbuf [k, F] for T == 1: grid (F / 128, k); slot j = blockIdx.y with expert ids[j]; dynamic shared v5_smem(Din) bytes.
+template <int PD, int MINB>
+__global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v5(const float * __restrict__ x, int64_t Din,
+                                                                      const int32_t * __restrict__ ids,
+                                                                      const dexpert * __restrict__ ex, int64_t E,
+                                                                      dexperts_cfg c, float * __restrict__ hbuf, int * err) {
+    extern __shared__ uint32_t xs_v5[];
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E) {   // the whole block leaves: no barrier is reached
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
+        return;
+    }
+    uint32_t * xs_hi = xs_v5;
+    uint32_t * xs_lo = xs_v5 + Din / 2 + k_v5_lo_pad;
+    const int64_t row_g = int64_t(blockIdx.x) * k_v5_rows + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+    const uint8_t * const base[2] = {ex[e].gate.packed, ex[e].up.packed};
+    const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
+    float acc[2][2];
+    v5_rows<2, PD>(base, scl, row_g, c.d_ff, Din / 32, xs_hi, xs_lo, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
+    if ((threadIdx.x & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int64_t row = row_g + 8 * h;
+            if (row < c.d_ff)
+                hbuf[int64_t(j) * c.d_ff + row] = c.act == 1 ? situ_d(acc[0][h], acc[1][h], c.situ_beta, c.situ_linear_beta)
+                                                             : silu_d(acc[0][h]) * acc[1][h];
+        }
+    }
+}
+
+// ybuf [k, Dout] = down_{ids[j]} h_j (unweighted; an invalid id writes nothing: the combine skips it): grid (Dout / 128, k);
+// dynamic shared v5_smem(F) bytes.
+template <int PD, int MINB>
+__global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_v5(const float * __restrict__ hbuf,
+                                                                   const int32_t * __restrict__ ids,
+                                                                   const dexpert * __restrict__ ex, int64_t E,
+                                                                   dexperts_cfg c, float * __restrict__ ybuf) {
+    extern __shared__ uint32_t xs_v5[];
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E) return;
+    uint32_t * xs_hi = xs_v5;
+    uint32_t * xs_lo = xs_v5 + c.d_ff / 2 + k_v5_lo_pad;
+    const int64_t row_g = int64_t(blockIdx.x) * k_v5_rows + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+    const uint8_t * const base[1] = {ex[e].down.packed};
+    const uint8_t * const scl[1] = {ex[e].down.scale};
+    const float * h = hbuf + int64_t(j) * c.d_ff;
+    float acc[1][2];
+    v5_rows<1, PD>(base, scl, row_g, c.d_out, c.d_ff / 32, xs_hi, xs_lo, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); },
+                   acc);
+    if ((threadIdx.x & 3) == 0) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int64_t row = row_g + 8 * hh;
+            if (row < c.d_out) ybuf[int64_t(j) * c.d_out + row] = acc[0][hh];
+        }
+    }
+}
+
+// The largest K (Din or d_ff) v5 stages in shared memory: v5_smem(K) bytes within the default 48 KiB.
+constexpr int64_t k_v5_max_k = 12288;
+
+template <int PD, int MINB>
+void launch_v5_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
+                       const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
+    k_moe_gate_up_v5<PD, MINB><<<dim3(grid_for(c.d_ff, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(Din), st>>>(
+        x, Din, ids, experts, E, c, hbuf, err);
+}
+template <int PD, int MINB>
+void launch_v5_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
+                    const dexperts_cfg & c, float * ybuf, cudaStream_t st) {
+    k_moe_down_v5<PD, MINB><<<dim3(grid_for(c.d_out, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(c.d_ff), st>>>(
+        hbuf, ids, experts, E, c, ybuf);
+}
+
+// T == 1, MXFP4: gate/up, down, combine (3 launches). cfg (dmoe_opts::v5_cfg, benchmarks): 0 the defaults, else
+// 100 * gate/up form + 10 * down form + stages (0 all, 1 gate/up only, 2 down + combine only); forms: gate/up 1 = PD 1 at
+// 3 blocks/SM (the default), 2 = PD 2 at 2, 3 = PD 3 at 1; down 1 = PD 2 at 4 (the default), 2 = PD 3 at 2, 3 = PD 4 at 2,
+// 4 = PD 2 at 3 (registers without spills: gate/up 80 / 121 / 161, down 62 / 96 / 107 / 71). K3 in one wave: gate/up
+// 24 x 16 blocks at 3 per SM (396 slots), down 28 x 16 at 4 (528 slots).
+void launch_v5_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
+                   int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int * err, cudaStream_t st,
+                   int cfg) {
+    const int gu = cfg / 100 % 10, dn = cfg / 10 % 10, stages = cfg % 10;
+    if (stages != 2) {
+        if (gu == 2) launch_v5_gate_up<2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, st);
+        else if (gu == 3) launch_v5_gate_up<3, 1>(x, Din, ids, k, experts, E, c, hbuf, err, st);
+        else launch_v5_gate_up<1, 3>(x, Din, ids, k, experts, E, c, hbuf, err, st);
+    }
+    if (stages != 1) {
+        if (dn == 2) launch_v5_down<3, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
+        else if (dn == 3) launch_v5_down<4, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
+        else if (dn == 4) launch_v5_down<2, 3>(hbuf, ids, k, experts, E, c, ybuf, st);
+        else launch_v5_down<2, 4>(hbuf, ids, k, experts, E, c, ybuf, st);
+        const int64_t bl = (c.d_out + 255) / 256;
+        k_moe_combine_g<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(ybuf, w, ids, E, 1, k, c.d_out, y);
+    }
+}
+
 } // namespace
 
 int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
@@ -1169,6 +1454,10 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     float * hbuf = scratch;
     float * ybuf = scratch + S * c.d_ff;
     const bool one = T == 1;
+    if (one && o.dec_v5 && vfmt == 2 && Din <= k_v5_max_k && c.d_ff <= k_v5_max_k) {   // 3 launches (v5: fp16 tensor cores)
+        launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
+        return cudaGetLastError();
+    }
     if (one && o.dec_v4 && (vfmt == 1 || vfmt == 2) && k <= 32) {   // 2 launches (v4: gate/up per slot, down + combine)
         if (vfmt == 1) launch_v4_one<1>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
         else launch_v4_one<2>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);

@@ -1,5 +1,7 @@
 // CUDA MoE kernels vs the CPU reference (issue 7): tensor-core prefill experts with bf16 hi + lo activations, the MXFP4
-// decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch decode router.
+// decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch decode router,
+// decode v4, and decode v5 (MXFP4 expert GEMVs on fp16 tensor cores) with a microbenchmark of K3's expert node
+// (bench_decode_k3_experts: us per node, GB/s, % of the copy rate for v2 / v4 / v5 forms; prints, asserts only a clean run).
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend (fp32, fp64 reductions) is the
 // reference; the CUDA backend runs in guard mode (outputs poisoned with NaN, sentinel words checked after each node);
@@ -9,11 +11,13 @@
 // its cuda_options switch). The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/cuda-ops.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -265,14 +269,16 @@ TEST(cuda_moe, mxfp4_decode_v3) {
         graph g = bd.finish(y);
         const std::string nm = fmt::format("moe/mxfp4-v3/D{}/F{}/k{}", D, F, k);
         const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {y, metric::NMSE, k_tol_f32}};
-        // moe_decode_v4 (on by default since round 2) takes precedence over v2/v3: off here, so v3 and v2 really run.
+        // moe_decode_v4 / v5 (on by default) take precedence over v2/v3: off here, so v3 and v2 really run.
         cuda_options v3{true, 8};
         v3.moe_fp4_v3 = true;
         v3.moe_decode_v4 = false;
+        v3.moe_decode_v5 = false;
         EXPECT_TRUE(parity(nm, g, oc, v3)) << nm;
         cuda_options v2{true, 8};
         v2.moe_fp4_v3 = false;
         v2.moe_decode_v4 = false;
+        v2.moe_decode_v5 = false;
         EXPECT_TRUE(parity(nm + "/v2", g, oc, v2)) << nm;
         const auto got3 = run_cuda(g, y, v3), got2 = run_cuda(g, y, v2);
         const bool vs = check(nm + "/v3-vs-v2", to_f64(got2), got3, metric::NMSE, k_tol_f32);
@@ -354,8 +360,10 @@ struct moe_case {
     graph g;
     node_ref ids, y;
 };
+// xscale multiplies x (v5's power-of-two staging of x in fp16); renorm: the router's renormalization; swap_a/swap_b >= 0:
+// those two experts' weight tables are exchanged after they are generated (a control: wrong expert read).
 std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, int act, int s_lo, int s_hi, uint32_t seed,
-                                    float rs = 1.0f) {
+                                    float rs = 1.0f, float xscale = 1.0f, bool renorm = true, int swap_a = -1, int swap_b = -1) {
     auto mc = std::make_unique<moe_case>();
     rng r(seed);
     builder bd(batch_simple(T));
@@ -363,10 +371,12 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
     auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
     expert_maker mk{mc->a, r, fmt, s_lo, s_hi};
     for (auto & e : *ex) e = {mk(F, D), mk(F, D), mk(D, F)};
+    if (swap_a >= 0 && swap_b >= 0) std::swap((*ex)[size_t(swap_a)], (*ex)[size_t(swap_b)]);
     const node_ref x = bd.name(bd.scale(bd.weight(mc->a.f32({T, D}, xv), "x"), 1.0f), "x");
-    auto [ids, w] = bd.moe_route(x, bd.weight(mc->a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, true, rs, router_act::SIGMOID});
+    auto [ids, w] = bd.moe_route(x, bd.weight(mc->a.bf16({E, D}, gw), "gate"), {}, {k, 1, 1, renorm, rs, router_act::SIGMOID});
     mc->ids = ids;
-    mc->y = bd.name(bd.moe_experts(x, ids, w, {act == 1 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}), "experts");
+    const node_ref xe = xscale == 1.0f ? x : bd.name(bd.scale(x, xscale), "x_experts");   // the router sees x unscaled
+    mc->y = bd.name(bd.moe_experts(xe, ids, w, {act == 1 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}), "experts");
     mc->g = bd.finish(mc->y);
     return mc;
 }
@@ -395,9 +405,11 @@ TEST(cuda_moe, decode_v4_t1) {
         const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
         cuda_options v4{true, 8};
         v4.moe_decode_v4 = true;
+        v4.moe_decode_v5 = false;   // v5 (MXFP4) would take precedence
         EXPECT_TRUE(parity(nm, g, oc, v4)) << nm;
         cuda_options old{true, 8};
         old.moe_decode_v4 = false;
+        old.moe_decode_v5 = false;
         old.moe_fp4_v3 = false;
         const auto got4 = run_cuda(g, mc->y, v4), got_old = run_cuda(g, mc->y, old);
         const bool vs = check(nm + "/v4-vs-old", to_f64(got_old), got4, metric::NMSE, k_tol_f32);
@@ -474,6 +486,194 @@ TEST(cuda_moe, small_v4_batch) {
             }
         }
     }
+}
+
+// ---- 5. Decode v5 (cuda_options::moe_decode_v5, MXFP4 at T == 1): expert GEMVs on fp16 tensor cores (owner: experts) ----
+// Shapes: K3's expert (3584 x 3072, top-16 of 18, SiTU; gate/up rows of 112 units = 28 steps of 4, down rows of 96);
+// d_ff 96 (one block of 128 rows with 6 of 8 warps busy; down rows of 3 units: a step with lane t = 3 empty); 2048 x 1056
+// top-20 (33-unit down rows: a last step of 1 unit; 1056 rows: a partial block) with E8M0 scales 100..140; 1024 x 2560
+// top-5 of 8 with x scaled by 3e-5 (x staged in fp16 at 2^e with e ~ 30) and 640 x 512 top-4 with x scaled by 4e3 and scales
+// 90..160 (h up to ~1e15: the down stage's own 2^e). Random nibbles: every E2M1 value incl. the fp16-subnormal 0.5 * 2^-14.
+// Checks: ids exact and y at the f32 tolerance vs the CPU; vs decode v4 at the f32 tolerance; the v5 result replayed from
+// a captured CUDA graph is bitwise the eager one. Controls that must FAIL at the f32 tolerance vs the CPU reference: two
+// experts' weights swapped (the first selected one with an unselected one), a dropped slot (top-(k-1) of the same
+// un-renormalized routing: the same ids and weights less the last slot), and the comparator family (10x perturbation,
+// negative threshold).
+TEST(cuda_moe, decode_v5_t1) {
+    NEED_GPU();
+    struct shape { int D, F, E, k, act, s_lo, s_hi; float xscale; };
+    const shape shapes[] = {{3584, 3072, 18, 16, 1, 118, 121, 1.0f}, {4224, 96, 8, 3, 0, 114, 120, 1.0f},
+                            {2048, 1056, 24, 20, 0, 100, 140, 1.0f}, {1024, 2560, 8, 5, 1, 116, 122, 3e-5f},
+                            {640, 512, 12, 4, 0, 90, 160, 4e3f}};
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 14000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k);
+        auto mc = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-v5/D{}/F{}/k{}/x{}", sh.D, sh.F, sh.k, sh.xscale);
+        const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+        cuda_options v5{true, 8};
+        v5.moe_decode_v5 = true;
+        EXPECT_TRUE(parity(nm, g, oc, v5)) << nm;
+        cuda_options v4 = v5;
+        v4.moe_decode_v5 = false;
+        v4.moe_decode_v4 = true;
+        const auto got5 = run_cuda(g, mc->y, v5), got4 = run_cuda(g, mc->y, v4);
+        const bool vs = check(nm + "/v5-vs-v4", to_f64(got4), got5, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(vs) << nm;
+        tally(vs);
+        {
+            cuda_options cap = v5;
+            cap.guard = false;
+            auto gpu = backend_cuda_init(0, cap);
+            gpu->run(g);
+            const auto eager = read_f32(*gpu, mc->y);
+            gpu->capture(g);
+            gpu->replay(2);
+            const auto rep = read_f32(*gpu, mc->y);
+            const bool bit = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
+            std::printf("[%s/graph-replay] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(bit) << nm;
+            tally(bit);
+        }
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        const auto ids = read_i32(*cpu, mc->ids);
+        // Control: the first selected expert's weights swapped with an unselected expert's.
+        int unsel = -1;
+        for (int e = 0; e < sh.E && unsel < 0; ++e)
+            if (std::find(ids.begin(), ids.end(), e) == ids.end()) unsel = e;
+        ASSERT_GE(unsel, 0) << nm << ": every expert selected, no swap partner";
+        auto ms = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale, true, ids[0], unsel);
+        const bool swapped = check(nm + "/control(expert " + std::to_string(ids[0]) + " <-> " + std::to_string(unsel) +
+                                       " swapped vs f32 tolerance)",
+                                   to_f64(ref), run_cuda(ms->g, ms->y, v5), metric::NMSE, k_tol_f32);
+        EXPECT_FALSE(swapped) << nm;
+        tally(!swapped);
+        // Control: a dropped slot. Without renormalization top-(k-1) keeps the first k-1 slots' ids and weights.
+        auto mk_ = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale, false);
+        auto md = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k - 1, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale, false);
+        auto cpu2 = backend_cpu_init();
+        cpu2->run(mk_->g);
+        const bool dropped = check(nm + "/control(slot " + std::to_string(sh.k - 1) + " dropped vs f32 tolerance)",
+                                   to_f64(read_f32(*cpu2, mk_->y)), run_cuda(md->g, md->y, v5), metric::NMSE, k_tol_f32);
+        EXPECT_FALSE(dropped) << nm;
+        tally(!dropped);
+        controls(nm, ref, got5, metric::NMSE, k_tol_f32);
+    }
+}
+
+// Microbenchmark (prints, asserts nothing but a clean run): K3's MXFP4 expert node at T == 1 (Din 3584, d_ff 3072, top-16,
+// SiTU) straight through launch_moe_experts_grouped, 64 experts on the device (1.1 GB; each launch takes the next set of
+// 16, so a set's 0.28 GB was last read 3 launches = 0.85 GB earlier: weights come from HBM, not the 50 MB L2). Per variant:
+// us per node, GB/s of the expert bytes read (packed + E8M0 scales) and % of the D2D copy rate measured here (bytes read +
+// written, as bench-cuda-decode). Variants: v2, v4 (the default before), v5 and its forms (moe.cu launch_v5_one cfg),
+// and v5's stages alone (gate/up; down + combine) for attribution. MOE_BENCH_ITERS sets the launches per variant (200).
+TEST(cuda_moe, bench_decode_k3_experts) {
+    NEED_GPU();
+    const int64_t D = 3584, F = 3072, k = 16, E = 64;
+    const int iters = std::getenv("MOE_BENCH_ITERS") ? std::atoi(std::getenv("MOE_BENCH_ITERS")) : 200;
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<void *> allocs;
+    auto dalloc = [&](size_t n) {
+        void * p = nullptr;
+        EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess) << "cudaMalloc " << n;
+        allocs.push_back(p);
+        return p;
+    };
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
+        cuda::dexpert_matrix m;
+        auto * p = static_cast<uint8_t *>(dalloc(size_t(out * in / 2)));
+        auto * sc = static_cast<uint8_t *>(dalloc(size_t(out * in / 32)));
+        EXPECT_EQ(cuda::launch_fill_random(p, out * in / 2, 3, seed, 0.0f, 255.0f, st), cudaSuccess);
+        EXPECT_EQ(cuda::launch_fill_random(sc, out * in / 32, 3, seed + 1, 118.0f, 121.0f, st), cudaSuccess);
+        m.packed = p;
+        m.scale = sc;
+        m.fmt = 1;
+        m.out = out;
+        m.in = in;
+        return m;
+    };
+    std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 100 + 10 * e), mat(F, D, 103 + 10 * e), mat(D, F, 106 + 10 * e)};
+    auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
+    const int nsets = int(E / k);
+    std::vector<int32_t> hids(static_cast<size_t>(E));
+    for (int64_t i = 0; i < E; ++i) hids[size_t(i)] = int32_t((i * 37) % E);   // sets of 16 distinct experts
+    auto * dids = static_cast<int32_t *>(dalloc(hids.size() * 4));
+    std::vector<float> hw(size_t(k), 1.0f / float(k));
+    auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
+    auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * err = static_cast<int *>(dalloc(64));
+    ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dids, hids.data(), hids.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 7, -1.0f, 1.0f, st), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    // D2D copy rate (1 GiB each way, bytes read + written), as bench-cuda-decode's ceiling.
+    const size_t cb = size_t(1) << 30;
+    void * ca = dalloc(cb);
+    void * cbuf = dalloc(cb);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice, st);
+    cudaEventRecord(e0, st);
+    for (int i = 0; i < 5; ++i) cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice, st);
+    cudaEventRecord(e1, st);
+    cudaEventSynchronize(e1);
+    float cms = 0.0f;
+    cudaEventElapsedTime(&cms, e0, e1);
+    const double copy_gbs = 5.0 * 2.0 * double(cb) / (double(cms) * 1e-3) / 1e9;
+    const double bytes_gu = double(k) * 2.0 * double(F) * double(D) * (0.5 + 1.0 / 32.0);
+    const double bytes_dn = double(k) * double(D) * double(F) * (0.5 + 1.0 / 32.0);
+    std::printf("[bench-k3-experts] copy rate %.0f GB/s; node reads %.1f MB (gate/up %.1f, down %.1f); floor %.1f us\n",
+                copy_gbs, (bytes_gu + bytes_dn) / 1e6, bytes_gu / 1e6, bytes_dn / 1e6, (bytes_gu + bytes_dn) / copy_gbs / 1e3);
+    const cuda::dexperts_cfg cfg{1, 2.0f, 3.0f, F, D};
+    struct variant { const char * name; cuda::dmoe_opts o; double bytes; };
+    auto mk = [](bool v4, bool v5, int v5cfg) {
+        cuda::dmoe_opts o;
+        o.fp4_v2 = true;
+        o.fp4_v3 = false;
+        o.dec_v4 = v4;
+        o.dec_v5 = v5;
+        o.v5_cfg = v5cfg;
+        return o;
+    };
+    const double all = bytes_gu + bytes_dn;
+    const variant vars[] = {{"v2", mk(false, false, 0), all},          {"v4", mk(true, false, 0), all},
+                            {"v5", mk(false, true, 0), all},           {"v5 gu2(PD2,2blk)", mk(false, true, 200), all},
+                            {"v5 gu3(PD3,1blk)", mk(false, true, 300), all}, {"v5 dn2(PD3,2blk)", mk(false, true, 20), all},
+                            {"v5 dn3(PD4,2blk)", mk(false, true, 30), all}, {"v5 dn4(PD2,3blk)", mk(false, true, 40), all},
+                            {"v5 gate/up only", mk(false, true, 1), bytes_gu},
+                            {"v5 down+combine only", mk(false, true, 2), bytes_dn}};
+    for (const variant & v : vars) {
+        auto launch = [&](int i) {
+            const int32_t * ids = dids + (i % nsets) * k;
+            return cuda::launch_moe_experts_grouped(2, dx, 1, D, ids, dw, k, dex, E, cfg, scratch, gw, y, err, st, v.o);
+        };
+        for (int i = 0; i < 8; ++i) ASSERT_EQ(launch(i), cudaSuccess) << v.name;
+        cudaEventRecord(e0, st);
+        for (int i = 0; i < iters; ++i) launch(i);
+        cudaEventRecord(e1, st);
+        ASSERT_EQ(cudaEventSynchronize(e1), cudaSuccess) << v.name;
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double us = double(ms) * 1e3 / iters, gbs = v.bytes / (us * 1e-6) / 1e9;
+        std::printf("[bench-k3-experts] %-22s %8.1f us/node  %7.0f GB/s  %5.1f%% of copy\n", v.name, us, gbs, 100.0 * gbs / copy_gbs);
+    }
+    int herr[16] = {};
+    ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(herr[cuda::ERR_EXPERT_ID], 0) << "expert id error flagged during the benchmark";
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    for (void * p : allocs) cudaFree(p);
+    cudaStreamDestroy(st);
 }
 
 class summary : public ::testing::Environment {
