@@ -7,7 +7,13 @@
 #                                        crash, leak, sanitizer report, timeout or OOM.
 #   scripts/fuzz.sh --seconds 3600 --nice --targets fuzz_config,fuzz_safetensors
 #                                        a campaign by hand (record it in tests/fuzz/LEDGER.md)
+#   scripts/fuzz.sh --seconds 0 --runs 30000 --seed 1
+#                                        CI (scripts/test.sh): replay, then a BOUNDED fuzz of every target: exactly N
+#                                        executions from a fixed seed into a fresh scratch corpus, so the same commit
+#                                        fuzzes the same inputs every time (a time bound would make CI's verdict depend
+#                                        on the machine's speed); not counted in the ledger
 # Options: --seconds N (per target, default 60; 0 = replay only)  --jobs J (targets at once, default 2)
+#          --runs N --seed S (bounded, reproducible fuzz: N executions per target from seed S; with --seconds 0)
 #          --targets a,b  --nice (nice -n 19)  --timeout S (per input, wall clock; default 2, 30 with --nice)  --no-install  --no-build  --merge (minimize the campaign's
 #          new inputs into tests/fuzz/corpus/<target>/ — review before committing)
 # New inputs found during a run go to build-fuzz/campaign/<target>/ (not committed); crash inputs to
@@ -17,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SECONDS_PER=60 JOBS=2 TARGETS="" NICE="" INSTALL=1 BUILD=1 MERGE=0 TIMEOUT=""
+SECONDS_PER=60 JOBS=2 TARGETS="" NICE="" INSTALL=1 BUILD=1 MERGE=0 TIMEOUT="" RUNS=0 SEED=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) SECONDS_PER=$2; shift 2 ;;
@@ -28,6 +34,8 @@ while [ $# -gt 0 ]; do
     --no-build) BUILD=0; shift ;;
     --merge) MERGE=1; shift ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    --seed) SEED=$2; shift 2 ;;
     *) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -105,6 +113,33 @@ fuzz_one() {
     return 1
   fi
 }
+
+# Bounded, reproducible fuzz (CI): N executions from a fixed seed; new inputs go to a scratch corpus that starts empty
+# every time, so the committed corpus is all that is read and the run is the same on every machine.
+runs_one() {
+  local t=$1 scratch="$B/runs-scratch/$t"
+  rm -rf "$scratch" && mkdir -p "$scratch" "$B/artifacts/$t"
+  local start; start=$(date +%s)
+  if $NICE "$B/tests/fuzz/$t" -runs="$RUNS" -seed="$SEED" -rss_limit_mb=2048 -timeout="$TIMEOUT" -print_final_stats=1 \
+       $(dict_of "$t") -artifact_prefix="$B/artifacts/$t/" "$scratch" $(inputs_of "$t") >"$B/runs-$t.log" 2>&1; then
+    printf '%-26s ok  %s runs (seed %s)  %ss\n' "$t" "$RUNS" "$SEED" $(( $(date +%s) - start ))
+    return 0
+  else
+    echo "$t: FUZZ FAILURE in the bounded run (seed $SEED; log: $B/runs-$t.log; inputs: $B/artifacts/$t/)"
+    grep -E 'ERROR|FUZZ_CHECK|SUMMARY|Test unit written' "$B/runs-$t.log" | head -10
+    return 1
+  fi
+}
+
+if [ "$RUNS" -gt 0 ]; then
+  echo "== bounded fuzz: $RUNS runs per target from seed $SEED, $JOBS at a time =="
+  pids=()
+  for t in $RUN; do
+    runs_one "$t" & pids+=($!)
+    if [ ${#pids[@]} -ge "$JOBS" ]; then wait "${pids[0]}" || FAIL=1; pids=("${pids[@]:1}"); fi
+  done
+  for p in "${pids[@]}"; do wait "$p" || FAIL=1; done
+fi
 
 if [ "$SECONDS_PER" -gt 0 ]; then
   echo "== fuzz: ${SECONDS_PER}s per target, $JOBS at a time =="
