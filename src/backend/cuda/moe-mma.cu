@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(k_mm_threads, FMT == 1 ? 3 : 4) k_moe_mma(cons
                                                           const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                           const int32_t * __restrict__ gw, dexperts_cfg c, int n_min,
                                                           bool xsplit, float * __restrict__ out) {
+    pdl_enter();
     namespace wm = nvcuda::wmma;
     const int a = blockIdx.y;
     if (a >= gw[0]) return;
@@ -222,9 +223,9 @@ template <int FMT>
 void launch_mma_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                        const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_min,
                        bool xsplit) {
-    k_moe_mma<FMT, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
+    launch_k(k_moe_mma<FMT, 2>, dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st,
         x, Din, k, experts, A, S, gw, c, n_min, xsplit, hbuf);
-    k_moe_mma<FMT, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
+    launch_k(k_moe_mma<FMT, 1>, dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st,
         hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, xsplit, ybuf);
 }
 
@@ -293,6 +294,7 @@ __global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __re
                                                                const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                                const int32_t * __restrict__ gw, dexperts_cfg c, int n_min,
                                                                bool xsplit, float * __restrict__ out) {
+    pdl_enter();
     static_assert(FMT == 2 || FMT == 3, "v2: FP4 only");
     extern __shared__ __align__(128) unsigned char sm2[];
     const int a = blockIdx.y;
@@ -509,7 +511,7 @@ void launch_mma2(const float * xin, int64_t ldx, int64_t k_div, const dexpert * 
     }
     constexpr int BN = k_m2_rows / NM;
     const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
-    k_moe_mma2<FMT, NM><<<dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m2_threads, k_m2_smem, st>>>(
+    launch_k(k_moe_mma2<FMT, NM>, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m2_threads, k_m2_smem, st,
         xin, ldx, k_div, experts, A, S, gw, c, n_min, xsplit, out);
 }
 
@@ -524,17 +526,17 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
     if (v2_gu || v2_dn) {
         if (vfmt == 2) {
             if (v2_gu) launch_mma2<2, 2>(x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf, st);
-            else k_moe_mma<2, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
+            else launch_k(k_moe_mma<2, 2>, dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st,
                 x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf);
             if (v2_dn) launch_mma2<2, 1>(hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf, st);
-            else k_moe_mma<2, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
+            else launch_k(k_moe_mma<2, 1>, dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st,
                 hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf);
         } else {
             if (v2_gu) launch_mma2<3, 2>(x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf, st);
-            else k_moe_mma<3, 2><<<dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st>>>(
+            else launch_k(k_moe_mma<3, 2>, dim3(unsigned((c.d_ff + k_mm_rows / 2 - 1) / (k_mm_rows / 2)), unsigned(A)), k_mm_threads, 0, st,
                 x, Din, k, experts, A, S, gw, c, n_min, o.mma_split, hbuf);
             if (v2_dn) launch_mma2<3, 1>(hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf, st);
-            else k_moe_mma<3, 1><<<dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st>>>(
+            else launch_k(k_moe_mma<3, 1>, dim3(unsigned((c.d_out + k_mm_rows - 1) / k_mm_rows), unsigned(A)), k_mm_threads, 0, st,
                 hbuf, c.d_ff, 1, experts, A, S, gw, c, n_min, o.mma_split, ybuf);
         }
         return;
