@@ -1,9 +1,15 @@
 // KDA_GATE and KDA_SCAN (token recurrence; fp32 state read once and written once per launch).
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/kda-decode.h"
 
 namespace perigee::cuda {
 
 namespace {
+
+// g of one channel (KDA_GATE; the v2 scan's folded gate uses the same expression): a = exp(A_log[h]), xb = f + dt_bias.
+__device__ __forceinline__ float kda_gate_value(float a, float xb, float lb) {
+    return lb < 0.0f ? lb * sigmoid_d(a * xb) : -a * softplus_d(xb);
+}
 
 __global__ void k_kda_gate(const float * __restrict__ f, int64_t T, int64_t H, int64_t K, dweight a_log, dweight dt_bias,
                            float lb, float * __restrict__ g) {
@@ -13,7 +19,7 @@ __global__ void k_kda_gate(const float * __restrict__ f, int64_t T, int64_t H, i
         const int64_t hk = i % (H * K), h = hk / K;
         const float a = expf(wload(a_log, h));
         const float xb = f[i] + wload(dt_bias, hk);
-        g[i] = lb < 0.0f ? lb * sigmoid_d(a * xb) : -a * softplus_d(xb);
+        g[i] = kda_gate_value(a, xb, lb);
     }
 }
 
@@ -96,6 +102,127 @@ __global__ void __launch_bounds__(k_scan_warps * 32) k_kda_scan_recurrent(
     }
 }
 
+// ---- Decode v2 (cuda_options::kda_decode_v2) ----
+// Why v1 is slow: lane l holds rows l + 32 j of 8 consecutive columns, so each of its 32 scalar loads (and stores) of
+// the state touches 32 different 128-byte lines: 1024 L1 wavefronts per warp to load 4 KB. At batch 64 that, not DRAM,
+// bounds it (~250 GB/s measured); at batch 1 it is the latency of those serialized requests plus 16 warp reductions.
+// v2: lanes run along the columns (float4 each), so a warp's load covers 4 full 128-byte lines (4 wavefronts); the
+// dot products over the rows are per-thread FMA chains, then 2 shuffles and one shared-memory step per column.
+constexpr int k_v2_cq = 8;                        // column quads per block: 32 value columns
+constexpr int k_v2_rg = 16;                       // row groups per block (4 per warp)
+constexpr int k_v2_threads = k_v2_cq * k_v2_rg;   // 128 = 4 warps
+constexpr int k_v2_warps = k_v2_threads / 32;
+
+__device__ __forceinline__ float4 f4_zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+// Sum over the 4 row groups of a warp (lanes cq, cq + 8, cq + 16, cq + 24): every lane gets the same bits.
+__device__ __forceinline__ float4 f4_rowgroup_sum(float4 p) {
+#pragma unroll
+    for (int o = 8; o <= 16; o <<= 1) {
+        p.x += __shfl_xor_sync(0xffffffffu, p.x, o);
+        p.y += __shfl_xor_sync(0xffffffffu, p.y, o);
+        p.z += __shfl_xor_sync(0xffffffffu, p.z, o);
+        p.w += __shfl_xor_sync(0xffffffffu, p.w, o);
+    }
+    return p;
+}
+// red[0] + red[1] + ... in warp order.
+__device__ __forceinline__ float4 f4_warp_order_sum(const float4 (&red)[k_v2_warps][k_v2_cq], int cq) {
+    float4 a = red[0][cq];
+#pragma unroll
+    for (int w = 1; w < k_v2_warps; ++w) {
+        const float4 b = red[w][cq];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+    }
+    return a;
+}
+
+// Grid (ceil(V / 32), H, n_seq), 128 threads. Thread (warp w, lane = rl * 8 + cq) is row group rg = 4 w + rl (rows
+// [rg R, rg R + R)) and column quad cq (columns e .. e + 3 of the block's 32). Per token, the same math as v1 and the
+// CPU reference: S = exp(g) . S (rows); pred = S^T k; u = beta (v - pred); S += k u^T; o = S^T (scale q).
+template <int R>
+__global__ void __launch_bounds__(k_v2_threads, R >= 16 ? 1 : 4) k_kda_scan_v2(
+    const float * __restrict__ q, const float * __restrict__ k, const float * __restrict__ v, const float * __restrict__ g,
+    const float * __restrict__ beta, int H, int K, int V, float scale, float * __restrict__ state, dbatch b,
+    float * __restrict__ o, kda_gate_in gate) {
+    pdl_enter();
+    __shared__ float4 red_pred[k_v2_warps][k_v2_cq];
+    __shared__ float4 red_out[k_v2_warps][k_v2_cq];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int cq = lane & 7, rl = lane >> 3;
+    const int d0 = (w * 4 + rl) * R;
+    const int h = blockIdx.y, s = blockIdx.z;
+    const int e = blockIdx.x * (4 * k_v2_cq) + 4 * cq;
+    const bool col_in = e < V;   // V % 4 == 0: a quad is all in or all out
+    const int v4 = V >> 2;
+    float4 * S = reinterpret_cast<float4 *>(state + ((int64_t(b.slot[s]) * H + h) * K) * V + (col_in ? e : 0));
+    float4 r[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) r[i] = (col_in && d0 + i < K) ? S[int64_t(d0 + i) * v4] : f4_zero();
+    const float a_head = gate.f ? expf(wload(gate.a_log, h)) : 0.0f;
+    const int64_t t0 = b.seq_start[s], t1 = b.seq_start[s + 1];
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t qk = (t * H + h) * K;
+        float kd[R], qd[R], ad[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const int d = d0 + i;
+            const bool in = d < K;
+            kd[i] = in ? k[qk + d] : 0.0f;
+            qd[i] = in ? q[qk + d] * scale : 0.0f;
+            ad[i] = in ? (gate.f ? gate.f[qk + d] + wload(gate.dt_bias, int64_t(h) * K + d) : g[qk + d]) : 0.0f;
+        }
+        const float bt = beta[t * H + h];
+        const float4 vv = col_in ? *reinterpret_cast<const float4 *>(v + (t * H + h) * V + e) : f4_zero();
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+            if (d0 + i < K) ad[i] = expf(gate.f ? kda_gate_value(a_head, ad[i], gate.lower_bound) : ad[i]);
+        // decay, then this thread's share of S^T k (its rows in order)
+        float4 p = f4_zero();
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            r[i].x *= ad[i];
+            r[i].y *= ad[i];
+            r[i].z *= ad[i];
+            r[i].w *= ad[i];
+            p.x += r[i].x * kd[i];
+            p.y += r[i].y * kd[i];
+            p.z += r[i].z * kd[i];
+            p.w += r[i].w * kd[i];
+        }
+        p = f4_rowgroup_sum(p);
+        if (rl == 0) red_pred[w][cq] = p;
+        __syncthreads();
+        const float4 pr = f4_warp_order_sum(red_pred, cq);
+        const float4 u = col_in ? make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w))
+                                : f4_zero();
+        // S += k u^T, then this thread's share of S^T (scale q)
+        float4 po = f4_zero();
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            r[i].x += kd[i] * u.x;
+            r[i].y += kd[i] * u.y;
+            r[i].z += kd[i] * u.z;
+            r[i].w += kd[i] * u.w;
+            po.x += r[i].x * qd[i];
+            po.y += r[i].y * qd[i];
+            po.z += r[i].z * qd[i];
+            po.w += r[i].w * qd[i];
+        }
+        po = f4_rowgroup_sum(po);
+        if (rl == 0) red_out[w][cq] = po;
+        __syncthreads();
+        // red_pred is rewritten next token only after this barrier (all its reads are above it); red_out only after the
+        // next token's first barrier (its reads below come before every thread reaches that one).
+        if (w == 0 && rl == 0 && col_in) *reinterpret_cast<float4 *>(o + (t * H + h) * V + e) = f4_warp_order_sum(red_out, cq);
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+        if (col_in && d0 + i < K) S[int64_t(d0 + i) * v4] = r[i];
+}
+
 } // namespace
 
 cudaError_t launch_kda_gate(const float * f, int64_t T, int64_t H, int64_t K, dweight a_log, dweight dt_bias,
@@ -127,6 +254,31 @@ cudaError_t launch_kda_scan_recurrent(const float * q, const float * k, const fl
         default: return cudaErrorInvalidValue;
     }
 #undef PG_KDA_CASE
+    return cudaGetLastError();
+}
+
+bool kda_scan_v2_supported(int64_t K, int64_t V, const float * v, const float * state, const float * o) {
+    auto a16 = [](const float * p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+    return K >= 1 && K <= 16 * k_v2_rg && V >= 4 && V % 4 == 0 && a16(v) && a16(state) && a16(o);
+}
+
+cudaError_t launch_kda_scan_v2(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                               int64_t H, int64_t K, int64_t V, float scale, float * state, const dbatch & b, float * o,
+                               const kda_gate_in * gate, cudaStream_t st) {
+    if (!kda_scan_v2_supported(K, V, v, state, o)) return cudaErrorInvalidValue;
+    if (b.n_seq == 0 || H == 0) return cudaGetLastError();
+    const kda_gate_in gi = gate ? *gate : kda_gate_in{};
+    const dim3 grid(grid_for(V, 4 * k_v2_cq), unsigned(H), unsigned(b.n_seq));
+    const int64_t rows = (K + k_v2_rg - 1) / k_v2_rg;   // rows per thread
+#define PG_KDA_V2_CASE(N)                                                                                            \
+    launch_k(k_kda_scan_v2<N>, grid, k_v2_threads, 0, st, q, k, v, g, beta, int(H), int(K), int(V), scale, state, b, \
+             o, gi)
+    if (rows <= 1) PG_KDA_V2_CASE(1);
+    else if (rows <= 2) PG_KDA_V2_CASE(2);
+    else if (rows <= 4) PG_KDA_V2_CASE(4);
+    else if (rows <= 8) PG_KDA_V2_CASE(8);
+    else PG_KDA_V2_CASE(16);
+#undef PG_KDA_V2_CASE
     return cudaGetLastError();
 }
 
