@@ -4,6 +4,8 @@
 // expands k and v per position instead; both are the same function (fp32 rounding differs).
 #include "backend/cuda/common.cuh"
 
+#include <algorithm>
+
 namespace perigee::cuda {
 
 namespace {
@@ -176,10 +178,400 @@ __global__ void k_mla_out(const float * __restrict__ olat, dweight kv_b, int64_t
     if (lane == 0) o[gw] = acc;
 }
 
+
+// ---- Decode v2 (cuda_options::mla_decode_v2) ----
+// Why v1 is slow at decode (bench/RESULTS.md round 3: 78 us per 48B layer at batch 1, 1.06 ms at batch 64): its
+// attention block serves ONE head and walks its keys one at a time (a 512-wide dot, a warp reduction and an online-
+// softmax update per key: a serial chain), and every head re-reads the same latent rows; q_absorb walks the 128 rows of
+// W_UK serially per thread; k_mla_out is a warp per (token, head, row), so at batch 64 every weight row is read 64 times.
+// v2:
+//  * k_mla_q_absorb_v2 / k_mla_out_v2: per head a small matrix product with the weights read once per token tile of up
+//    to 8 tokens, every lane holding 16 independent 4-element weight loads in flight; partials over the 8 warps summed
+//    in shared memory in warp order (deterministic).
+//  * k_mla_attn_v2: a block per (token, group of 4 * HPW heads, key range). Tiles of 32 latent rows are copied to shared
+//    memory once (cp.async, zero-filled for masked keys) and shared by every head of the group. Scores: lane = key, the
+//    warp's HPW heads at once (q rows broadcast from shared memory, 4 independent partial sums per head). Online softmax
+//    once per tile per head (one warp max + one warp sum). P.V: lanes over the latent columns (float4), keys in order.
+//  * k_mla_combine_v2: the exp weights of the ns partials computed once per (token, head), then lanes over L.
+// fp32 throughout; the summation order differs from v1 (held to the CPU reference at the f32 tolerance).
+constexpr int k_v2_keys = 32;    // keys per tile (= lanes)
+constexpr int k_v2_warps = 4;    // warps of the attention block
+constexpr int k_v2_max_split = 64;
+
+__device__ __forceinline__ uint32_t smem_u32(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// 16 bytes global -> shared; src_bytes 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16_zfill(void * dst, const void * src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit_wait_all() {
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Four consecutive weight elements (i a multiple of 4), one 8- or 16-byte read-only load.
+template <wtype WT>
+__device__ __forceinline__ float4 wload4(const void * w, int64_t i) {
+    if constexpr (WT == wtype::F32) {
+        return __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(w) + i));
+    } else {
+        const uint2 u = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint16_t *>(w) + i));
+        if constexpr (WT == wtype::BF16) {
+            return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                               __uint_as_float(u.y & 0xffff0000u));
+        } else {
+            const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
+            const float2 c = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
+            return make_float4(a.x, a.y, c.x, c.y);
+        }
+    }
+}
+__device__ __forceinline__ void fma4(float4 & a, float s, const float4 & v) {
+    a.x = fmaf(s, v.x, a.x);
+    a.y = fmaf(s, v.y, a.y);
+    a.z = fmaf(s, v.z, a.z);
+    a.w = fmaf(s, v.w, a.w);
+}
+
+constexpr int k_qa_rows = 16;   // rows of W_UK per warp per batch of loads
+
+// qlat [T, H, L] = q_nope [T, H, dn] x W_UK_h [dn, L]. Block per (head, 128 columns) x tile of TT tokens, 8 warps: warp
+// w takes rows w, w + 8, ...; lane c4 four columns. dn <= 256.
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(256) k_mla_q_absorb_v2(const float * __restrict__ q, const void * __restrict__ kv_b,
+                                                         int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv, int64_t L,
+                                                         float * __restrict__ qlat) {
+    pdl_enter();
+    __shared__ float qs[TT][256];
+    __shared__ float4 red[8][TT][32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t L4 = L / 4, nct = (L4 + 31) / 32;
+    const int64_t h = blockIdx.x / nct, cb = (blockIdx.x % nct) * 32, c4 = cb + lane;
+    const int64_t t0 = int64_t(blockIdx.y) * TT;
+    for (int64_t i = threadIdx.x; i < TT * dn; i += blockDim.x) {
+        const int64_t tt = i / dn, k = i % dn, t = t0 + tt;
+        qs[tt][k] = t < T ? q[(t * H + h) * (dn + dr) + k] : 0.0f;
+    }
+    __syncthreads();
+    float4 acc[TT];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) acc[tt] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // Loads unconditional (row and column clamped into the matrix; a clamped row is multiplied by 0, a clamped column is
+    // never written), so that all k_qa_rows of them are issued before the first use.
+    const int64_t wbase = h * (dn + dv) * L + 4 * min(c4, L4 - 1);
+    for (int64_t i0 = wid; i0 < dn; i0 += 8 * k_qa_rows) {
+        float4 w[k_qa_rows];
+#pragma unroll
+        for (int r = 0; r < k_qa_rows; ++r) w[r] = wload4<WT>(kv_b, wbase + min(i0 + 8 * r, dn - 1) * L);
+#pragma unroll
+        for (int r = 0; r < k_qa_rows; ++r) {
+            const int64_t i = i0 + 8 * r;
+            const bool in = i < dn;
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) fma4(acc[tt], in ? qs[tt][in ? i : 0] : 0.0f, w[r]);
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) red[wid][tt][lane] = acc[tt];
+    __syncthreads();
+    for (int o = threadIdx.x; o < TT * 32; o += blockDim.x) {
+        const int tt = o / 32, cc = o % 32;
+        const int64_t t = t0 + tt, c = cb + cc;
+        if (t >= T || c >= L4) continue;
+        float4 sum = red[0][tt][cc];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) {
+            const float4 v = red[w][tt][cc];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        reinterpret_cast<float4 *>(qlat + (t * H + h) * L)[c] = sum;
+    }
+}
+
+// Block per (token, group of k_v2_warps * HPW heads) x key range (gridDim.y ranges). L <= 512, dr <= 64, L, dr and dn
+// multiples of 4. Dynamic shared memory: mla_v2_smem(HPW, L + dr).
+template <int HPW>
+__global__ void __launch_bounds__(k_v2_warps * 32, 2) k_mla_attn_v2(
+    const float * __restrict__ q, const float * __restrict__ qlat, int64_t H, int64_t dn, int64_t dr, int64_t L,
+    float scale, const float * __restrict__ cache, const int32_t * __restrict__ sel, int64_t topk, dbatch b,
+    float * __restrict__ olat, float * __restrict__ part, int * err) {
+    pdl_enter();
+    constexpr int HG = k_v2_warps * HPW;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t G = (H + HG - 1) / HG;
+    const int64_t t = blockIdx.x / G, h0 = (blockIdx.x % G) * HG;
+    const int s = b.tok_seq[t];
+    const int64_t pos = b.pos0[s] + t - b.seq_start[s];
+    const int W = int(L + dr), W4 = W / 4, S = W4 | 1, L4 = int(L / 4);   // S: odd row stride in float4s (no conflicts)
+    extern __shared__ float4 sm4[];
+    float4 * cs = sm4;                                                 // [k_v2_keys][S] latent rows [c | kr]
+    float4 * qs = cs + k_v2_keys * S;                                  // [HG][S] [q_lat | q_rope] of the group
+    float * ps = reinterpret_cast<float *>(qs + HG * S);               // [HG][k_v2_keys] probabilities of the tile
+    int64_t * rows = reinterpret_cast<int64_t *>(ps + HG * k_v2_keys); // [k_v2_keys] float offset of each key's row, -1 masked
+    for (int i = threadIdx.x; i < HG * W4; i += blockDim.x) {
+        const int hh = i / W4, c = i % W4;
+        const int64_t h = h0 + hh;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (h < H)
+            v = c < L4 ? reinterpret_cast<const float4 *>(qlat + (t * H + h) * L)[c]
+                       : reinterpret_cast<const float4 *>(q + (t * H + h) * (dn + dr) + dn)[c - L4];
+        qs[hh * S + c] = v;
+    }
+    float m[HPW], lsum[HPW];
+    float4 acc[HPW][4];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        m[hh] = -INFINITY;
+        lsum[hh] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[hh][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    const int64_t n_keys = sel ? topk : pos + 1;
+    const int64_t ns = gridDim.y, chunk = (n_keys + ns - 1) / ns;
+    const int64_t j0 = int64_t(blockIdx.y) * chunk, j1 = min(n_keys, j0 + chunk);
+    const float4 * qw = qs + wid * HPW * S;
+    for (int64_t jt = j0; jt < j1; jt += k_v2_keys) {
+        __syncthreads();   // the previous tile's readers are done
+        if (wid == 0) {
+            const int64_t j = jt + lane;
+            int64_t row = -1;
+            if (j < j1) {
+                int64_t p = j;
+                if (sel) {
+                    p = sel[t * topk + j];
+                    if (p > pos) {
+                        atomicOr(err + ERR_SEL_RANGE, 1);
+                        p = -1;
+                    }
+                }
+                if (p >= 0) row = cache_row(b, s, p) * W;
+            }
+            rows[lane] = row;
+        }
+        __syncthreads();
+        for (int r = wid; r < k_v2_keys; r += k_v2_warps) {
+            const int64_t row = rows[r];
+            for (int c = lane; c < W4; c += 32)
+                cp_async16_zfill(cs + r * S + c, row >= 0 ? cache + row + 4 * c : cache, row >= 0 ? 16 : 0);
+        }
+        cp_async_commit_wait_all();
+        __syncthreads();
+        // scores: lane = key
+        const bool kv = rows[lane] >= 0;
+        float sx[HPW], sy[HPW], sz[HPW], sw[HPW];
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) sx[hh] = sy[hh] = sz[hh] = sw[hh] = 0.0f;
+        const float4 * cr = cs + lane * S;
+#pragma unroll 4
+        for (int c = 0; c < W4; ++c) {
+            const float4 kv4 = cr[c];
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                const float4 qv = qw[hh * S + c];
+                sx[hh] = fmaf(qv.x, kv4.x, sx[hh]);
+                sy[hh] = fmaf(qv.y, kv4.y, sy[hh]);
+                sz[hh] = fmaf(qv.z, kv4.z, sz[hh]);
+                sw[hh] = fmaf(qv.w, kv4.w, sw[hh]);
+            }
+        }
+        // online softmax, once per tile per head
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) {
+            const float sc = kv ? ((sx[hh] + sy[hh]) + (sz[hh] + sw[hh])) * scale : -INFINITY;
+            const float mn = fmaxf(m[hh], warp_max(sc));
+            float p = 0.0f, corr = 1.0f;
+            if (mn != -INFINITY) {
+                p = kv ? expf(sc - mn) : 0.0f;
+                corr = expf(m[hh] - mn);   // 0 while m was -inf (acc and lsum are 0 then)
+            }
+            lsum[hh] = lsum[hh] * corr + warp_sum(p);
+            m[hh] = mn;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                acc[hh][k].x *= corr;
+                acc[hh][k].y *= corr;
+                acc[hh][k].z *= corr;
+                acc[hh][k].w *= corr;
+            }
+            ps[(wid * HPW + hh) * k_v2_keys + lane] = p;
+        }
+        __syncwarp();
+        // P.V: lanes over the latent columns, keys in order
+        const int nk = int(min(int64_t(k_v2_keys), j1 - jt));
+        for (int j = 0; j < nk; ++j) {
+            float pj[HPW];
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) pj[hh] = ps[(wid * HPW + hh) * k_v2_keys + j];
+            const float4 * crow = cs + j * S;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int c4 = lane + 32 * k;
+                if (c4 < L4) {
+                    const float4 cv = crow[c4];
+#pragma unroll
+                    for (int hh = 0; hh < HPW; ++hh) fma4(acc[hh][k], pj[hh], cv);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        const int64_t h = h0 + wid * HPW + hh;
+        if (h >= H) continue;
+        const int64_t th = t * H + h;
+        if (part) {   // unnormalised partial [m, l, acc[L]] of this key range, merged by k_mla_combine_v2
+            float * pp = part + (th * ns + blockIdx.y) * (L + 2);
+            if (lane == 0) {
+                pp[0] = m[hh];
+                pp[1] = lsum[hh];
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int c4 = lane + 32 * k;
+                if (c4 < L4) {
+                    pp[2 + 4 * c4] = acc[hh][k].x;
+                    pp[3 + 4 * c4] = acc[hh][k].y;
+                    pp[4 + 4 * c4] = acc[hh][k].z;
+                    pp[5 + 4 * c4] = acc[hh][k].w;
+                }
+            }
+            continue;
+        }
+        if (m[hh] == -INFINITY && lane == 0 && sel) atomicOr(err + ERR_SEL_RANGE, 1);   // no position selected
+        const float inv = lsum[hh] > 0.0f ? 1.0f / lsum[hh] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c4 = lane + 32 * k;
+            if (c4 < L4)
+                reinterpret_cast<float4 *>(olat + th * L)[c4] =
+                    make_float4(acc[hh][k].x * inv, acc[hh][k].y * inv, acc[hh][k].z * inv, acc[hh][k].w * inv);
+        }
+    }
+}
+
+// olat [T, H, L] from the ns <= k_v2_max_split partials of each (t, h): block per (t, h); the weights exp(m_i - M) once.
+__global__ void k_mla_combine_v2(const float * __restrict__ part, int64_t ns, int64_t L, const int32_t * __restrict__ sel,
+                                 float * __restrict__ olat, int * err) {
+    pdl_enter();
+    __shared__ float f[k_v2_max_split];
+    const int64_t th = blockIdx.x;
+    const float * pp = part + th * ns * (L + 2);
+    float M = -INFINITY;
+    for (int64_t i = 0; i < ns; ++i) M = fmaxf(M, pp[i * (L + 2)]);
+    for (int64_t i = threadIdx.x; i < ns; i += blockDim.x) {
+        const float mi = pp[i * (L + 2)];
+        f[i] = mi == -INFINITY ? 0.0f : expf(mi - M);
+    }
+    __syncthreads();
+    float den = 0.0f;
+    for (int64_t i = 0; i < ns; ++i) den += f[i] * pp[i * (L + 2) + 1];
+    if (M == -INFINITY && threadIdx.x == 0 && sel) atomicOr(err + ERR_SEL_RANGE, 1);   // no position selected
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
+        float v = 0.0f;
+#pragma unroll 8
+        for (int64_t i = 0; i < ns; ++i) v += f[i] * pp[i * (L + 2) + 2 + l];
+        olat[th * L + l] = v * inv;
+    }
+}
+
+// o [T, H, dv] = olat [T, H, L] x W_UV_h^T. Block per (head, 32 rows of W_UV) x tile of TT tokens, 8 warps of 4 rows;
+// lanes over L in float4s (L <= 512: 16 loads in flight per lane), one warp sum per (row, token).
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(256) k_mla_out_v2(const float * __restrict__ olat, const void * __restrict__ kv_b,
+                                                    int64_t T, int64_t H, int64_t dn, int64_t dv, int64_t L,
+                                                    float * __restrict__ o) {
+    pdl_enter();
+    __shared__ float4 os[TT][128];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t L4 = L / 4, nrc = (dv + 31) / 32;
+    const int64_t h = blockIdx.x / nrc, r0 = (blockIdx.x % nrc) * 32 + wid * 4;
+    const int64_t t0 = int64_t(blockIdx.y) * TT;
+    for (int i = threadIdx.x; i < TT * 128; i += blockDim.x) {
+        const int tt = i / 128, c = i % 128;
+        const int64_t t = t0 + tt;
+        os[tt][c] = t < T && c < L4 ? reinterpret_cast<const float4 *>(olat + (t * H + h) * L)[c]
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float4 w[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            // clamped into the matrix (loads unconditional, all 16 in flight); clamped rows are not written and clamped
+            // columns meet the zeros of os
+            const int64_t i = min(r0 + r, dv - 1), c4 = min(int64_t(lane + 32 * k), L4 - 1);
+            w[r][k] = wload4<WT>(kv_b, (h * (dn + dv) + dn + i) * L + 4 * c4);
+        }
+    }
+    __syncthreads();
+    for (int tt = 0; tt < TT; ++tt) {
+        const int64_t t = t0 + tt;
+        if (t >= T) break;
+        float pr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 ov = os[tt][lane + 32 * k];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pr[r] += w[r][k].x * ov.x + w[r][k].y * ov.y + w[r][k].z * ov.z + w[r][k].w * ov.w;
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pr[r] = warp_sum(pr[r]);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (r0 + r < dv) o[(t * H + h) * dv + r0 + r] = pr[r];
+        }
+    }
+}
+
+size_t mla_v2_smem(int hpw, int64_t W) {
+    const int64_t S = (W / 4) | 1, HG = int64_t(k_v2_warps) * hpw;
+    return size_t((k_v2_keys + HG) * S * 16 + HG * k_v2_keys * 4 + k_v2_keys * 8);
+}
+int mla_v2_hpw(int64_t T) { return T >= 8 ? 4 : 2; }
+
+template <wtype WT>
+void launch_mla_v2_linear(bool out, const float * x, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv,
+                          int64_t L, float * y, cudaStream_t st) {
+    const unsigned ty1 = unsigned(T), ty8 = unsigned((T + 7) / 8);
+    if (!out) {
+        const unsigned gx = unsigned(H * ((L / 4 + 31) / 32));
+        if (T == 1) launch_k(k_mla_q_absorb_v2<WT, 1>, dim3(gx, ty1), 256, 0, st, x, kv_b.data, T, H, dn, dr, dv, L, y);
+        else launch_k(k_mla_q_absorb_v2<WT, 8>, dim3(gx, ty8), 256, 0, st, x, kv_b.data, T, H, dn, dr, dv, L, y);
+    } else {
+        const unsigned gx = unsigned(H * ((dv + 31) / 32));
+        if (T == 1) launch_k(k_mla_out_v2<WT, 1>, dim3(gx, ty1), 256, 0, st, x, kv_b.data, T, H, dn, dv, L, y);
+        else launch_k(k_mla_out_v2<WT, 8>, dim3(gx, ty8), 256, 0, st, x, kv_b.data, T, H, dn, dv, L, y);
+    }
+}
+void launch_mla_v2_linear_any(bool out, const float * x, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dr,
+                              int64_t dv, int64_t L, float * y, cudaStream_t st) {
+    switch (kv_b.type) {
+        case wtype::BF16: launch_mla_v2_linear<wtype::BF16>(out, x, kv_b, T, H, dn, dr, dv, L, y, st); break;
+        case wtype::F16: launch_mla_v2_linear<wtype::F16>(out, x, kv_b, T, H, dn, dr, dv, L, y, st); break;
+        default: launch_mla_v2_linear<wtype::F32>(out, x, kv_b, T, H, dn, dr, dv, L, y, st); break;
+    }
+}
+
 } // namespace
 
-int mla_split_for(int64_t T, const mla_shape & d, bool enabled) {
+bool mla_v2_supported(const mla_shape & d) {
+    return d.kv_lora_rank > 0 && d.kv_lora_rank <= 512 && d.kv_lora_rank % 4 == 0 && d.head_dim_rope <= 64 &&
+           d.head_dim_rope % 4 == 0 && d.head_dim_nope <= 256 && d.head_dim_nope % 4 == 0 && d.head_dim_v > 0;
+}
+
+int mla_split_for(int64_t T, const mla_shape & d, bool enabled, bool v2) {
     if (!enabled) return 1;
+    if (v2 && mla_v2_supported(d)) {
+        // ~2 resident blocks per SM of an H200 (132 SMs) over (token, head group) x key ranges; the launcher caps the
+        // ranges at one 32-key tile each (it knows the step's longest context).
+        const int64_t hg = int64_t(k_v2_warps) * mla_v2_hpw(T), blocks = T * ((d.n_head + hg - 1) / hg);
+        const int64_t want = (264 + blocks - 1) / blocks;
+        return int(want < 1 ? 1 : want > k_v2_max_split ? k_v2_max_split : want);
+    }
     // Enough blocks for ~2 per SM of an H200 (132 SMs); at most 16 key ranges (the combine reads them all).
     const int64_t blocks = T * d.n_head, want = (264 + blocks - 1) / blocks;
     return int(want < 1 ? 1 : want > 16 ? 16 : want);
@@ -192,13 +584,41 @@ int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split) {
 
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st) {
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2) {
     const int64_t T = b.n_tok, H = d.n_head, dn = d.head_dim_nope, dr = d.head_dim_rope, dv = d.head_dim_v,
                   L = d.kv_lora_rank;
     if (T == 0) return cudaGetLastError();
     if (L > 512 || dr > 64) return cudaErrorInvalidValue;
     float * qlat = scratch;
     float * olat = scratch + T * H * L;
+    if (v2 && mla_v2_supported(d)) {
+        if (n_split < 1 || n_split > k_v2_max_split) return cudaErrorInvalidValue;
+        // At most one range per 32-key tile of the longest key list of the step (fewer partials to merge).
+        const int64_t max_keys = sel ? topk : int64_t(b.max_pos), tiles = (max_keys + k_v2_keys - 1) / k_v2_keys;
+        const int ns = int(std::max<int64_t>(1, std::min<int64_t>(n_split, tiles)));
+        float * part = ns > 1 ? scratch + 2 * T * H * L : nullptr;
+        launch_k(k_mla_cache_write, unsigned(T), 128, 0, st, c, kr, L, dr, cache, b);
+        launch_mla_v2_linear_any(false, q, kv_b, T, H, dn, dr, dv, L, qlat, st);
+        const int hpw = mla_v2_hpw(T);
+        const int64_t hg = int64_t(k_v2_warps) * hpw, G = (H + hg - 1) / hg;
+        const size_t smem = mla_v2_smem(hpw, L + dr);
+        const dim3 grid(unsigned(T * G), unsigned(ns));
+        cudaError_t e;
+        if (hpw == 4) {
+            e = cudaFuncSetAttribute(k_mla_attn_v2<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+            if (e != cudaSuccess) return e;
+            launch_k(k_mla_attn_v2<4>, grid, k_v2_warps * 32, smem, st, q, qlat, H, dn, dr, L, scale, cache, sel, topk, b,
+                     olat, part, err);
+        } else {
+            e = cudaFuncSetAttribute(k_mla_attn_v2<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+            if (e != cudaSuccess) return e;
+            launch_k(k_mla_attn_v2<2>, grid, k_v2_warps * 32, smem, st, q, qlat, H, dn, dr, L, scale, cache, sel, topk, b,
+                     olat, part, err);
+        }
+        if (part) launch_k(k_mla_combine_v2, unsigned(T * H), 128, 0, st, part, int64_t(ns), L, sel, olat, err);
+        launch_mla_v2_linear_any(true, olat, kv_b, T, H, dn, dr, dv, L, o, st);
+        return cudaGetLastError();
+    }
     if (n_split < 1 || n_split > 16) return cudaErrorInvalidValue;
     float * part = n_split > 1 ? scratch + 2 * T * H * L : nullptr;
     launch_k(k_mla_cache_write, unsigned(T), 128, 0, st, c, kr, L, dr, cache, b);
