@@ -1228,37 +1228,42 @@ __device__ __forceinline__ int v5_stage_x(const float * __restrict__ x, int64_t 
     return e;
 }
 
-// One step's weights for a lane: unit (4 s + t) of rows g and g + 8 of each matrix, and their scale bytes.
-template <int NM>
+// One step's weights for a lane: units (4 UL s + 4 l + t), l < UL, of rows g and g + 8 of each matrix (a step covers
+// 64 UL contiguous bytes of each of the warp's rows), and their scale bytes.
+template <int NM, int UL>
 struct v5_buf {
-    uint4 q[NM][2];
-    uint32_t sc[NM][2];
+    uint4 q[NM][2][UL];
+    uint32_t sc[NM][2][UL];
 };
 
-template <int NM>
-__device__ __forceinline__ void v5_load(v5_buf<NM> & b, const uint8_t * const * base, const uint8_t * const * scl,
+template <int NM, int UL>
+__device__ __forceinline__ void v5_load(v5_buf<NM, UL> & b, const uint8_t * const * base, const uint8_t * const * scl,
                                         int64_t row_g, int64_t n_rows, int64_t nu, int64_t s, int t) {
-    const int64_t u = 4 * s + t;
 #pragma unroll
-    for (int m = 0; m < NM; ++m)
+    for (int l = 0; l < UL; ++l) {
+        const int64_t u = 4 * UL * s + 4 * l + t;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int64_t row = row_g + 8 * h;
-            b.q[m][h] = make_uint4(0, 0, 0, 0);
-            b.sc[m][h] = 0;
-            if (base[m] && u < nu && row < n_rows) {
-                b.q[m][h] = __ldg(reinterpret_cast<const uint4 *>(base[m] + row * nu * 16) + u);
-                b.sc[m][h] = __ldg(scl[m] + row * nu + u);
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int64_t row = row_g + 8 * h;
+                b.q[m][h][l] = make_uint4(0, 0, 0, 0);
+                b.sc[m][h][l] = 0;
+                if (base[m] && u < nu && row < n_rows) {
+                    b.q[m][h][l] = __ldg(reinterpret_cast<const uint4 *>(base[m] + row * nu * 16) + u);
+                    b.sc[m][h][l] = __ldg(scl[m] + row * nu + u);
+                }
             }
-        }
+    }
 }
 
-// acc[m][h] += this step's dot of row (g + 8 h) of matrix m with x, over unit 4 s + t only (the quad sums the units later).
-template <int NM>
-__device__ __forceinline__ void v5_step(const v5_buf<NM> & b, const uint32_t * xs_hi, const uint32_t * xs_lo, int64_t nu,
-                                        int64_t s, int g, int t, float (&acc)[NM][2]) {
+// One 4-unit group (units u0 + t of the quad's lanes): 8 mmas per matrix into fresh D, then each lane's own scales.
+template <int NM, int UL>
+__device__ __forceinline__ void v5_group(const uint4 (&qq)[NM][2][UL], const uint32_t (&scs)[NM][2][UL], int l,
+                                         const uint32_t * xs_hi, const uint32_t * xs_lo, int64_t nu, int64_t u0, int g, int t,
+                                         float (&acc)[NM][2]) {
     // B: lane (g, t) supplies column n = g of B on its k slots; non-zero when n's unit (g >> 1) is the lane's unit t.
-    const int64_t u = 4 * s + t;
+    const int64_t u = u0 + t;
     const bool act = (g >> 1) == t && u < nu;
     const uint32_t * xv = (g & 1) ? xs_lo : xs_hi;
     float d[NM][4];
@@ -1271,8 +1276,8 @@ __device__ __forceinline__ void v5_step(const v5_buf<NM> & b, const uint32_t * x
         uint32_t pg[NM][4], ph[NM][4];
 #pragma unroll
         for (int m = 0; m < NM; ++m) {
-            const uint4 & q0 = b.q[m][0];
-            const uint4 & q1 = b.q[m][1];
+            const uint4 & q0 = qq[m][0][l];
+            const uint4 & q1 = qq[m][1][l];
             fp4x8_f16_v5(w == 0 ? q0.x : w == 1 ? q0.y : w == 2 ? q0.z : q0.w, pg[m]);
             fp4x8_f16_v5(w == 0 ? q1.x : w == 1 ? q1.y : w == 2 ? q1.z : q1.w, ph[m]);
         }
@@ -1290,24 +1295,33 @@ __device__ __forceinline__ void v5_step(const v5_buf<NM> & b, const uint32_t * x
     // placement's 2^14 goes on the partial sum first (2^14 times a scale near 2^127 would overflow).
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
-        acc[m][0] = fmaf((d[m][0] + d[m][1]) * 16384.0f, e8m0_g(uint8_t(b.sc[m][0])), acc[m][0]);
-        acc[m][1] = fmaf((d[m][2] + d[m][3]) * 16384.0f, e8m0_g(uint8_t(b.sc[m][1])), acc[m][1]);
+        acc[m][0] = fmaf((d[m][0] + d[m][1]) * 16384.0f, e8m0_g(uint8_t(scs[m][0][l])), acc[m][0]);
+        acc[m][1] = fmaf((d[m][2] + d[m][3]) * 16384.0f, e8m0_g(uint8_t(scs[m][1][l])), acc[m][1]);
     }
+}
+
+// acc[m][h] += this step's dot of row (g + 8 h) of matrix m with x, over the lane's units 4 UL s + 4 l + t only (the quad
+// sums the units later).
+template <int NM, int UL>
+__device__ __forceinline__ void v5_step(const v5_buf<NM, UL> & b, const uint32_t * xs_hi, const uint32_t * xs_lo, int64_t nu,
+                                        int64_t s, int g, int t, float (&acc)[NM][2]) {
+#pragma unroll
+    for (int l = 0; l < UL; ++l) v5_group<NM>(b.q, b.sc, l, xs_hi, xs_lo, nu, 4 * UL * s + 4 * l, g, t, acc);
 }
 
 // The K loop of one warp: acc[m][h] = dot of row (row_g + 8 h) of matrix m with x (the quad's partial sums added, on every
 // lane of the quad), scaled back by 2^-e. PD steps in flight ahead of the one being computed; the first PD are issued
 // before x is staged (the caller passes `stage`, run between the first loads and the loop).
-template <int NM, int PD, typename STAGE>
+template <int NM, int PD, int UL, typename STAGE>
 __device__ __forceinline__ void v5_rows(const uint8_t * const * base, const uint8_t * const * scl, int64_t row_g,
                                         int64_t n_rows, int64_t nu, const uint32_t * xs_hi, const uint32_t * xs_lo,
                                         STAGE stage, float (&acc)[NM][2]) {
     constexpr int NB = PD + 1;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t ns = (nu + 3) / 4;
-    v5_buf<NM> buf[NB];
+    const int64_t ns = (nu + 4 * UL - 1) / (4 * UL);
+    v5_buf<NM, UL> buf[NB];
 #pragma unroll
-    for (int i = 0; i < PD; ++i) v5_load<NM>(buf[i], base, scl, row_g, n_rows, nu, i, t);
+    for (int i = 0; i < PD; ++i) v5_load<NM, UL>(buf[i], base, scl, row_g, n_rows, nu, i, t);
     const int e = stage();
 #pragma unroll
     for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.0f;
@@ -1315,8 +1329,8 @@ __device__ __forceinline__ void v5_rows(const uint8_t * const * base, const uint
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             const int64_t s = s0 + i;
-            if (s + PD < ns) v5_load<NM>(buf[(i + PD) % NB], base, scl, row_g, n_rows, nu, s + PD, t);
-            if (s < ns) v5_step<NM>(buf[i], xs_hi, xs_lo, nu, s, g, t, acc);
+            if (s + PD < ns) v5_load<NM, UL>(buf[(i + PD) % NB], base, scl, row_g, n_rows, nu, s + PD, t);
+            if (s < ns) v5_step<NM, UL>(buf[i], xs_hi, xs_lo, nu, s, g, t, acc);
         }
     }
 #pragma unroll
@@ -1331,7 +1345,7 @@ __device__ __forceinline__ void v5_rows(const uint8_t * const * base, const uint
 }
 
 // hbuf [k, F] for T == 1: grid (F / 128, k); slot j = blockIdx.y with expert ids[j]; dynamic shared v5_smem(Din) bytes.
-template <int PD, int MINB>
+template <int PD, int MINB, int UL>
 __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v5(const float * __restrict__ x, int64_t Din,
                                                                       const int32_t * __restrict__ ids,
                                                                       const dexpert * __restrict__ ex, int64_t E,
@@ -1349,7 +1363,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v5(const 
     const uint8_t * const base[2] = {ex[e].gate.packed, ex[e].up.packed};
     const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
     float acc[2][2];
-    v5_rows<2, PD>(base, scl, row_g, c.d_ff, Din / 32, xs_hi, xs_lo, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
+    v5_rows<2, PD, UL>(base, scl, row_g, c.d_ff, Din / 32, xs_hi, xs_lo, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -1363,7 +1377,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v5(const 
 
 // ybuf [k, Dout] = down_{ids[j]} h_j (unweighted; an invalid id writes nothing: the combine skips it): grid (Dout / 128, k);
 // dynamic shared v5_smem(F) bytes.
-template <int PD, int MINB>
+template <int PD, int MINB, int UL>
 __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_v5(const float * __restrict__ hbuf,
                                                                    const int32_t * __restrict__ ids,
                                                                    const dexpert * __restrict__ ex, int64_t E,
@@ -1379,7 +1393,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_v5(const flo
     const uint8_t * const scl[1] = {ex[e].down.scale};
     const float * h = hbuf + int64_t(j) * c.d_ff;
     float acc[1][2];
-    v5_rows<1, PD>(base, scl, row_g, c.d_out, c.d_ff / 32, xs_hi, xs_lo, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); },
+    v5_rows<1, PD, UL>(base, scl, row_g, c.d_out, c.d_ff / 32, xs_hi, xs_lo, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); },
                    acc);
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
@@ -1393,24 +1407,25 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_v5(const flo
 // The largest K (Din or d_ff) v5 stages in shared memory: v5_smem(K) bytes within the default 48 KiB.
 constexpr int64_t k_v5_max_k = 12288;
 
-template <int PD, int MINB>
+template <int PD, int MINB, int UL = 1>
 void launch_v5_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                        const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
-    k_moe_gate_up_v5<PD, MINB><<<dim3(grid_for(c.d_ff, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(Din), st>>>(
+    k_moe_gate_up_v5<PD, MINB, UL><<<dim3(grid_for(c.d_ff, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(Din), st>>>(
         x, Din, ids, experts, E, c, hbuf, err);
 }
-template <int PD, int MINB>
+template <int PD, int MINB, int UL = 1>
 void launch_v5_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                     const dexperts_cfg & c, float * ybuf, cudaStream_t st) {
-    k_moe_down_v5<PD, MINB><<<dim3(grid_for(c.d_out, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(c.d_ff), st>>>(
+    k_moe_down_v5<PD, MINB, UL><<<dim3(grid_for(c.d_out, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(c.d_ff), st>>>(
         hbuf, ids, experts, E, c, ybuf);
 }
 
 // T == 1, MXFP4: gate/up, down, combine (3 launches). cfg (dmoe_opts::v5_cfg, benchmarks): 0 the defaults, else
 // 100 * gate/up form + 10 * down form + stages (0 all, 1 gate/up only, 2 down + combine only); forms: gate/up 1 = PD 1 at
 // 3 blocks/SM (the default), 2 = PD 2 at 2, 3 = PD 3 at 1; down 1 = PD 2 at 4 (the default), 2 = PD 3 at 2, 3 = PD 4 at 2,
-// 4 = PD 2 at 3 (registers without spills: gate/up 80 / 121 / 161, down 62 / 96 / 107 / 71). K3 in one wave: gate/up
-// 24 x 16 blocks at 3 per SM (396 slots), down 28 x 16 at 4 (528 slots).
+// 4 = PD 2 at 3; UL 2 (128 contiguous bytes per row and step instead of 64: DRAM locality): gate/up 4 = PD 1 at 2, down
+// 5 = PD 1 at 3, 6 = PD 2 at 2 (registers, no spills: gate/up 80 / 121 / 161 / 127, down 62 / 96 / 107 / 71 / <= 85 / 125).
+// K3 in one wave: gate/up 24 x 16 blocks at 3 per SM (396 slots), down 28 x 16 at 4 (528 slots).
 void launch_v5_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
                    int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int * err, cudaStream_t st,
                    int cfg) {
@@ -1418,12 +1433,15 @@ void launch_v5_one(const float * x, int64_t Din, const int32_t * ids, const floa
     if (stages != 2) {
         if (gu == 2) launch_v5_gate_up<2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, st);
         else if (gu == 3) launch_v5_gate_up<3, 1>(x, Din, ids, k, experts, E, c, hbuf, err, st);
+        else if (gu == 4) launch_v5_gate_up<1, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, st);
         else launch_v5_gate_up<1, 3>(x, Din, ids, k, experts, E, c, hbuf, err, st);
     }
     if (stages != 1) {
         if (dn == 2) launch_v5_down<3, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
         else if (dn == 3) launch_v5_down<4, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
         else if (dn == 4) launch_v5_down<2, 3>(hbuf, ids, k, experts, E, c, ybuf, st);
+        else if (dn == 5) launch_v5_down<1, 3, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
+        else if (dn == 6) launch_v5_down<2, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
         else launch_v5_down<2, 4>(hbuf, ids, k, experts, E, c, ybuf, st);
         const int64_t bl = (c.d_out + 255) / 256;
         k_moe_combine_g<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(ybuf, w, ids, E, 1, k, c.d_out, y);

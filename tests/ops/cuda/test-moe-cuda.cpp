@@ -650,8 +650,11 @@ TEST(cuda_moe, bench_decode_k3_experts) {
                             {"v5", mk(false, true, 0), all},           {"v5 gu2(PD2,2blk)", mk(false, true, 200), all},
                             {"v5 gu3(PD3,1blk)", mk(false, true, 300), all}, {"v5 dn2(PD3,2blk)", mk(false, true, 20), all},
                             {"v5 dn3(PD4,2blk)", mk(false, true, 30), all}, {"v5 dn4(PD2,3blk)", mk(false, true, 40), all},
+                            {"v5 gu4(UL2,PD1,2blk)", mk(false, true, 400), all}, {"v5 dn5(UL2,PD1,3blk)", mk(false, true, 50), all},
+                            {"v5 dn6(UL2,PD2,2blk)", mk(false, true, 60), all}, {"v5 gu4+dn5", mk(false, true, 450), all},
                             {"v5 gate/up only", mk(false, true, 1), bytes_gu},
                             {"v5 down+combine only", mk(false, true, 2), bytes_dn}};
+    std::vector<float> y_v4;   // set 0's output by v4: every full variant must match it at the f32 tolerance
     for (const variant & v : vars) {
         auto launch = [&](int i) {
             const int32_t * ids = dids + (i % nsets) * k;
@@ -666,6 +669,19 @@ TEST(cuda_moe, bench_decode_k3_experts) {
         cudaEventElapsedTime(&ms, e0, e1);
         const double us = double(ms) * 1e3 / iters, gbs = v.bytes / (us * 1e-6) / 1e9;
         std::printf("[bench-k3-experts] %-22s %8.1f us/node  %7.0f GB/s  %5.1f%% of copy\n", v.name, us, gbs, 100.0 * gbs / copy_gbs);
+        if (v.o.v5_cfg % 10 != 0) continue;   // one stage alone: y is not this variant's
+        ASSERT_EQ(launch(0), cudaSuccess) << v.name;
+        std::vector<float> yv(static_cast<size_t>(D));
+        ASSERT_EQ(cudaMemcpyAsync(yv.data(), y, yv.size() * 4, cudaMemcpyDeviceToHost, st), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        if (y_v4.empty() && v.o.dec_v4 && !v.o.dec_v5) {
+            y_v4 = yv;
+            continue;
+        }
+        if (y_v4.empty()) continue;   // v2 runs before v4: not compared
+        const bool ok = check(std::string("bench-k3-experts/") + v.name + "/vs-v4", to_f64(y_v4), yv, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(ok) << v.name;
+        tally(ok);
     }
     int herr[16] = {};
     ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
