@@ -522,8 +522,31 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     constexpr int NT = k_gemv_warps * 32;
     __shared__ float part[k_gemv_warps][R * TT];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
+    const int64_t rows_tile = int64_t(groups) * R;
+    const unsigned total = g.start[g.n];
+    const bool vec = in % VN == 0;
+    const int64_t nch = (in + CH - 1) / CH;
     const float * xs = x;
     if constexpr (STAGED) {
+        // the first loads of this warp's first tile -> L2 while the block stages x' (R * UC * 512 bytes per warp: ~10 MB
+        // over a full grid, well inside the L2; the whole first tile would not be)
+        if (vec && blockIdx.x < total) {
+            int s = 0;
+            while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
+            const int64_t r0 = int64_t(blockIdx.x - g.start[s]) * rows_tile + int64_t(gi) * R;
+            const int64_t kb = nch * ks / S, ke = nch * (ks + 1) / S;
+            const char * W = static_cast<const char *>(g.w[s]);
+            constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int u = 0; u < UC; ++u) {
+                    const int64_t c = (kb + u) * CH + int64_t(lane) * VN;
+                    if (r0 + r < g.out[s] && kb + u < ke && c < in)
+                        asm volatile("prefetch.global.L2 [%0];" ::"l"(W + ((r0 + r) * in + c) * esz));
+                }
+        }
         extern __shared__ float4 stage4[];
         float * st = reinterpret_cast<float *>(stage4);   // [TT, in]
         __shared__ float red[TT][k_gemv_warps];
@@ -566,11 +589,6 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
             for (int64_t i = int64_t(blockIdx.x) * NT + tid; i < int64_t(TT) * in; i += int64_t(gridDim.x) * NT) yn[i] = st[i];
         xs = st;
     }
-    const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
-    const int64_t rows_tile = int64_t(groups) * R;
-    const unsigned total = g.start[g.n];
-    const bool vec = in % VN == 0;
-    const int64_t nch = (in + CH - 1) / CH;
     // 16-bit weights: a lane's 8 x values are two float4s; lanes 4-7 of each quarter warp read their second half first,
     // so each 16-byte shared-memory phase touches 32 distinct banks (staged x'); the sums keep the fixed order.
     const int sw = VN == 8 ? ((lane >> 2) & 1) * 4 : 0;
