@@ -1404,8 +1404,9 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_v5(const flo
     }
 }
 
-// The largest K (Din or d_ff) v5 stages in shared memory: v5_smem(K) bytes within the default 48 KiB.
-constexpr int64_t k_v5_max_k = 12288;
+// The largest K (Din or d_ff) v5 stages in shared memory: v5_smem(K) bytes within the default 48 KiB (a multiple of 32).
+constexpr int64_t k_v5_max_k = 12256;
+static_assert(k_v5_max_k * 4 + k_v5_lo_pad * 4 <= 48 * 1024, "v5 x staging exceeds the default shared memory");
 
 template <int PD, int MINB, int UL = 1>
 void launch_v5_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
