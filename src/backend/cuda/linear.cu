@@ -87,6 +87,7 @@ __device__ __forceinline__ void gemv_row(const float * __restrict__ x, int64_t i
 template <wtype WT, int TT>
 __global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv(const float * __restrict__ x, int64_t in, dweight W,
                                                                    int64_t out, float * __restrict__ y, int64_t ldy) {
+    pdl_enter();
     const int64_t row = int64_t(blockIdx.x) * k_gemv_warps + (threadIdx.x >> 5);
     if (row >= out) return;
     gemv_row<WT, TT>(x, in, W, row, y, ldy);
@@ -103,6 +104,7 @@ struct gemv_segs {
 
 template <wtype WT, int TT>
 __global__ void __launch_bounds__(k_gemv_warps * 32) k_linear_gemv_multi(const float * __restrict__ x, int64_t in, gemv_segs g) {
+    pdl_enter();
     int s = 0;
     while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
     const int64_t row = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps + (threadIdx.x >> 5);
@@ -114,20 +116,20 @@ template <wtype WT>
 void gemv_multi_chunk(const float * x, int64_t tt, int64_t in, const gemv_segs & g, cudaStream_t st) {
     const unsigned blocks = g.start[g.n];
     switch (tt) {
-        case 1: k_linear_gemv_multi<WT, 1><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        case 2: k_linear_gemv_multi<WT, 2><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        case 3: k_linear_gemv_multi<WT, 3><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        case 4: k_linear_gemv_multi<WT, 4><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        case 5: k_linear_gemv_multi<WT, 5><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        case 6: k_linear_gemv_multi<WT, 6><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        case 7: k_linear_gemv_multi<WT, 7><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
-        default: k_linear_gemv_multi<WT, 8><<<blocks, k_gemv_warps * 32, 0, st>>>(x, in, g); break;
+        case 1: launch_k(k_linear_gemv_multi<WT, 1>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        case 2: launch_k(k_linear_gemv_multi<WT, 2>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        case 3: launch_k(k_linear_gemv_multi<WT, 3>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        case 4: launch_k(k_linear_gemv_multi<WT, 4>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        case 5: launch_k(k_linear_gemv_multi<WT, 5>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        case 6: launch_k(k_linear_gemv_multi<WT, 6>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        case 7: launch_k(k_linear_gemv_multi<WT, 7>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
+        default: launch_k(k_linear_gemv_multi<WT, 8>, blocks, k_gemv_warps * 32, 0, st, x, in, g); break;
     }
 }
 
 template <wtype WT, int TT>
 void gemv_launch(const float * x, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st) {
-    k_linear_gemv<WT, TT><<<grid_for(out, k_gemv_warps), k_gemv_warps * 32, 0, st>>>(x, in, W, out, y, out);
+    launch_k(k_linear_gemv<WT, TT>, grid_for(out, k_gemv_warps), k_gemv_warps * 32, 0, st, x, in, W, out, y, out);
 }
 
 template <wtype WT>
@@ -166,6 +168,7 @@ template <wtype WT, int TT, bool NORM>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_fused(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw, float eps,
                         float * __restrict__ yn) {
+    pdl_enter();
     int s = 0;
     while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
     const int64_t row = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps + (threadIdx.x >> 5);
@@ -261,6 +264,7 @@ template <wtype WT, int TT>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_norm_staged(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw,
                               float eps, float * __restrict__ yn) {
+    pdl_enter();
     extern __shared__ float4 stage4[];
     float * xs = reinterpret_cast<float *>(stage4);   // [TT, in]
     __shared__ float red[TT][k_gemv_warps];
@@ -410,7 +414,7 @@ void staged_launch(const float * x, int64_t in, const fused_segs & g, const floa
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
     const unsigned total = g.start[g.n];
     const unsigned resident = unsigned(std::max(1, sms) * std::max(1, occ));
-    kern<<<std::min(total, resident), th, smem, st>>>(x, in, g, nw, eps, yn);
+    launch_k(kern, std::min(total, resident), th, smem, st, x, in, g, nw, eps, yn);
 }
 
 template <wtype WT>
@@ -434,14 +438,14 @@ void fused_chunk(const float * x, int64_t tt, int64_t in, const fused_segs & g, 
     const unsigned blocks = g.start[g.n];
     const int th = k_gemv_warps * 32;
     switch (tt) {
-        case 1: k_linear_gemv_fused<WT, 1, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        case 2: k_linear_gemv_fused<WT, 2, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        case 3: k_linear_gemv_fused<WT, 3, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        case 4: k_linear_gemv_fused<WT, 4, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        case 5: k_linear_gemv_fused<WT, 5, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        case 6: k_linear_gemv_fused<WT, 6, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        case 7: k_linear_gemv_fused<WT, 7, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
-        default: k_linear_gemv_fused<WT, 8, NORM><<<blocks, th, 0, st>>>(x, in, g, nw, eps, yn); break;
+        case 1: launch_k(k_linear_gemv_fused<WT, 1, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        case 2: launch_k(k_linear_gemv_fused<WT, 2, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        case 3: launch_k(k_linear_gemv_fused<WT, 3, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        case 4: launch_k(k_linear_gemv_fused<WT, 4, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        case 5: launch_k(k_linear_gemv_fused<WT, 5, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        case 6: launch_k(k_linear_gemv_fused<WT, 6, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        case 7: launch_k(k_linear_gemv_fused<WT, 7, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
+        default: launch_k(k_linear_gemv_fused<WT, 8, NORM>, blocks, th, 0, st, x, in, g, nw, eps, yn); break;
     }
 }
 
@@ -515,6 +519,7 @@ template <wtype WT, int TT, int U, bool STAGED>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_v2(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
                      float eps, float * __restrict__ yn) {
+    pdl_enter();
     constexpr int R = gemv2_rows_per_warp(TT, STAGED);
     constexpr int UC = U / R >= 1 ? U / R : 1;   // chunks per iteration (R * UC loads in flight per lane)
     constexpr int VN = wvec<WT>::n;
@@ -748,7 +753,7 @@ cudaError_t v2_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg 
     for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
     const unsigned total = g.start[g.n];
     const unsigned grid = STAGED ? unsigned(std::min<int64_t>(total, slots)) : total;
-    kern<<<grid, th, smem, st>>>(x, in, g, S, nw, eps, yn);
+    launch_k(kern, grid, th, smem, st, x, in, g, S, nw, eps, yn);
     return cudaGetLastError();
 }
 
@@ -801,11 +806,13 @@ bool cfg_valid(const gemv_cfg & c) {
 }
 
 __global__ void k_weight_to_f32(dweight w, int64_t n, float * __restrict__ y) {
+    pdl_enter();
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
         y[i] = wload(w, i);
 }
 
 __global__ void k_f32_to_bf16(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ y) {
+    pdl_enter();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) {
         const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
@@ -815,6 +822,7 @@ __global__ void k_f32_to_bf16(const float * __restrict__ x, int64_t n, uint16_t 
 
 __global__ void k_f32_to_bf16_split(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ hi,
                                     uint16_t * __restrict__ lo) {
+    pdl_enter();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) {
         const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
@@ -826,6 +834,7 @@ __global__ void k_f32_to_bf16_split(const float * __restrict__ x, int64_t n, uin
 
 __global__ void k_get_rows(dweight table, int64_t V, int64_t D, const int32_t * __restrict__ ids, float * __restrict__ y,
                            int * err) {
+    pdl_enter();
     const int64_t t = blockIdx.y;
     const int32_t id = ids[t];
     const bool ok = id >= 0 && id < V;
@@ -963,17 +972,17 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
 }
 
 cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t st) {
-    if (n > 0) k_weight_to_f32<<<grid_for(n, 256) > 1024 ? 1024 : grid_for(n, 256), 256, 0, st>>>(w, n, y);
+    if (n > 0) launch_k(k_weight_to_f32, grid_for(n, 256) > 1024 ? 1024 : grid_for(n, 256), 256, 0, st, w, n, y);
     return cudaGetLastError();
 }
 
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st) {
-    if (n > 0) k_f32_to_bf16<<<grid_for(n, 256), 256, 0, st>>>(x, n, y);
+    if (n > 0) launch_k(k_f32_to_bf16, grid_for(n, 256), 256, 0, st, x, n, y);
     return cudaGetLastError();
 }
 
 cudaError_t launch_f32_to_bf16_split(const float * x, int64_t n, uint16_t * hi, uint16_t * lo, cudaStream_t st) {
-    if (n > 0) k_f32_to_bf16_split<<<grid_for(n, 256), 256, 0, st>>>(x, n, hi, lo);
+    if (n > 0) launch_k(k_f32_to_bf16_split, grid_for(n, 256), 256, 0, st, x, n, hi, lo);
     return cudaGetLastError();
 }
 
@@ -981,7 +990,7 @@ cudaError_t launch_get_rows(dweight table, int64_t V, int64_t D, const int32_t *
                             cudaStream_t st) {
     if (T > 0 && D > 0) {
         const unsigned bx = unsigned(D >= 1024 ? 4 : 1);
-        k_get_rows<<<dim3(bx, unsigned(T)), 256, 0, st>>>(table, V, D, ids, y, err);
+        launch_k(k_get_rows, dim3(bx, unsigned(T)), 256, 0, st, table, V, D, ids, y, err);
     }
     return cudaGetLastError();
 }
