@@ -17,6 +17,7 @@ constexpr int k_route_max_g = 64;
 __global__ void __launch_bounds__(k_route_threads) k_moe_route(const float * __restrict__ x, int64_t D, dweight gate,
                                                                dweight bias, droute c, int32_t * __restrict__ ids,
                                                                float * __restrict__ w) {
+    pdl_enter();
     __shared__ float score[k_route_max_e];
     __shared__ float biased[k_route_max_e];
     const int64_t t = blockIdx.x;
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(k_ex_warps * 32) k_moe_gate_up(const float * _
                                                                  const int32_t * __restrict__ ids, int64_t k,
                                                                  const dexpert * __restrict__ ex, int64_t E,
                                                                  dexperts_cfg c, float * __restrict__ hbuf, int * err) {
+    pdl_enter();
     const int64_t tj = blockIdx.y;
     const int64_t r = int64_t(blockIdx.x) * k_ex_warps + (threadIdx.x >> 5);
     if (r >= c.d_ff) return;
@@ -157,6 +159,7 @@ __global__ void __launch_bounds__(k_ex_warps * 32) k_moe_down(const float * __re
                                                               const int32_t * __restrict__ ids,
                                                               const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
                                                               float * __restrict__ ybuf) {
+    pdl_enter();
     const int64_t tj = blockIdx.y;
     const int64_t r = int64_t(blockIdx.x) * k_ex_warps + (threadIdx.x >> 5);
     if (r >= c.d_out) return;
@@ -168,6 +171,7 @@ __global__ void __launch_bounds__(k_ex_warps * 32) k_moe_down(const float * __re
 // y [T, Dout] = sum_j w[t, j] ybuf[t*k + j] in slot order (fp32), as the reference combines.
 __global__ void k_moe_combine(const float * __restrict__ ybuf, const float * __restrict__ w, int64_t T, int64_t k,
                               int64_t Dout, float * __restrict__ y) {
+    pdl_enter();
     const int64_t n = T * Dout;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t t = i / Dout, r = i % Dout;
@@ -182,7 +186,7 @@ __global__ void k_moe_combine(const float * __restrict__ ybuf, const float * __r
 cudaError_t launch_moe_route(const float * x, int64_t T, int64_t D, dweight gate, dweight bias, const droute & c,
                              int32_t * ids, float * w, cudaStream_t st) {
     if (c.n_expert > k_route_max_e || c.n_group > k_route_max_g) return cudaErrorInvalidValue;
-    if (T > 0) k_moe_route<<<unsigned(T), k_route_threads, 0, st>>>(x, D, gate, bias, c, ids, w);
+    if (T > 0) launch_k(k_moe_route, unsigned(T), k_route_threads, 0, st, x, D, gate, bias, c, ids, w);
     return cudaGetLastError();
 }
 
@@ -192,13 +196,13 @@ cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const in
     if (T * k == 0) return cudaGetLastError();
     float * hbuf = scratch;
     float * ybuf = scratch + T * k * c.d_ff;
-    k_moe_gate_up<<<dim3(grid_for(c.d_ff, k_ex_warps), unsigned(T * k)), k_ex_warps * 32, 0, st>>>(x, Din, ids, k, experts,
+    launch_k(k_moe_gate_up, dim3(grid_for(c.d_ff, k_ex_warps), unsigned(T * k)), k_ex_warps * 32, 0, st, x, Din, ids, k, experts,
                                                                                                    E, c, hbuf, err);
-    k_moe_down<<<dim3(grid_for(c.d_out, k_ex_warps), unsigned(T * k)), k_ex_warps * 32, 0, st>>>(hbuf, ids, experts, E, c,
+    launch_k(k_moe_down, dim3(grid_for(c.d_out, k_ex_warps), unsigned(T * k)), k_ex_warps * 32, 0, st, hbuf, ids, experts, E, c,
                                                                                                  ybuf);
     const int64_t n = T * c.d_out;
     const int64_t bl = (n + 255) / 256;
-    k_moe_combine<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(ybuf, w, T, k, c.d_out, y);
+    launch_k(k_moe_combine, unsigned(bl > 4096 ? 4096 : bl), 256, 0, st, ybuf, w, T, k, c.d_out, y);
     return cudaGetLastError();
 }
 
@@ -218,6 +222,7 @@ constexpr int k_grp_threads = 1024;
 // | [2+2A+S, 2+2A+2S) position within the expert (scratch). A = min(E, S), S = T*k.
 __global__ void __launch_bounds__(k_grp_threads) k_moe_group(const int32_t * __restrict__ ids, int64_t S, int64_t E,
                                                              int64_t A, int32_t * __restrict__ gw, int * err) {
+    pdl_enter();
     __shared__ int cnt[1024], eidx[1024];
     __shared__ int n_act, total;
     int32_t * active = gw + 1;
@@ -311,6 +316,7 @@ __global__ void __launch_bounds__(k_g_warps * 32) k_moe_gate_up_g(const float * 
                                                                   const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                                   const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                   float * __restrict__ hbuf, int n_max) {
+    pdl_enter();
     const int a = blockIdx.y;
     if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
     const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
@@ -358,6 +364,7 @@ template <int FMT, int TT>
 __global__ void __launch_bounds__(k_g_warps * 32) k_moe_down_g(const float * __restrict__ hbuf, const dexpert * __restrict__ ex,
                                                                int64_t A, int64_t S, const int32_t * __restrict__ gw,
                                                                dexperts_cfg c, float * __restrict__ ybuf, int n_max) {
+    pdl_enter();
     const int a = blockIdx.y;
     if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
     const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
@@ -399,6 +406,7 @@ __global__ void __launch_bounds__(k_g_warps * 32) k_moe_down_g(const float * __r
 // y [T, Dout] = sum_j w[t, j] ybuf[t*k + j] in slot order; a slot with an invalid expert id contributes 0.
 __global__ void k_moe_combine_g(const float * __restrict__ ybuf, const float * __restrict__ w, const int32_t * __restrict__ ids,
                                 int64_t E, int64_t T, int64_t k, int64_t Dout, float * __restrict__ y) {
+    pdl_enter();
     const int64_t n = T * Dout;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t t = i / Dout, r = i % Dout;
@@ -498,6 +506,7 @@ __global__ void __launch_bounds__(k_v2_warps * 32) k_moe_gate_up_fp4_v2(const fl
                                                                        const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                                        const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                        float * __restrict__ hbuf) {
+    pdl_enter();
     const int a = blockIdx.y;
     if (a >= gw[0]) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v2_warps + (threadIdx.x >> 5)) * R;
@@ -526,6 +535,7 @@ template <int R, int NU>
 __global__ void __launch_bounds__(k_v2_warps * 32) k_moe_down_fp4_v2(const float * __restrict__ hbuf, const dexpert * __restrict__ ex,
                                                                     int64_t A, int64_t S, const int32_t * __restrict__ gw,
                                                                     dexperts_cfg c, float * __restrict__ ybuf) {
+    pdl_enter();
     const int a = blockIdx.y;
     if (a >= gw[0]) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v2_warps + (threadIdx.x >> 5)) * R;
@@ -550,13 +560,13 @@ __global__ void __launch_bounds__(k_v2_warps * 32) k_moe_down_fp4_v2(const float
 template <int NU> void launch_gate_up_v2(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                                          const int32_t * gw, const dexperts_cfg & c, float * hbuf, cudaStream_t st) {
     constexpr int R = 2;
-    k_moe_gate_up_fp4_v2<R, NU><<<dim3(grid_for(c.d_ff, k_v2_warps * R), unsigned(A)), k_v2_warps * 32, 0, st>>>(
+    launch_k(k_moe_gate_up_fp4_v2<R, NU>, dim3(grid_for(c.d_ff, k_v2_warps * R), unsigned(A)), k_v2_warps * 32, 0, st,
         x, Din, k, experts, A, S, gw, c, hbuf);
 }
 template <int NU> void launch_down_v2(const dexpert * experts, int64_t A, int64_t S, const int32_t * gw,
                                       const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st) {
     constexpr int R = 4;
-    k_moe_down_fp4_v2<R, NU><<<dim3(grid_for(c.d_out, k_v2_warps * R), unsigned(A)), k_v2_warps * 32, 0, st>>>(
+    launch_k(k_moe_down_fp4_v2<R, NU>, dim3(grid_for(c.d_out, k_v2_warps * R), unsigned(A)), k_v2_warps * 32, 0, st,
         hbuf, experts, A, S, gw, c, ybuf);
 }
 // Units per lane for a row of nu 16-byte units: 1, 2 or 4 (longer rows loop over chunks of 128 units).
@@ -667,6 +677,7 @@ __global__ void __launch_bounds__(k_v3_warps * 32) k_moe_gate_up_fp4_v3(const fl
                                                                        const dexpert * __restrict__ ex, int64_t E,
                                                                        dexperts_cfg c, float * __restrict__ hbuf,
                                                                        int * err) {
+    pdl_enter();
     const int j = blockIdx.y;
     const int32_t e = ids[j];
     if (e < 0 || e >= E) {
@@ -696,6 +707,7 @@ __global__ void __launch_bounds__(k_v3_warps * 32) k_moe_down_comb_fp4_v3(const 
                                                                          const float * __restrict__ w, int64_t k,
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ y) {
+    pdl_enter();
     const int64_t r0 = (int64_t(blockIdx.x) * k_v3_warps + (threadIdx.x >> 5)) * R;
     if (r0 >= c.d_out) return;
     float out[R];
@@ -734,13 +746,13 @@ __global__ void __launch_bounds__(k_v3_warps * 32) k_moe_down_comb_fp4_v3(const 
 template <int NU> void launch_gate_up_v3(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts,
                                          int64_t E, const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
     constexpr int R = 2;
-    k_moe_gate_up_fp4_v3<R, NU><<<dim3(grid_for(c.d_ff, k_v3_warps * R), unsigned(k)), k_v3_warps * 32, 0, st>>>(
+    launch_k(k_moe_gate_up_fp4_v3<R, NU>, dim3(grid_for(c.d_ff, k_v3_warps * R), unsigned(k)), k_v3_warps * 32, 0, st,
         x, Din, ids, experts, E, c, hbuf, err);
 }
 template <int NU> void launch_down_v3(const float * hbuf, const int32_t * ids, const float * w, int64_t k,
                                       const dexpert * experts, int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st) {
     constexpr int R = 2, NS = 2;
-    k_moe_down_comb_fp4_v3<R, NU, NS><<<grid_for(c.d_out, k_v3_warps * R), k_v3_warps * 32, 0, st>>>(hbuf, ids, w, k, experts,
+    launch_k(k_moe_down_comb_fp4_v3<R, NU, NS>, grid_for(c.d_out, k_v3_warps * R), k_v3_warps * 32, 0, st, hbuf, ids, w, k, experts,
                                                                                                      E, c, y);
 }
 
@@ -918,6 +930,7 @@ __global__ void __launch_bounds__(k_v4_warps * 32, 2) k_moe_gate_up_v4(const flo
                                                                    const int32_t * __restrict__ ids,
                                                                    const dexpert * __restrict__ ex, int64_t E,
                                                                    dexperts_cfg c, float * __restrict__ hbuf, int * err) {
+    pdl_enter();
     const int j = blockIdx.y;
     const int32_t e = ids[j];
     if (e < 0 || e >= E) {
@@ -949,6 +962,7 @@ __global__ void __launch_bounds__(k_v4_warps * 32, NS <= 2 ? 2 : 1) k_moe_down_c
                                                                      const float * __restrict__ w, int64_t k,
                                                                      const dexpert * __restrict__ ex, int64_t E,
                                                                      dexperts_cfg c, float * __restrict__ y) {
+    pdl_enter();
     __shared__ float part[k_v4_warps * NS][R];
     const int wd = threadIdx.x >> 5;
     const int64_t r0 = int64_t(blockIdx.x) * R;
@@ -995,6 +1009,7 @@ __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_gate_up_small_v4(const
                                                                          const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                                          const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                          float * __restrict__ hbuf, int n_max) {
+    pdl_enter();
     const int a = blockIdx.y;
     if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v4s_warps + (threadIdx.x >> 5)) * R;
@@ -1033,6 +1048,7 @@ __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_down_small_v4(const fl
                                                                       const dexpert * __restrict__ ex, int64_t A, int64_t S,
                                                                       const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                       float * __restrict__ ybuf, int n_max) {
+    pdl_enter();
     const int a = blockIdx.y;
     if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v4s_warps + (threadIdx.x >> 5)) * R;
@@ -1076,14 +1092,14 @@ template <int FMT, int NU>
 void launch_v4_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                        const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
     constexpr int R = 2;
-    k_moe_gate_up_v4<FMT, R, NU><<<dim3(grid_for(c.d_ff, k_v4_warps * R), unsigned(k)), k_v4_warps * 32, 0, st>>>(
+    launch_k(k_moe_gate_up_v4<FMT, R, NU>, dim3(grid_for(c.d_ff, k_v4_warps * R), unsigned(k)), k_v4_warps * 32, 0, st,
         x, Din, ids, experts, E, c, hbuf, err);
 }
 template <int FMT, int NU, int NS>
 void launch_v4_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * experts, int64_t E,
                     const dexperts_cfg & c, float * y, cudaStream_t st) {
     constexpr int R = 2;
-    k_moe_down_comb_v4<FMT, R, NU, NS><<<grid_for(c.d_out, R), k_v4_warps * 32, 0, st>>>(hbuf, ids, w, k, experts, E, c, y);
+    launch_k(k_moe_down_comb_v4<FMT, R, NU, NS>, grid_for(c.d_out, R), k_v4_warps * 32, 0, st, hbuf, ids, w, k, experts, E, c, y);
 }
 template <int FMT, int NU>
 void launch_v4_down_ns(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * experts, int64_t E,
@@ -1116,9 +1132,9 @@ template <int FMT, int NU, int TT>
 void launch_v4_small_tt(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                         const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_max) {
     constexpr int R = 1;
-    k_moe_gate_up_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_ff, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
+    launch_k(k_moe_gate_up_small_v4<FMT, R, NU, TT>, dim3(grid_for(c.d_ff, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st,
         x, Din, k, experts, A, S, gw, c, hbuf, n_max);
-    k_moe_down_small_v4<FMT, R, NU, TT><<<dim3(grid_for(c.d_out, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st>>>(
+    launch_k(k_moe_down_small_v4<FMT, R, NU, TT>, dim3(grid_for(c.d_out, k_v4s_warps * R), unsigned(A)), k_v4s_warps * 32, 0, st,
         hbuf, experts, A, S, gw, c, ybuf, n_max);
 }
 
@@ -1139,9 +1155,9 @@ template <int FMT, int TT>
 void launch_grouped_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
                            int n_max) {
-    k_moe_gate_up_g<FMT, TT><<<dim3(grid_for(c.d_ff, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st>>>(
+    launch_k(k_moe_gate_up_g<FMT, TT>, dim3(grid_for(c.d_ff, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st,
         x, Din, k, experts, A, S, gw, c, hbuf, n_max);
-    k_moe_down_g<FMT, TT><<<dim3(grid_for(c.d_out, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st>>>(hbuf, experts, A, S,
+    launch_k(k_moe_down_g<FMT, TT>, dim3(grid_for(c.d_out, k_g_warps), unsigned(A)), k_g_warps * 32, 0, st, hbuf, experts, A, S,
                                                                                                      gw, c, ybuf, n_max);
 }
 
@@ -1350,6 +1366,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v5(const 
                                                                       const int32_t * __restrict__ ids,
                                                                       const dexpert * __restrict__ ex, int64_t E,
                                                                       dexperts_cfg c, float * __restrict__ hbuf, int * err) {
+    pdl_enter();
     extern __shared__ uint32_t xs_v5[];
     const int j = blockIdx.y;
     const int32_t e = ids[j];
@@ -1382,6 +1399,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_v5(const flo
                                                                    const int32_t * __restrict__ ids,
                                                                    const dexpert * __restrict__ ex, int64_t E,
                                                                    dexperts_cfg c, float * __restrict__ ybuf) {
+    pdl_enter();
     extern __shared__ uint32_t xs_v5[];
     const int j = blockIdx.y;
     const int32_t e = ids[j];
@@ -1411,13 +1429,13 @@ static_assert(k_v5_max_k * 4 + k_v5_lo_pad * 4 <= 48 * 1024, "v5 x staging excee
 template <int PD, int MINB, int UL = 1>
 void launch_v5_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                        const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st) {
-    k_moe_gate_up_v5<PD, MINB, UL><<<dim3(grid_for(c.d_ff, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(Din), st>>>(
+    launch_k(k_moe_gate_up_v5<PD, MINB, UL>, dim3(grid_for(c.d_ff, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(Din), st,
         x, Din, ids, experts, E, c, hbuf, err);
 }
 template <int PD, int MINB, int UL = 1>
 void launch_v5_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                     const dexperts_cfg & c, float * ybuf, cudaStream_t st) {
-    k_moe_down_v5<PD, MINB, UL><<<dim3(grid_for(c.d_out, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(c.d_ff), st>>>(
+    launch_k(k_moe_down_v5<PD, MINB, UL>, dim3(grid_for(c.d_out, k_v5_rows), unsigned(k)), k_v5_warps * 32, v5_smem(c.d_ff), st,
         hbuf, ids, experts, E, c, ybuf);
 }
 
@@ -1445,7 +1463,7 @@ void launch_v5_one(const float * x, int64_t Din, const int32_t * ids, const floa
         else if (dn == 6) launch_v5_down<2, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, st);
         else launch_v5_down<2, 4>(hbuf, ids, k, experts, E, c, ybuf, st);
         const int64_t bl = (c.d_out + 255) / 256;
-        k_moe_combine_g<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(ybuf, w, ids, E, 1, k, c.d_out, y);
+        launch_k(k_moe_combine_g, unsigned(bl > 4096 ? 4096 : bl), 256, 0, st, ybuf, w, ids, E, 1, k, c.d_out, y);
     }
 }
 
@@ -1486,7 +1504,7 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
         launch_fp4_v3(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
         return cudaGetLastError();
     }
-    k_moe_group<<<1, k_grp_threads, 0, st>>>(ids, S, E, A, gw, err);
+    launch_k(k_moe_group, 1, k_grp_threads, 0, st, ids, S, E, A, gw, err);
     // Experts with >= mma_tokens tokens take the tensor-core kernels, the others the grouped GEMV kernels (each kernel
     // skips the other's experts on the device). T == 1: every expert has one token, GEMV only.
     const bool mma = mma_tokens > 0 && !one && S >= mma_tokens;
@@ -1501,7 +1519,7 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
 #undef PG_GRP
     const int64_t n = T * c.d_out;
     const int64_t bl = (n + 255) / 256;
-    k_moe_combine_g<<<unsigned(bl > 4096 ? 4096 : bl), 256, 0, st>>>(ybuf, w, ids, E, T, k, c.d_out, y);
+    launch_k(k_moe_combine_g, unsigned(bl > 4096 ? 4096 : bl), 256, 0, st, ybuf, w, ids, E, T, k, c.d_out, y);
     return cudaGetLastError();
 }
 
@@ -1619,6 +1637,7 @@ __device__ void route_select(const float * __restrict__ lrow, int64_t t, dweight
 
 __global__ void __launch_bounds__(k_sel_threads) k_moe_select(const float * __restrict__ logits, dweight bias, droute c,
                                                               int32_t * __restrict__ ids, float * __restrict__ w) {
+    pdl_enter();
     const int64_t t = blockIdx.x;
     route_select(logits + t * c.n_expert, t, bias, c, ids, w);
 }
@@ -1628,6 +1647,7 @@ __global__ void __launch_bounds__(k_sel_threads) k_moe_route_fused(const float *
                                                                    dweight bias, droute c, float * __restrict__ logits,
                                                                    unsigned * __restrict__ counter,
                                                                    int32_t * __restrict__ ids, float * __restrict__ w) {
+    pdl_enter();
     __shared__ bool last;
     const int lane = threadIdx.x & 31, nw = k_sel_threads / 32;
     const int64_t E = c.n_expert;
@@ -1673,7 +1693,7 @@ cudaError_t launch_moe_route_fused(const float * x, int64_t D, dweight gate, dwe
     if (me != cudaSuccess) return me;
     constexpr int nw = k_sel_threads / 32;
     const int64_t blocks = (c.n_expert + nw - 1) / nw;
-    k_moe_route_fused<<<unsigned(blocks), k_sel_threads, 0, st>>>(x, D, gate, bias, c, logits, counter, ids, w);
+    launch_k(k_moe_route_fused, unsigned(blocks), k_sel_threads, 0, st, x, D, gate, bias, c, logits, counter, ids, w);
     return cudaGetLastError();
 }
 
@@ -1683,7 +1703,7 @@ cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight
     if (T == 0) return cudaGetLastError();
     const cudaError_t e = launch_linear_gemv(x, T, D, gate, c.n_expert, logits, st);
     if (e != cudaSuccess) return e;
-    k_moe_select<<<unsigned(T), k_sel_threads, 0, st>>>(logits, bias, c, ids, w);
+    launch_k(k_moe_select, unsigned(T), k_sel_threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
 }
 
@@ -1695,7 +1715,7 @@ namespace perigee::cuda {
 cudaError_t launch_moe_select(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                               cudaStream_t st) {
     if (c.n_expert > 1024 || c.n_group > 64) return cudaErrorInvalidValue;
-    if (T > 0) k_moe_select<<<unsigned(T), k_sel_threads, 0, st>>>(logits, bias, c, ids, w);
+    if (T > 0) launch_k(k_moe_select, unsigned(T), k_sel_threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
 }
 
