@@ -7,11 +7,13 @@ namespace perigee::cuda {
 
 // KDA_GATE's inputs, for the scan to form g = gate(f) itself (the gate launch folded into the scan): f [T, H*K] (the
 // gate projection), a_log [>= H] per head, dt_bias [H*K], lower_bound (< 0: K3's lb * sigmoid; else the 48B's softplus
-// form). g is then never read. f == nullptr: none (g is read).
+// form). g is then never read. f == nullptr: none (g is read). g_out (optional): where the scan also writes g [T, H*K]
+// (the folded KDA_GATE node's output, for its readers and node-by-node comparison).
 struct kda_gate_in {
     const float * f = nullptr;
     dweight a_log, dt_bias;
     float lower_bound = 0.0f;
+    float * g_out = nullptr;
 };
 
 // Whether the v2 kernel takes these dims and pointers: 1 <= K <= 256, V % 4 == 0, state / v / o 16-byte aligned.

@@ -177,8 +177,12 @@ __global__ void __launch_bounds__(k_v2_threads, R >= 16 ? 1 : 4) k_kda_scan_v2(
         const float bt = beta[t * H + h];
         const float4 vv = col_in ? *reinterpret_cast<const float4 *>(v + (t * H + h) * V + e) : f4_zero();
 #pragma unroll
-        for (int i = 0; i < R; ++i)
-            if (d0 + i < K) ad[i] = expf(gate.f ? kda_gate_value(a_head, ad[i], gate.lower_bound) : ad[i]);
+        for (int i = 0; i < R; ++i) {
+            if (d0 + i >= K) continue;
+            const float gv = gate.f ? kda_gate_value(a_head, ad[i], gate.lower_bound) : ad[i];
+            if (gate.g_out && blockIdx.x == 0 && cq == 0) gate.g_out[qk + d0 + i] = gv;   // the folded gate's output
+            ad[i] = expf(gv);
+        }
         // decay, then this thread's share of S^T k (its rows in order)
         float4 p = f4_zero();
 #pragma unroll

@@ -134,8 +134,9 @@ const char * kern_name(kern k) { return k == kern::v1 ? "v1" : k == kern::v2 ? "
 // One step on the device state `st` (kept on the device between steps); returns o.
 std::vector<float> gpu_step(kern kk, const dims & dm, const gate_w & gw, const step_data & d, float scale, dev<float> & st,
                             const dev<float> & a_log, const dev<float> & dt_bias) {
-    dev<float> q(d.q), k(d.k), v(d.v), f(d.f), g(d.g), beta(d.beta), o(size_t(d.T) * dm.H * dm.V);
+    dev<float> q(d.q), k(d.k), v(d.v), f(d.f), g(d.g), beta(d.beta), o(size_t(d.T) * dm.H * dm.V), g_out(d.g.size());
     cu(cudaMemset(o.p, 0xff, o.n * 4), "memset o");   // NaN: an unwritten output fails the comparison
+    cu(cudaMemset(g_out.p, 0xff, g_out.n * 4), "memset g_out");
     gpu_batch gb(d.b);
     (void)gw;
     if (kk == kern::v1) {
@@ -147,6 +148,7 @@ std::vector<float> gpu_step(kern kk, const dims & dm, const gate_w & gw, const s
             gi.a_log = {a_log.p, cuda::wtype::F32};
             gi.dt_bias = {dt_bias.p, cuda::wtype::F32};
             gi.lower_bound = dm.lb;
+            gi.g_out = g_out.p;
         }
         EXPECT_TRUE(cuda::kda_scan_v2_supported(dm.K, dm.V, v.p, st.p, o.p));
         // the folded gate never reads g: pass nullptr so that a read would fault
@@ -155,6 +157,9 @@ std::vector<float> gpu_step(kern kk, const dims & dm, const gate_w & gw, const s
            "v2");
     }
     cu(cudaDeviceSynchronize(), "kda step");
+    if (kk == kern::v2_gate) {   // the folded gate's output: KDA_GATE's values (CPU: std::exp; device: expf)
+        EXPECT_TRUE(check("kda-decode v2+gate g_out vs cpu kda_gate", to_f64(d.g), g_out.down(), metric::RMS_RATIO, 1e-6));
+    }
     return o.down();
 }
 
@@ -340,6 +345,73 @@ TEST(cuda_kda_decode, backend_dispatch_three_runs) {
         // control: the third run's output is not the first's (the state evolves between runs)
         EXPECT_FALSE(check(fmt::format("kda backend kda_decode_v2={}/control(run 0 output as run 2's)", v2),
                            to_f64(ref_o[2]), outs[0], metric::RMS_RATIO, k_tol));
+    }
+}
+
+// The backend with the gate: KDA_GATE -> KDA_SCAN (decode, 3 sequences) run 3 times on the device-resident state with
+// (kda_decode_v2, kda_gate_fold) = (1,1) folded, (1,0), (0,1) (no fold without v2), vs the CPU backend: o, g (the gate
+// node's output, written by the scan when folded) and the state after 3 runs; both gate forms (K3's lower bound, 48B's).
+TEST(cuda_kda_decode, backend_gate_fold_three_runs) {
+    NEED_GPU();
+    for (float lb : {-5.0f, 0.0f}) {
+        rng r(lb < 0 ? 7550 : 7551);
+        const dims dm{4, 128, 128, 4, lb};
+        const gate_w gw = make_gate(r, dm);
+        const step_data d = make_step(r, dm, gw, {1, 1, 1}, {3, 0, 2}, 300);
+        const std::vector<float> init = r.vec(size_t(dm.n_slots) * dm.H * dm.K * dm.V, -0.5f, 0.5f);
+        const float scale = 1.0f / std::sqrt(float(dm.K));
+        std::vector<std::vector<float>> ref_o;
+        std::vector<float> ref_g, ref_state;
+        for (int mode : {-1, 11, 10, 1}) {   // -1: the CPU backend; else v2 * 10 + fold
+            arena a;
+            auto bp = std::make_shared<batch>(d.b);
+            builder bd(bp);
+            tensor &Q = a.f32({d.T, dm.H * dm.K}, d.q), &Kt = a.f32({d.T, dm.H * dm.K}, d.k), &Vt = a.f32({d.T, dm.H * dm.V}, d.v),
+                   &F = a.f32({d.T, dm.H * dm.K}, d.f), &B = a.f32({d.T, dm.H}, d.beta), &AL = a.f32({dm.H}, gw.a_log),
+                   &DB = a.f32({dm.H * dm.K}, gw.dt_bias);
+            tensor & st = a.f32({dm.n_slots, dm.H, dm.K, dm.V}, init);
+            const node_ref gn = bd.kda_gate(bd.weight(F, "f"), bd.weight(AL, "a_log"), bd.weight(DB, "dt_bias"), dm.H, dm.K, lb);
+            const node_ref o = bd.kda_scan(bd.weight(Q, "q"), bd.weight(Kt, "k"), bd.weight(Vt, "v"), gn, bd.weight(B, "beta"),
+                                           bd.state(st, "kda_state"), {dm.H, dm.K, dm.V, scale, 64});
+            graph gr = bd.finish(o);
+            std::unique_ptr<backend> be;
+            backend_cuda * gpu = nullptr;
+            if (mode < 0) {
+                be = backend_cpu_init();
+            } else {
+                cuda_options opt;
+                opt.guard = true;
+                opt.kda_decode_v2 = mode / 10 == 1;
+                opt.kda_gate_fold = mode % 10 == 1;
+                auto g = backend_cuda_init(0, opt);
+                gpu = g.get();
+                be = std::move(g);
+                be->check_supported(gr);
+            }
+            std::vector<std::vector<float>> outs;
+            std::vector<float> gv;
+            for (int run = 0; run < 3; ++run) {
+                be->run(gr);
+                outs.push_back(read_f32(*be, o));
+                gv = read_f32(*be, gn);
+            }
+            if (gpu) gpu->sync_state_to_host();
+            if (mode < 0) {
+                ref_o = outs;
+                ref_g = gv;
+                ref_state = to_vec(st);
+                continue;
+            }
+            const std::string tag = fmt::format("kda backend gate lb={} kda_decode_v2={} kda_gate_fold={}", lb, mode / 10, mode % 10);
+            bool ok = true;
+            for (int run = 0; run < 3; ++run)
+                ok &= check(fmt::format("{} run {} o", tag, run), to_f64(ref_o[size_t(run)]), outs[size_t(run)], metric::RMS_RATIO,
+                            k_tol);
+            ok &= check(tag + " g (gate node output)", to_f64(ref_g), gv, metric::RMS_RATIO, 1e-6);
+            ok &= check(tag + " state after 3 runs", to_f64(ref_state), to_vec(st), metric::RMS_RATIO, k_tol);
+            EXPECT_TRUE(ok) << tag;
+            expect_control_fails(tag + " g", to_f64(ref_g), gv, metric::RMS_RATIO, 1e-6);
+        }
     }
 }
 
