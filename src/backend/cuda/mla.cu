@@ -532,6 +532,20 @@ size_t mla_v2_smem(int hpw, int64_t W) {
     return size_t((k_v2_keys + HG) * S * 16 + HG * k_v2_keys * 4 + k_v2_keys * 8);
 }
 int mla_v2_hpw(int64_t T) { return T >= 8 ? 4 : 2; }
+// Once per instantiation (outside any stream capture in practice: the first call is an eager run): the largest dynamic
+// shared memory (L 512 + dr 64) and the maximal shared-memory carveout, so that two blocks share an SM.
+template <int HPW>
+cudaError_t mla_v2_attrs() {
+    static const cudaError_t e = [] {
+        cudaError_t r = cudaFuncSetAttribute(k_mla_attn_v2<HPW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(mla_v2_smem(HPW, 512 + 64)));
+        if (r == cudaSuccess)
+            r = cudaFuncSetAttribute(k_mla_attn_v2<HPW>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared));
+        return r;
+    }();
+    return e;
+}
 
 template <wtype WT>
 void launch_mla_v2_linear(bool out, const float * x, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv,
@@ -566,10 +580,10 @@ bool mla_v2_supported(const mla_shape & d) {
 int mla_split_for(int64_t T, const mla_shape & d, bool enabled, bool v2) {
     if (!enabled) return 1;
     if (v2 && mla_v2_supported(d)) {
-        // ~2 resident blocks per SM of an H200 (132 SMs) over (token, head group) x key ranges; the launcher caps the
-        // ranges at one 32-key tile each (it knows the step's longest context).
+        // At most one wave of 2 resident blocks per SM of an H200 (132 SMs) over (token, head group) x key ranges; the
+        // launcher caps the ranges at one 32-key tile each (it knows the step's longest context).
         const int64_t hg = int64_t(k_v2_warps) * mla_v2_hpw(T), blocks = T * ((d.n_head + hg - 1) / hg);
-        const int64_t want = (264 + blocks - 1) / blocks;
+        const int64_t want = 264 / blocks;
         return int(want < 1 ? 1 : want > k_v2_max_split ? k_v2_max_split : want);
     }
     // Enough blocks for ~2 per SM of an H200 (132 SMs); at most 16 key ranges (the combine reads them all).
@@ -591,7 +605,9 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
     if (L > 512 || dr > 64) return cudaErrorInvalidValue;
     float * qlat = scratch;
     float * olat = scratch + T * H * L;
-    if (v2 && mla_v2_supported(d)) {
+    // v2 reads q, the q_rope rows and the cache rows as float4s: 16-byte aligned bases (device allocations are).
+    const bool aligned = (reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(cache)) % 16 == 0;
+    if (v2 && mla_v2_supported(d) && aligned) {
         if (n_split < 1 || n_split > k_v2_max_split) return cudaErrorInvalidValue;
         // At most one range per 32-key tile of the longest key list of the step (fewer partials to merge).
         const int64_t max_keys = sel ? topk : int64_t(b.max_pos), tiles = (max_keys + k_v2_keys - 1) / k_v2_keys;
@@ -603,22 +619,22 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
         const int64_t hg = int64_t(k_v2_warps) * hpw, G = (H + hg - 1) / hg;
         const size_t smem = mla_v2_smem(hpw, L + dr);
         const dim3 grid(unsigned(T * G), unsigned(ns));
-        cudaError_t e;
+        const cudaError_t e = hpw == 4 ? mla_v2_attrs<4>() : mla_v2_attrs<2>();
+        if (e != cudaSuccess) return e;
         if (hpw == 4) {
-            e = cudaFuncSetAttribute(k_mla_attn_v2<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-            if (e != cudaSuccess) return e;
             launch_k(k_mla_attn_v2<4>, grid, k_v2_warps * 32, smem, st, q, qlat, H, dn, dr, L, scale, cache, sel, topk, b,
                      olat, part, err);
         } else {
-            e = cudaFuncSetAttribute(k_mla_attn_v2<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-            if (e != cudaSuccess) return e;
             launch_k(k_mla_attn_v2<2>, grid, k_v2_warps * 32, smem, st, q, qlat, H, dn, dr, L, scale, cache, sel, topk, b,
                      olat, part, err);
         }
-        if (part) launch_k(k_mla_combine_v2, unsigned(T * H), 128, 0, st, part, int64_t(ns), L, sel, olat, err);
+        // one thread per latent column (L <= 512): each sums its ns partials with 8 loads in flight
+        const int cthreads = int(std::min<int64_t>(512, (L + 31) / 32 * 32));
+        if (part) launch_k(k_mla_combine_v2, unsigned(T * H), cthreads, 0, st, part, int64_t(ns), L, sel, olat, err);
         launch_mla_v2_linear_any(true, olat, kv_b, T, H, dn, dr, dv, L, o, st);
         return cudaGetLastError();
     }
+    if (v2 && n_split > 16) n_split = 16;   // a v2 split count on the first kernels (unaligned q or cache): fewer ranges
     if (n_split < 1 || n_split > 16) return cudaErrorInvalidValue;
     float * part = n_split > 1 ? scratch + 2 * T * H * L : nullptr;
     launch_k(k_mla_cache_write, unsigned(T), 128, 0, st, c, kr, L, dr, cache, b);
