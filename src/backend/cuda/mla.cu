@@ -237,19 +237,21 @@ constexpr int k_qa_rows = 16;   // rows of W_UK per warp per batch of loads
 // qlat [T, H, L] = q_nope [T, H, dn] x W_UK_h [dn, L]. Block per (head, 128 columns) x tile of TT tokens, 8 warps: warp
 // w takes rows w, w + 8, ...; lane c4 four columns. dn <= 256.
 template <wtype WT, int TT>
-__global__ void __launch_bounds__(256) k_mla_q_absorb_v2(const float * __restrict__ q, const void * __restrict__ kv_b,
+__global__ void __launch_bounds__(256, 1) k_mla_q_absorb_v2(const float * __restrict__ q, const void * __restrict__ kv_b,
                                                          int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv, int64_t L,
                                                          float * __restrict__ qlat) {
     pdl_enter();
-    __shared__ float qs[TT][256];
+    __shared__ float qs[TT][256 + 8 * k_qa_rows];   // zero past dn: rows clamped into the matrix meet a 0
     __shared__ float4 red[8][TT][32];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int64_t L4 = L / 4, nct = (L4 + 31) / 32;
     const int64_t h = blockIdx.x / nct, cb = (blockIdx.x % nct) * 32, c4 = cb + lane;
     const int64_t t0 = int64_t(blockIdx.y) * TT;
-    for (int64_t i = threadIdx.x; i < TT * dn; i += blockDim.x) {
-        const int64_t tt = i / dn, k = i % dn, t = t0 + tt;
-        qs[tt][k] = t < T ? q[(t * H + h) * (dn + dr) + k] : 0.0f;
+    constexpr int QW = 256 + 8 * k_qa_rows;
+    for (int i = threadIdx.x; i < TT * QW; i += blockDim.x) {
+        const int tt = i / QW, k = i % QW;
+        const int64_t t = t0 + tt;
+        qs[tt][k] = t < T && k < dn ? q[(t * H + h) * (dn + dr) + k] : 0.0f;
     }
     __syncthreads();
     float4 acc[TT];
@@ -264,10 +266,8 @@ __global__ void __launch_bounds__(256) k_mla_q_absorb_v2(const float * __restric
         for (int r = 0; r < k_qa_rows; ++r) w[r] = wload4<WT>(kv_b, wbase + min(i0 + 8 * r, dn - 1) * L);
 #pragma unroll
         for (int r = 0; r < k_qa_rows; ++r) {
-            const int64_t i = i0 + 8 * r;
-            const bool in = i < dn;
 #pragma unroll
-            for (int tt = 0; tt < TT; ++tt) fma4(acc[tt], in ? qs[tt][in ? i : 0] : 0.0f, w[r]);
+            for (int tt = 0; tt < TT; ++tt) fma4(acc[tt], qs[tt][i0 + 8 * r], w[r]);   // i0 + 8r < dn + 8 * k_qa_rows
         }
     }
 #pragma unroll
