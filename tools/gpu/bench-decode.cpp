@@ -23,6 +23,8 @@
 #include "model/weights.h"
 
 #include <cublasLt.h>
+
+#include <sstream>
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -321,9 +323,33 @@ struct opts {
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid for every pass (-1: the defaults)
     int moe_v4 = -1;   // --moe-v4 0|1: cuda_options::moe_decode_v4 + moe_small_v4 for every pass and the profile (-1: the defaults)
+    int moe_v5 = -1;   // --moe-v5 0|1: cuda_options::moe_decode_v5 for every pass and the profile (-1: the default); pass "dec-v5-off"/"dec-v5" flips the default
     int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = attn_res_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
+    int pdl = -1;   // --pdl 0|1: cuda_options::pdl for every pass (-1: the default) + the pass "pdl-off"/"pdl-on" that flips it
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
+    std::vector<std::pair<std::string, int>> sets;   // --set name=value,...: cuda_options fields for every pass (after the others)
 };
+
+// --set: the cuda_options switches a run can pin by name (ints; bools as 0/1). An unknown name is an error naming it.
+void apply_sets(cuda_options & co, const opts & o) {
+    for (const auto & [k, v] : o.sets) {
+        if (k == "gemv_unroll") co.gemv_unroll = v;
+        else if (k == "gemv_v2_min_in") co.gemv_v2_min_in = v;
+        else if (k == "pdl") co.pdl = v != 0;
+        else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
+        else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
+        else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
+        else if (k == "attn_res_chunk") co.attn_res_chunk = v;
+        else if (k == "attn_res_split") co.attn_res_split = v != 0;
+        else if (k == "linear_group") co.linear_group = v != 0;
+        else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
+        else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
+        else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
+        else if (k == "kda_gate_fold") co.kda_gate_fold = v != 0;
+        else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = v != 0;
+        else PG_FAIL("--set: unknown cuda_options name '{}'", k);
+    }
+}
 
 std::string model_dir(const std::string & preset) {
     return "/tmp/pg-bench/" + preset + (g_layers > 0 ? "-L" + std::to_string(g_layers) : "");
@@ -352,9 +378,18 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
     const cuda_options defaults;
     const char * labels[] = {"new", "mla-1blk", "fp4-v1", "lin-1", "ares-1", defaults.moe_fp4_v3 ? "fp4-v2" : "fp4-v3",
                              defaults.moe_route_fused ? "route-2" : "route-1", "+fnorm", "+fadd", "+fuse",
-                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4", "+fconv", "+fsig", "+fall", "+fnorm-nolim"};
-    for (int pass = 0; pass < (o.compare_moe ? int(std::size(labels)) : 1); ++pass) {
+                             defaults.moe_decode_v4 ? "dec-old" : "dec-v4", defaults.moe_small_v4 ? "small-old" : "small-v4", "+fconv", "+fsig", "+fall", "+fnorm-nolim",
+                             "gemv-0", "gemv-8",   // cuda_options::gemv_unroll 0 (the first GEMV kernels) / 8
+                             // cuda_options::pdl flipped from pass 0's setting (--pdl, else the default); with --pdl it runs
+                             // even under --no-compare, so one run times the step both ways
+                             (o.pdl >= 0 ? o.pdl != 0 : defaults.pdl) ? "pdl-off" : "pdl-on",
+                             defaults.moe_decode_v5 ? "dec-v5-off" : "dec-v5"};   // MXFP4 decode v5 flipped (T == 1)
+    for (int pass = 0; pass < int(std::size(labels)); ++pass) {
+        const bool pdl_pass = std::strcmp(labels[pass], "pdl-off") == 0 || std::strcmp(labels[pass], "pdl-on") == 0;
+        if (!o.compare_moe && pass > 0 && !(pdl_pass && o.pdl >= 0)) continue;
         cuda_options co;
+        if (o.pdl >= 0) co.pdl = o.pdl != 0;
+        if (pdl_pass) co.pdl = std::strcmp(labels[pass], "pdl-on") == 0;
         co.mla_split = pass != 1;
         co.moe_fp4_v2 = pass != 2;
         if (pass == 5) co.moe_fp4_v3 = !defaults.moe_fp4_v3;
@@ -362,6 +397,9 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         if (o.moe_v4 >= 0) co.moe_decode_v4 = co.moe_small_v4 = o.moe_v4 != 0;
         if (pass == 10) co.moe_decode_v4 = !defaults.moe_decode_v4;   // MoE decode v4 flipped (T == 1, BF16/MXFP4)
         if (pass == 11) co.moe_small_v4 = !defaults.moe_small_v4;     // T > 1 GEMV experts v4 flipped: every batch size
+        if (o.moe_v5 >= 0) co.moe_decode_v5 = o.moe_v5 != 0;
+        if (std::strcmp(labels[pass], "dec-v5-off") == 0 || std::strcmp(labels[pass], "dec-v5") == 0)
+            co.moe_decode_v5 = !defaults.moe_decode_v5;
         co.linear_group = pass != 3;
         co.attn_res_split = pass != 4;
         if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma, co.moe_mma_large_step = 0;
@@ -377,6 +415,9 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         }
         if (std::strcmp(label, "+fnorm") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_norm_linear = true;
         if (std::strcmp(label, "+fadd") == 0 || std::strcmp(label, "+fuse") == 0) co.fuse_add = true;
+        if (std::strcmp(label, "gemv-0") == 0) co.gemv_unroll = 0;
+        if (std::strcmp(label, "gemv-8") == 0) co.gemv_unroll = 8;
+        apply_sets(co, o);
         const double t0 = now_ms();
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
@@ -560,9 +601,11 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         if (o.moe_mma > 0 || pass >= 4) co.moe_mma_large_step = 0;
         co.moe_mma_split = pass != 2;
         if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = co.attn_res_prefill_tokens = o.prefill_fast;
+        if (o.pdl >= 0) co.pdl = o.pdl != 0;
         if (o.kda_chunk > 0) co.kda_chunk_min_tokens = pass == 3 ? o.kda_chunk : 0;
         if (pass >= 4) co.moe_mma_v2 = true;
         if (pass == 5) co.moe_mma_tokens = 1;
+        apply_sets(co, o);
         auto be = backend_cuda_init(0, co);
         generate(*be, c, *w);
         for (int T : o.prefill) {
@@ -595,7 +638,9 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
     if (o.moe_mma >= 0) cp.moe_mma_tokens = o.moe_mma, cp.moe_mma_large_step = 0;
     if (o.kda_chunk >= 0) cp.kda_chunk_min_tokens = o.kda_chunk;
     if (o.prefill_fast >= 0) cp.moe_route_gemm_tokens = cp.mla_prefill_tokens = cp.conv_prefill_tokens = cp.attn_res_prefill_tokens = o.prefill_fast;
+    if (o.pdl >= 0) cp.pdl = o.pdl != 0;
     if (o.moe_mma_v2 >= 0) cp.moe_mma_v2 = o.moe_mma_v2 != 0;
+    apply_sets(cp, o);
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
     for (int T : o.prefill) {
@@ -724,16 +769,28 @@ int main(int argc, char ** argv) {
         else if (a == "--moe-mma-v2") o.moe_mma_v2 = std::stoi(val());
         else if (a == "--fuse") o.fuse = std::stoi(val());
         else if (a == "--moe-v4") o.moe_v4 = std::stoi(val());
+        else if (a == "--moe-v5") o.moe_v5 = std::stoi(val());
         else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
         else if (a == "--prefill-fast") o.prefill_fast = std::stoi(val());
+        else if (a == "--pdl") o.pdl = std::stoi(val());
+        else if (a == "--set") {   // name=value[,name=value...]
+            std::string v = val(), item;
+            std::stringstream ss(v);
+            while (std::getline(ss, item, ',')) {
+                const size_t eq = item.find('=');
+                PG_CHECK(eq != std::string::npos, "--set: '{}' is not name=value", item);
+                o.sets.push_back({item.substr(0, eq), std::stoi(item.substr(eq + 1))});
+            }
+        }
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
-                                 "[--steps N] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--dry]\n");
+                                 "[--steps N] [--set name=value,...] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--moe-v5 0|1] [--pdl 0|1] [--dry]\n");
             return 2;
         }
     }
     try {
+        { cuda_options probe; apply_sets(probe, o); }   // an unknown --set name fails here, before any GPU work
         if (o.dry) {
             for (const auto & p : o.presets) {
                 const std::string dir = model_dir(p);

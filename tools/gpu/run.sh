@@ -41,8 +41,10 @@ $BIN/test-ops-cuda >"$OUT/ops.log" 2>&1 || status=1
 grep -E "passed, .* failed|FAILED|PASSED" "$OUT/ops.log" | tail -12 | tee -a "$OUT/summary.log"
 
 # The per-family parity executables (test-kda-cuda, test-moe-cuda, test-fuse-cuda, test-prefill-cuda, test-sample-cuda,
+# test-pdl-cuda, test-route-cuda, test-mla-cuda, test-kda-decode-cuda,
 # test-runtime-cuda), when built.
-for t in test-kda-cuda test-moe-cuda test-fuse-cuda test-prefill-cuda test-sample-cuda test-runtime-cuda; do
+for t in test-kda-cuda test-moe-cuda test-fuse-cuda test-prefill-cuda test-sample-cuda test-runtime-cuda test-pdl-cuda \
+         test-route-cuda test-mla-cuda test-kda-decode-cuda; do
   [[ -x $BIN/$t ]] || { echo "$t: not in $BIN (skipped)" | tee -a "$OUT/summary.log"; continue; }
   log "1b. $t"
   $BIN/$t >"$OUT/$t.log" 2>&1 || status=1

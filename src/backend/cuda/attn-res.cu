@@ -82,6 +82,68 @@ __global__ void k_attn_res_apply(cand_ptrs cands, int n, int64_t D, const float 
     }
 }
 
+// Chunked form (cuda_options::attn_res_chunk), for decode-sized R: the split form's score blocks walk a whole row of D
+// columns one load per thread per step (K3: 28 dependent steps, ~14 us on 2 blocks per row, Nsight Compute 2026-11-30).
+// Here block (chunk q, candidate i, row r) reduces only `chunk` columns (float4 loads, one or two per thread) into a
+// partial (sum v^2, sum v w) at part[((r * n + i) * S + q) * 2]; the mix kernel adds a row's S partials per candidate in
+// chunk order (a fixed order: deterministic) before its softmax. Candidates and y must be 16-byte aligned, D % 4 == 0.
+__global__ void k_attn_res_score_chunk(cand_ptrs cands, int n, int64_t D, int64_t chunk, dweight norm_w, dweight proj_w,
+                                       float * __restrict__ part) {
+    pdl_enter();
+    const int q = blockIdx.x, i = blockIdx.y;
+    const int64_t r = blockIdx.z, S = gridDim.x;
+    const float * v = cands.p[i] + r * D;
+    const int64_t c0 = int64_t(q) * chunk, c1 = c0 + chunk < D ? c0 + chunk : D;
+    float ss = 0.0f, dot = 0.0f;
+    for (int64_t c = c0 + 4 * int64_t(threadIdx.x); c < c1; c += 4 * int64_t(blockDim.x)) {
+        const float4 x = *reinterpret_cast<const float4 *>(v + c);
+        ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+        dot += x.x * (wload(norm_w, c) * wload(proj_w, c)) + x.y * (wload(norm_w, c + 1) * wload(proj_w, c + 1)) +
+               x.z * (wload(norm_w, c + 2) * wload(proj_w, c + 2)) + x.w * (wload(norm_w, c + 3) * wload(proj_w, c + 3));
+    }
+    ss = block_sum(ss);
+    dot = block_sum(dot);
+    if (threadIdx.x == 0) {
+        float * o = part + ((r * n + i) * S + q) * 2;
+        o[0] = ss;
+        o[1] = dot;
+    }
+}
+
+// grid (column chunks, R): the row's n scores from its partials (thread i < n, chunk order), softmax, then the mix.
+__global__ void k_attn_res_apply_chunk(cand_ptrs cands, int n, int64_t D, int S, float eps, const float * __restrict__ part,
+                                       float * __restrict__ y) {
+    pdl_enter();
+    __shared__ float s[k_attn_res_max];
+    const int64_t r = blockIdx.y;
+    if (threadIdx.x < n) {
+        const float * p = part + (r * n + threadIdx.x) * int64_t(S) * 2;
+        float ss = 0.0f, dot = 0.0f;
+        for (int q = 0; q < S; ++q) {
+            ss += p[2 * q];
+            dot += p[2 * q + 1];
+        }
+        s[threadIdx.x] = dot * rsqrtf(ss / float(D) + eps);
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[i]);
+    float a[k_attn_res_max];
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < k_attn_res_max; ++i) {
+        a[i] = i < n ? expf(s[i] - mx) : 0.0f;
+        sum += a[i];
+    }
+    for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < D; c += int64_t(gridDim.x) * blockDim.x) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < k_attn_res_max; ++i)
+            if (i < n) acc += a[i] / sum * cands.p[i][r * D + c];
+        y[r * D + c] = acc;
+    }
+}
+
 __global__ void k_fill_u32(uint32_t * p, int64_t n, uint32_t v) {
     pdl_enter();
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) p[i] = v;
@@ -99,6 +161,25 @@ cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, i
     } else if (R > 0) {
         launch_k(k_attn_res_mix, unsigned(R), 256, 0, st, cands, int(n), D, norm_w, proj_w, eps, y);
     }
+    return cudaGetLastError();
+}
+
+int64_t attn_res_chunk_parts(int64_t n, int64_t R, int64_t D, int64_t chunk) {
+    return chunk > 0 ? R * n * ((D + chunk - 1) / chunk) * 2 : 0;
+}
+
+cudaError_t launch_attn_res_mix_chunked(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
+                                        dweight proj_w, float eps, int64_t chunk, float * part, float * y, cudaStream_t st) {
+    if (n < 1 || n > k_attn_res_max || chunk < 4 || chunk % 4 != 0 || D % 4 != 0) return cudaErrorInvalidValue;
+    if (R <= 0) return cudaGetLastError();
+    const int64_t S = (D + chunk - 1) / chunk;
+    if (S > 65535 || R > 65535) return cudaErrorInvalidValue;
+    const int threads = chunk >= 1024 ? 256 : int((chunk / 4 + 31) / 32 * 32);
+    launch_k(k_attn_res_score_chunk, dim3(unsigned(S), unsigned(n), unsigned(R)), threads, 0, st, cands, int(n), D, chunk,
+             norm_w, proj_w, part);
+    const int64_t chunks = (D + 255) / 256;
+    launch_k(k_attn_res_apply_chunk, dim3(unsigned(chunks > 64 ? 64 : chunks), unsigned(R)), 256, 0, st, cands, int(n), D,
+             int(S), eps, static_cast<const float *>(part), y);
     return cudaGetLastError();
 }
 

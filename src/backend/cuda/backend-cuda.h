@@ -23,6 +23,17 @@ struct cuda_options {
     bool guard = false;
     // LINEAR with more than this many tokens goes to cuBLASLt (BF16/F32 weights); at most, the GEMV path.
     int gemv_max_tokens = 8;
+    // GEMV kernels of the LINEARs on that path (plain, grouped, fused epilogues, staged norm; linear.cu): 0 = the first
+    // kernels (one 16-byte weight load in flight per lane, one warp per row); 1, 2, 4 or 8 = the v2 kernels with that
+    // many 16-byte weight loads in flight per lane, 1-4 rows per warp by token count and the row split over the warps of
+    // a block when the grid would not fill the SMs (cuda::gemv_cfg). The in-warp folded norm (fuse_norm_staged off, or a
+    // stage too big) keeps the first kernel. Default 4: the predicted best before its H200 run (bench-cuda-kernels gemv).
+    int gemv_unroll = 4;
+    // ... for rows of at least this many columns; narrower rows keep the first kernels. Measured on the H200 (session 3,
+    // bench-cuda-kernels / bench-cuda-decode): v2 wins on every K3 row of >= 3584 columns (dense LINEARs 2.19 -> 1.98 ms
+    // per k3-layers-4 step) but loses on K=128 (KDA f_b: 3.2 -> 5.7 us) and the Kimi-Linear-48B geometry's step was
+    // 0.14 ms slower with v2 everywhere (rows of 2304 and less). 3072 by that evidence; the final run checks 2048.
+    int gemv_v2_min_in = 3072;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
@@ -39,9 +50,22 @@ struct cuda_options {
     // Off: its H200 run (bench/RESULTS.md 2026-11-29, round 1) measured no gain (48B B=1 graph 4.715 ms fused vs 4.656
     // ms two launches; k3-layers-4 equal). Parity passes (test-moe-cuda), so it stays as a switch.
     bool moe_route_fused = false;
+    // MOE_ROUTE's selection after the logits (decode GEMV path with moe_route_fast, and the prefill GEMM router): one warp
+    // per token, the picks by warp reductions with no block barrier (route-select.cu), instead of the block-wide
+    // selection. Same ids and weights bit for bit (test-route-cuda, H200). OFF: measured slower on the H200 (session 3,
+    // bench-cuda-decode B=1: k3-layers-4 step 2.850 ms with it vs 2.748 ms without; 48B 3.519 vs 3.503): one warp walks
+    // K3's 896 experts 16 times (28 per lane per pick) where the block selection spreads each pick over 8 warps; the
+    // prediction (~28 us per token saved) assumed the barriers, not the scan, dominated. Kept for comparison.
+    bool moe_select_warp = false;
     // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
     // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
     bool mla_split = true;
+    // MLA_ATTN absorbed kernels v2 (mla.cu "Decode v2"): heads in groups of 8/16 sharing 32-key latent tiles in shared
+    // memory (one online-softmax update per tile), up to 64 key ranges, q_absorb / output projection with the weights
+    // read once per 8-token tile. false: the first kernels (compare mode). Predicted (before any run), MLA node per
+    // layer at ctx 1024: 48B 0.078 -> ~0.028 ms at batch 1, 1.06 -> ~0.15 ms at batch 64; k3 0.125 -> ~0.035 ms at
+    // batch 1, 2.71 -> ~0.42 ms at batch 64.
+    bool mla_decode_v2 = true;
     // MOE_EXPERTS grouped MXFP4 (decode, T == 1): raw 16-byte loads of every unit of a lane issued before any
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
@@ -58,6 +82,11 @@ struct cuda_options {
     // moe.cu "Decode v4". On since its H200 run (round 2): test-moe-cuda decode_v4_t1 at the f32 tolerance, compare-backends
     // --moe-v4 1 PASS on all 14; B=1 graph step 48B 4.646 -> 4.453 ms, k3-layers-4 3.475 -> 3.477 ms (no change).
     bool moe_decode_v4 = true;
+    // MOE_EXPERTS grouped, T == 1, MXFP4 experts (Din, d_ff <= 12256): v5 kernels (moe.cu "Decode v5"): the expert GEMVs on
+    // fp16 tensor cores (mma.sync m16n8k16; E2M1 -> fp16 by bit placement, ~1.75 integer ops per value, no FMA or cvt per
+    // value; x as fp16 hi + lo scaled by a power of two), 3 launches (gate/up, down, combine). Takes precedence over
+    // moe_decode_v4. On by prediction (issue 7, K3 expert node ~0.23 -> ~0.11 ms per layer); the H200 run decides.
+    bool moe_decode_v5 = true;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).
@@ -100,6 +129,20 @@ struct cuda_options {
     // 64 since its H200 run (round 1): test-kda-cuda 5/5 (RMS error ratio <= 2e-5 vs the CPU, controls fail), compare-backends
     // PASS on all 14 with --kda-chunk 16; k3-layers-4 prefill KDA_SCAN x3 5.2 -> 3.2 ms (T=512), 20.9 -> 13.1 ms (T=2048).
     int kda_chunk_min_tokens = 64;
+    // KDA_SCAN on the token recurrence (decode, and steps below kda_chunk_min_tokens): v2 kernel (kda.cu k_kda_scan_v2,
+    // kda-decode.h): lanes along the value columns with 16-byte state loads (a warp's load = 4 full lines; v1's scalar
+    // loads touched 32 lines each), per-thread row sums, 2 shuffles + one shared-memory step per column, 128 blocks per
+    // sequence at the 48B (32 heads), 384 at K3. Needs V % 4 == 0 and 16-byte aligned state/v/o, else v1 runs.
+    // false: v1 (compare mode). On by prediction (issue 7): KDA_SCAN per node 48B B=1 21 -> ~5 us, B=64 540 -> ~90 us;
+    // K3 B=1 42 -> ~7 us, B=64 1570 -> ~240 us; the H200 run (test-kda-decode-cuda [timing]) decides.
+    bool kda_decode_v2 = true;
+    // KDA_GATE whose only reader is a KDA_SCAN on the v2 recurrence (decode): no gate launch; the scan computes g = gate(f)
+    // per channel (the same expression) and writes the gate's output too (cuda::kda_gate_in). Needs kda_decode_v2. false:
+    // the gate's own launch. OFF since its H200 run (session 3, test-kda-decode-cuda [timing], graph): the folded scan is
+    // slower than v2 + a separate gate by more than the launch it saves — 48B B=1 3.26 -> 4.31 us, B=64 85 -> 116 us; K3
+    // B=64 245 -> 336 us (the extra exp per channel was predicted hidden under the loads; it is not). Not used under a node
+    // callback (the gate's output would be read before its scan writes it).
+    bool kda_gate_fold = false;
     // RMS_NORM over whole rows whose output feeds LINEAR(s) on the GEMV path: the norm node launches those GEMVs with
     // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
     // the same launch; the norm kernel launch is removed (fuse-plan.h). On since the H200 round 2 (bench/RESULTS.md): all four decode fusions
@@ -162,9 +205,20 @@ struct cuda_options {
     // D % 4 == 0 and 16-byte aligned inputs, else the split kernels run. 0: off (compare mode). On from 16 rows (round-2
     // H200: ATTN_RES_MIX 15.5 -> 1.2 ms at T=2048, compare-backends PASS); decode batches below 16 keep the old kernels.
     int attn_res_prefill_tokens = 16;
+    // ATTN_RES_MIX below attn_res_prefill_tokens (decode): scores from partial sums over this many columns per block
+    // (attn-res.cu chunked form), the mix kernel adding the partials in chunk order; 0 = the split form (one block per
+    // (row, candidate) walking all D columns: ~24 us per mix at K3's D = 7168 with 2 blocks, Nsight Compute 2026-11-30).
+    // 1024 by prediction (k3 ATTN_RES_MIX x8 0.20 -> ~0.06 ms per step); the H200 run decides.
+    int attn_res_chunk = 1024;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;
+    // Programmatic Dependent Launch (Hopper): the kernels launched through common.cuh's launch_k (every kernel of the
+    // backend; cuBLASLt and memsets stay ordinary) carry cudaLaunchAttributeProgrammaticStreamSerialization, so each may be scheduled while
+    // the kernel before it still runs and waits in its first statement (griddepcontrol.wait) for that kernel's completion;
+    // captured graphs get programmatic edges. Same results bit for bit (test-pdl-cuda). false: ordinary launches (compare
+    // mode; bench-cuda-decode --pdl 0|1).
+    bool pdl = true;
 };
 
 class backend_cuda : public backend {

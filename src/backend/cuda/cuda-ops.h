@@ -127,11 +127,14 @@ struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_
 // Absorbed-form MLA over the paged latent cache. n_split: blocks per (token, head) over contiguous key ranges
 // (flash-decoding; partials merged by a combine kernel); 1 = one block per (token, head), the first kernel.
 // mla_split_for picks it from the block count (1 when disabled). scratch: mla_scratch_floats(T, d, n_split) floats.
-int mla_split_for(int64_t T, const mla_shape & d, bool enabled);
+// v2 (cuda_options::mla_decode_v2): head groups sharing 32-key latent tiles in shared memory, weights read once per token
+// tile (mla.cu "Decode v2"); n_split up to 64; shapes outside mla_v2_supported run the first kernels.
+bool mla_v2_supported(const mla_shape & d);
+int mla_split_for(int64_t T, const mla_shape & d, bool enabled, bool v2 = false);
 int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split);
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st);
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2 = false);
 
 // ---- indexer.cu ----
 // scratch: at least T * b.max_pos floats.
@@ -204,6 +207,12 @@ struct cand_ptrs { const float * p[k_attn_res_max]; };
 // nullptr: the first kernel (one block per row).
 cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w, dweight proj_w,
                                 float eps, float * scratch, float * y, cudaStream_t st);
+// The chunked form (cuda_options::attn_res_chunk): scores from partial sums over `chunk` columns per block (chunk % 4
+// == 0, D % 4 == 0, candidates and y 16-byte aligned), reduced in chunk order by the mix kernel. part: the floats
+// attn_res_chunk_parts() counts.
+int64_t attn_res_chunk_parts(int64_t n, int64_t R, int64_t D, int64_t chunk);
+cudaError_t launch_attn_res_mix_chunked(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
+                                        dweight proj_w, float eps, int64_t chunk, float * part, float * y, cudaStream_t st);
 
 // ---- guard.cu (debug sentinels) ----
 cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st);
