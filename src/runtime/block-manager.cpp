@@ -116,26 +116,29 @@ std::string page_pool::refusal(int n) const {
 }
 
 std::string pool_plan::str() const {
-    return fmt::format("{} KDA slots x {} B + {} MLA pages x {} B ({} tokens each) = {:.1f} MiB", n_slots, slot_bytes, n_pages,
-                       page_bytes, page_size, double(total_bytes()) / (1 << 20));
+    return fmt::format("{} KDA slots + {} prefix snapshots x {} B + {} MLA pages x {} B ({} tokens each) = {:.1f} MiB", n_slots,
+                       n_snapshots, slot_bytes, n_pages, page_bytes, page_size, double(total_bytes()) / (1 << 20));
 }
 
-pool_plan plan_pools(const kimi_config & c, int64_t budget_bytes, int max_num_seqs, int page_size, int max_model_len) {
+pool_plan plan_pools(const kimi_config & c, int64_t budget_bytes, int max_num_seqs, int page_size, int max_model_len,
+                     int n_snapshots) {
     PG_CHECK(max_num_seqs > 0, "max_num_seqs {} must be >= 1", max_num_seqs);
     PG_CHECK(max_model_len > 0, "max_model_len {} must be >= 1", max_model_len);
+    PG_CHECK(n_snapshots >= 0, "prefix snapshots {} must be >= 0", n_snapshots);
     pool_plan p;
     p.page_size = page_size;
     p.n_slots = max_num_seqs;
+    p.n_snapshots = n_snapshots;
     p.slot_bytes = state_slot_bytes(c);
     p.page_bytes = state_page_bytes(c, page_size);
     const int per_seq = (max_model_len + page_size - 1) / page_size;
-    const int64_t need_min = int64_t(max_num_seqs) * p.slot_bytes + int64_t(per_seq) * p.page_bytes;
+    const int64_t fixed = int64_t(max_num_seqs + n_snapshots) * p.slot_bytes;
+    const int64_t need_min = fixed + int64_t(per_seq) * p.page_bytes;
     PG_CHECK(budget_bytes >= need_min,
-             "memory budget of {} bytes cannot hold {} KDA slots ({} B each) plus the {} MLA pages ({} B each) of one "
-             "{}-token sequence: need at least {} bytes",
-             budget_bytes, max_num_seqs, p.slot_bytes, per_seq, p.page_bytes, max_model_len, need_min);
-    const int64_t pages = p.page_bytes > 0 ? (budget_bytes - int64_t(max_num_seqs) * p.slot_bytes) / p.page_bytes
-                                           : int64_t(per_seq) * max_num_seqs;
+             "memory budget of {} bytes cannot hold {} KDA slots and {} prefix snapshots ({} B each) plus the {} MLA pages "
+             "({} B each) of one {}-token sequence: need at least {} bytes",
+             budget_bytes, max_num_seqs, n_snapshots, p.slot_bytes, per_seq, p.page_bytes, max_model_len, need_min);
+    const int64_t pages = p.page_bytes > 0 ? (budget_bytes - fixed) / p.page_bytes : int64_t(per_seq) * max_num_seqs;
     p.n_pages = int(std::min<int64_t>(pages, int64_t(per_seq) * max_num_seqs));
     return p;
 }

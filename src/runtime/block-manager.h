@@ -81,16 +81,20 @@ private:
     int64_t n_refs_ = 0;
 };
 
-// Pool sizes from a byte budget: max_num_seqs KDA slots first (each state_slot_bytes), the rest
-// of the budget as MLA pages (each state_page_bytes), capped at what max_num_seqs sequences of
+// Pool sizes from a byte budget: max_num_seqs KDA slots and n_snapshots prefix-cache snapshots first
+// (each state_slot_bytes: a snapshot is a full copy of a slot; K3: 443 MiB each), the rest of the
+// budget as MLA pages (each state_page_bytes), capped at what max_num_seqs sequences of
 // max_model_len tokens can use. Throws, saying how many bytes are needed, when the budget cannot
-// hold the slots plus one full-length sequence's pages.
+// hold the slots and snapshots plus one full-length sequence's pages.
 struct pool_plan {
-    int n_slots = 0, n_pages = 0, page_size = 0;
+    int n_slots = 0, n_snapshots = 0, n_pages = 0, page_size = 0;
     int64_t slot_bytes = 0, page_bytes = 0;
-    int64_t total_bytes() const { return int64_t(n_slots) * slot_bytes + int64_t(n_pages) * page_bytes; }
+    int64_t total_bytes() const {
+        return int64_t(n_slots + n_snapshots) * slot_bytes + int64_t(n_pages) * page_bytes;
+    }
     std::string str() const;
 };
-pool_plan plan_pools(const kimi_config & c, int64_t budget_bytes, int max_num_seqs, int page_size, int max_model_len);
+pool_plan plan_pools(const kimi_config & c, int64_t budget_bytes, int max_num_seqs, int page_size, int max_model_len,
+                     int n_snapshots);
 
 } // namespace perigee

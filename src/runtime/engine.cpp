@@ -268,6 +268,10 @@ engine::engine(model_runner & runner, const engine_options & opt) {
     PG_CHECK(opt.max_queue >= 1, "engine_options.max_queue {} must be >= 1", opt.max_queue);
     PG_CHECK(opt.max_prefill_chunk >= 0, "engine_options.max_prefill_chunk {} must be >= 0", opt.max_prefill_chunk);
     PG_CHECK(opt.prefix_snapshots >= 0, "engine_options.prefix_snapshots {} must be >= 0", opt.prefix_snapshots);
+    // A runner sized from a memory budget reserved room for its snapshots (plan_pools); more would overrun the budget.
+    PG_CHECK(runner.budget_snapshots() < 0 || impl::n_snapshots(opt) <= runner.budget_snapshots(),
+             "engine_options.prefix_snapshots: {} snapshots ({} B each) but the runner's memory budget reserved {} "
+             "(runner_options.prefix_snapshots)", impl::n_snapshots(opt), state_slot_bytes(c), runner.budget_snapshots());
     PG_CHECK(opt.prefix_snapshot_interval >= 0, "engine_options.prefix_snapshot_interval {} must be >= 0",
              opt.prefix_snapshot_interval);
     const int per_seq = (opt.max_model_len + opt.page_size - 1) / opt.page_size;

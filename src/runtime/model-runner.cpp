@@ -28,8 +28,10 @@ model_runner::model_runner(const std::string & dir, const runner_options & opt) 
     cfg_ = config_load(dir);
     w_ = weights_load(cfg_, checkpoint::open(dir));
     int pages = opt.n_pages > 0 ? opt.n_pages : opt.n_slots * ((opt.max_tokens + opt.page_size - 1) / opt.page_size);
-    if (opt.memory_budget_bytes > 0)
-        pages = plan_pools(cfg_, opt.memory_budget_bytes, opt.n_slots, opt.page_size, opt.max_tokens).n_pages;
+    if (opt.memory_budget_bytes > 0) {
+        pages = plan_pools(cfg_, opt.memory_budget_bytes, opt.n_slots, opt.page_size, opt.max_tokens, opt.prefix_snapshots).n_pages;
+        budget_snapshots_ = opt.prefix_snapshots;
+    }
     st_ = state_init(cfg_, opt.n_slots, pages, opt.page_size);
     for (auto & ls : st_.layers)
         for (tensor * t : {&ls.conv_q, &ls.conv_k, &ls.conv_v, &ls.recurrent})

@@ -17,7 +17,9 @@ struct runner_options {
     int page_size = 16;
     int max_tokens = 4096;     // per sequence, used to size pages when n_pages == 0
     int64_t memory_budget_bytes = 0;   // > 0: n_pages from this byte budget (runtime/block-manager.h
-                                       //  plan_pools: n_slots slots first, the rest as pages)
+                                       //  plan_pools: n_slots slots and the snapshots first, the rest as pages)
+    int prefix_snapshots = 0;          // with a budget: the prefix-cache snapshots the engine will allocate (its
+                                       //  engine_options.prefix_snapshots, resolved: 4 * max_num_seqs when that is 0)
     std::string backend = "cpu";   // "cpu", or "cuda" in a build with the CUDA backend (PERIGEE_HAVE_CUDA)
     int device = 0;                 // cuda: the device index
 };
@@ -29,6 +31,8 @@ class model_runner {
 public:
     model_runner(const std::string & model_dir, const runner_options & opt);
     const kimi_config & config() const { return cfg_; }
+    // With a memory budget: the prefix snapshots its plan reserved (runner_options.prefix_snapshots); -1 without a budget.
+    int budget_snapshots() const { return budget_snapshots_; }
     // The host state pools. With a device backend (cuda) they are stale after the first step: the
     // backend keeps them resident; slots are zeroed/saved/restored only through zero_slot and
     // new_snapshots below (the runtime never touches these host tensors).
@@ -78,6 +82,7 @@ public:
     std::unique_ptr<slot_snapshots> new_snapshots(int n);
 
 private:
+    int budget_snapshots_ = -1;
     kimi_config cfg_;
     std::unique_ptr<model_weights> w_;
     model_state st_;

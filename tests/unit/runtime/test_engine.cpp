@@ -1,5 +1,7 @@
 // The engine: continuous batching end to end on k3-tiny (synthesized in-process).
 #include "rt_test_util.h"
+#include "model/config.h"
+#include "model/state.h"
 #include "runtime/engine.h"
 
 #include <atomic>
@@ -271,6 +273,34 @@ TEST(engine, nan_in_one_sequence_fails_only_that_request) {
     const uint64_t again = e.submit(req(pb, 8, 0), c.cb());
     expect_pools_free(e);
     EXPECT_EQ(c.tokens(again), want_b);
+}
+
+// A runner sized from a memory budget reserves its prefix snapshots (plan_pools); an engine asking for more would allocate
+// device memory outside the budget (a K3 snapshot is 443 MiB), so it is refused by name. Control: the reserved count works.
+TEST(engine, snapshots_beyond_the_runner_budget_are_refused) {
+    const std::string dir = synth_model("k3-tiny");
+    const kimi_config c = config_load(dir);
+    const int64_t slot = state_slot_bytes(c), page = state_page_bytes(c, 16);
+    runner_options ro = ropts(2, 64);
+    ro.memory_budget_bytes = (2 + 4) * slot + 8 * page;
+    ro.prefix_snapshots = 4;
+    model_runner r(dir, ro);
+    EXPECT_EQ(r.budget_snapshots(), 4);
+    engine_options o;
+    o.max_num_seqs = 2;
+    o.max_model_len = 64;
+    o.prefix_snapshots = 5;
+    try {
+        engine e(r, o);
+        ADD_FAILURE() << "an engine with more snapshots than the runner's budget reserved was accepted";
+    } catch (const error & x) {
+        EXPECT_NE(std::string(x.what()).find("engine_options.prefix_snapshots: 5 snapshots"), std::string::npos) << x.what();
+        EXPECT_NE(std::string(x.what()).find("reserved 4"), std::string::npos) << x.what();
+    }
+    o.prefix_snapshots = 4;
+    EXPECT_NO_THROW(engine(r, o));
+    o.prefix_snapshots = 0;   // 0 = 4 * max_num_seqs = 8 > 4
+    EXPECT_THROW(engine(r, o), error);
 }
 
 TEST(engine, submit_validates_and_names_the_field) {

@@ -79,17 +79,32 @@ TEST(pools, plan_from_byte_budget) {
     c.kv_lora_rank = 8;
     c.qk_rope_head_dim = 2;
     // slot: 4 B * (3 * 8 * 3 + 2 * 4 * 4) = 416; page (16 tokens): 10 * 4 * 16 = 640.
-    pool_plan p = plan_pools(c, 2 * 416 + 10 * 640, 2, 16, 64);
+    pool_plan p = plan_pools(c, 2 * 416 + 10 * 640, 2, 16, 64, 0);
     EXPECT_EQ(p.slot_bytes, 416);
     EXPECT_EQ(p.page_bytes, 640);
     EXPECT_EQ(p.n_pages, 8);   // capped at 2 sequences x 4 pages
-    p = plan_pools(c, 2 * 416 + 5 * 640 + 639, 2, 16, 64);
+    p = plan_pools(c, 2 * 416 + 5 * 640 + 639, 2, 16, 64, 0);
     EXPECT_EQ(p.n_pages, 5);
     try {
-        plan_pools(c, 2 * 416 + 3 * 640, 2, 16, 64);
+        plan_pools(c, 2 * 416 + 3 * 640, 2, 16, 64, 0);
         FAIL() << "a budget below one full sequence was accepted";
     } catch (const error & e) {
         EXPECT_NE(std::string(e.what()).find("need at least 3392 bytes"), std::string::npos) << e.what();
+    }
+    // prefix snapshots are full slots (K3: 443 MiB each) and come out of the same budget before the pages: the budget that
+    // gave 8 pages gives 8 - ceil(3 * 416 / 640) = 6 with 3 snapshots, and the plan's total stays within the budget
+    p = plan_pools(c, 2 * 416 + 10 * 640, 2, 16, 64, 3);
+    EXPECT_EQ(p.n_snapshots, 3);
+    EXPECT_EQ(p.n_pages, 8);   // 10 * 640 - 1248 = 5152 -> 8 pages (still capped at 8)
+    p = plan_pools(c, 2 * 416 + 8 * 640, 2, 16, 64, 3);
+    EXPECT_EQ(p.n_pages, 6);   // (8 * 640 - 3 * 416) / 640 = 6.05
+    EXPECT_LE(p.total_bytes(), 2 * 416 + 8 * 640);
+    EXPECT_EQ(plan_pools(c, 2 * 416 + 8 * 640, 2, 16, 64, 0).n_pages, 8);   // control: without snapshots, 8
+    try {
+        plan_pools(c, 2 * 416 + 4 * 640, 2, 16, 64, 2);   // one sequence's 4 pages fit only without the 2 snapshots
+        FAIL() << "a budget that cannot hold the snapshots was accepted";
+    } catch (const error & e) {
+        EXPECT_NE(std::string(e.what()).find("2 prefix snapshots"), std::string::npos) << e.what();
     }
 }
 
