@@ -7,8 +7,8 @@
 // 464,633,856 bytes (443 MiB); Kimi-Linear-48B: 44,892,160 bytes (43 MiB); models/default: 6 KDA layers x
 // 74,752 B = 448,512 bytes. A save or load is one device-to-device copy per pool (~0.6 ms for a K3 slot
 // at ~1.5 TB/s copy rate); zeroing is one memset per pool. The snapshot pool is device memory:
-// n x bytes_per_snapshot (K3: 64 snapshots = 29.7 GB), not counted by plan_pools: size
-// engine_options.prefix_snapshots accordingly.
+// n x bytes_per_snapshot (K3: 64 snapshots = 29.7 GB); a runner sized from a memory budget counts them
+// (plan_pools' n_snapshots, runner_options.prefix_snapshots) and the engine refuses more than it reserved.
 #pragma once
 #include "backend/backend.h"
 
