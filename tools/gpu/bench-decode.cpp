@@ -339,6 +339,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
+        else if (k == "moe_select_sort") co.moe_select_sort = v != 0;
         else if (k == "attn_res_chunk") co.attn_res_chunk = v;
         else if (k == "attn_res_split") co.attn_res_split = v != 0;
         else if (k == "linear_group") co.linear_group = v != 0;

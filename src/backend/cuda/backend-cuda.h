@@ -57,6 +57,11 @@ struct cuda_options {
     // K3's 896 experts 16 times (28 per lane per pick) where the block selection spreads each pick over 8 warps; the
     // prediction (~28 us per token saved) assumed the barriers, not the scan, dominated. Kept for comparison.
     bool moe_select_warp = false;
+    // ... by a bitonic sort of (score, id) keys per token in one block (route-select.cu sort form; a token with a NaN score
+    // takes the serial scan): the picks are the first k keys, with no per-pick barrier or merge. Takes precedence over
+    // moe_select_warp. Bit for bit the block selection (test-route-cuda). Prediction (before its run): k3 MOE_ROUTE
+    // ~38 -> ~13 us per layer, 48B ~17 -> ~9 us.
+    bool moe_select_sort = true;
     // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
     // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
     bool mla_split = true;

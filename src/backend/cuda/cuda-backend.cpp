@@ -882,8 +882,8 @@ private:
                         for (int k = 2; k >= 0; --k)
                             lt_matmul(gw.data, xb[k], CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
                     }
-                    PG_CUDA_CHECK((opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select)(
-                        logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p), st_));
+                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                                              st_));
                     break;
                 }
                 if (opt_.moe_route_fast && opt_.moe_route_fused && x.shape.at(0) == 1) {
@@ -894,13 +894,13 @@ private:
                                                                st_));
                     break;
                 }
-                if (opt_.moe_route_fast && opt_.moe_select_warp) {   // logits by the bandwidth GEMV, warp selection
+                if (opt_.moe_route_fast && (opt_.moe_select_sort || opt_.moe_select_warp)) {   // bandwidth GEMV, then the selection
                     const int64_t T = x.shape.at(0);
                     float * logits = static_cast<float *>(alloc(size_t(T * E) * 4));
                     PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_,
                                                            gemv_cfg_for(x.shape.at(1))));
-                    PG_CUDA_CHECK(cuda::launch_moe_select_warp(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
-                                                               static_cast<float *>(out[1].p), st_));
+                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                                              st_));
                     break;
                 }
                 if (opt_.moe_route_fast) {
@@ -973,6 +973,14 @@ private:
             }
             case op_type::COUNT: PG_FAIL("op COUNT is not an op");
         }
+    }
+
+    // MOE_ROUTE's selection kernel from the logits: sort (moe_select_sort), warp (moe_select_warp) or the block kernel.
+    using select_launcher = cudaError_t (*)(const float *, int64_t, cuda::dweight, const cuda::droute &, int32_t *, float *,
+                                            cudaStream_t);
+    select_launcher select_fn() const {
+        return opt_.moe_select_sort ? cuda::launch_moe_select_sort
+                                    : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;
     }
 
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.

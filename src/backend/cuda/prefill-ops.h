@@ -19,6 +19,10 @@ cudaError_t launch_moe_select(const float * logits, int64_t T, dweight bias, con
 // bit for bit those of launch_moe_select. E <= 1024, topk <= 64, n_group <= 64.
 cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                                    cudaStream_t st);
+// The same selection by a bitonic sort of (score, id) keys per token (cuda_options::moe_select_sort); a token with a NaN
+// score takes the serial scan. Same limits.
+cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                   cudaStream_t st);
 
 // ---- mla-prefill.cu ----
 // MLA_ATTN prefill without a selection (cuda_options::mla_prefill_tokens), the CPU reference's expanded form:

@@ -1,4 +1,5 @@
-// MOE_ROUTE selection, one warp per token (route-select.cu, cuda_options::moe_select_warp), on the GPU:
+// MOE_ROUTE selection by one warp per token and by a bitonic sort per token (route-select.cu, cuda_options::
+// moe_select_warp / moe_select_sort), on the GPU (both held to the same checks):
 //  1. warp_equals_block: over many shapes (E 8..1024, top-1..16, T 1..37, bias or none, sigmoid/softmax, grouped or not,
 //     renormalized or not) with logits from a coarse grid (so that exact ties are everywhere) plus NaN and -inf cases,
 //     the warp selection's ids and weights are bit for bit those of the block-wide selection (moe.cu k_moe_select, the
@@ -45,8 +46,10 @@ struct result {
     std::vector<float> w;
 };
 
+enum class kind { block, warp, sort };
+
 // Runs one selection kernel on the device over logits [T, E].
-result run_select(bool warp, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
+result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
     float *dl = nullptr, *db = nullptr, *dw = nullptr;
     int32_t * di = nullptr;
     cudaMalloc(reinterpret_cast<void **>(&dl), logits.size() * 4);
@@ -63,7 +66,9 @@ result run_select(bool warp, const rcase & c, const std::vector<float> & logits,
     const dweight bw{db, wtype::F32};
     cudaStream_t st;
     cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    const cudaError_t e = warp ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st) : launch_moe_select(dl, c.T, bw, r, di, dw, st);
+    const cudaError_t e = kk == kind::warp   ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
+                          : kk == kind::sort ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
+                                             : launch_moe_select(dl, c.T, bw, r, di, dw, st);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
     cudaStreamDestroy(st);
@@ -187,13 +192,17 @@ TEST(route_select, warp_equals_block) {
     for (const rcase & c : cases()) {
         std::vector<float> logits, bias;
         make_inputs(c, seed++, logits, bias);
-        const result blk = run_select(false, c, logits, bias), wrp = run_select(true, c, logits, bias);
+        const result blk = run_select(kind::block, c, logits, bias), wrp = run_select(kind::warp, c, logits, bias),
+                     srt = run_select(kind::sort, c, logits, bias);
+        EXPECT_EQ(diff_bitwise(srt, blk), "") << "sort: E " << c.E << " k " << c.k << " T " << c.T << " groups " << c.n_group
+                                              << "/" << c.topk_group << " bias " << c.bias << " softmax " << c.softmax
+                                              << " special " << c.special;
         const std::string d = diff_bitwise(wrp, blk);
         EXPECT_EQ(d, "") << "E " << c.E << " k " << c.k << " T " << c.T << " groups " << c.n_group << "/" << c.topk_group
                          << " bias " << c.bias << " softmax " << c.softmax << " special " << c.special;
         ++n;
     }
-    std::printf("[route_select] warp == block bit for bit on %d cases\n", n);
+    std::printf("[route_select] warp == block and sort == block bit for bit on %d cases\n", n);
 }
 
 TEST(route_select, warp_equals_cpu_rule) {
@@ -204,7 +213,8 @@ TEST(route_select, warp_equals_cpu_rule) {
         if (c.special == 1 || c.special == 2) continue;   // the host rule's partial_sort is not defined on NaN
         std::vector<float> logits, bias;
         make_inputs(c, seed++, logits, bias);
-        const result wrp = run_select(true, c, logits, bias), ref = host_select(c, logits, bias);
+        const result wrp = run_select(kind::warp, c, logits, bias), ref = host_select(c, logits, bias);
+        EXPECT_EQ(diff_ids_close(run_select(kind::sort, c, logits, bias), ref, 1e-6f), "") << "sort: E " << c.E << " k " << c.k;
         const std::string d = diff_ids_close(wrp, ref, 1e-6f);
         EXPECT_EQ(d, "") << "E " << c.E << " k " << c.k << " T " << c.T << " groups " << c.n_group << "/" << c.topk_group
                          << " bias " << c.bias << " softmax " << c.softmax << " special " << c.special;
@@ -218,7 +228,7 @@ TEST(route_select, controls_fail) {
     const rcase c{896, 16, 3, 1, 1, true, false, true, 0};
     std::vector<float> logits, bias;
     make_inputs(c, 77, logits, bias);
-    const result wrp = run_select(true, c, logits, bias), blk = run_select(false, c, logits, bias),
+    const result wrp = run_select(kind::warp, c, logits, bias), blk = run_select(kind::block, c, logits, bias),
                  ref = host_select(c, logits, bias);
     ASSERT_EQ(diff_bitwise(wrp, blk), "");
     ASSERT_EQ(diff_ids_close(wrp, ref, 1e-6f), "");
