@@ -59,8 +59,9 @@ struct cuda_options {
     bool moe_select_warp = false;
     // ... by a bitonic sort of (score, id) keys per token in one block (route-select.cu sort form; a token with a NaN score
     // takes the serial scan): the picks are the first k keys, with no per-pick barrier or merge. Takes precedence over
-    // moe_select_warp. Bit for bit the block selection (test-route-cuda). Prediction (before its run): k3 MOE_ROUTE
-    // ~38 -> ~13 us per layer, 48B ~17 -> ~9 us.
+    // moe_select_warp. Bit for bit the block selection (test-route-cuda, H200: 234 cases). Predicted k3 MOE_ROUTE ~38 ->
+    // ~13 us per layer; measured (session 3, same run) k3 step 2.772 -> 2.752 ms (~7 us per layer), 48B 3.278 -> 3.261 ms:
+    // on (never slower), the selection was a smaller part of MOE_ROUTE than predicted.
     bool moe_select_sort = true;
     // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
     // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
