@@ -155,6 +155,16 @@ void read_token_ids(key_reader & r, kimi_config & c) {
     else r.ignore("eos_token_id", "null");
 }
 
+// num_hidden_layers sizes per-layer tables as soon as the layer lists are read, so it is bounded right where it is read
+// (fuzz_config finding #10: 281474976710656 layers made layers_from_lists allocate 1 PiB). The largest real model has
+// fewer than 100 layers; 1024 leaves room for any plausible K3 variant.
+constexpr int64_t k_max_layers = 1024;
+int64_t read_layer_count(key_reader & r) {
+    const int64_t L = r.req_int("num_hidden_layers");
+    PG_CHECK(L >= 1 && L <= k_max_layers, "{}: num_hidden_layers {} is outside 1..{}", r.where(), L, k_max_layers);
+    return L;
+}
+
 // 1-based layer lists -> per-layer flags; the lists must partition 1..L.
 void layers_from_lists(kimi_config & c, const std::vector<int64_t> & kda, const std::vector<int64_t> & full,
                        const std::string & where) {
@@ -267,7 +277,7 @@ void read_published_text_config(kimi_config & c, key_reader & r, bool k3) {
     c.vocab_size = r.req_int("vocab_size");
     c.hidden_size = r.req_int("hidden_size");
     c.intermediate_size = r.req_int("intermediate_size");
-    c.num_hidden_layers = r.req_int("num_hidden_layers");
+    c.num_hidden_layers = read_layer_count(r);
     c.num_attention_heads = r.req_int("num_attention_heads");
     const int64_t kvh = r.opt_int("num_key_value_heads").value_or(c.num_attention_heads);
     PG_CHECK(kvh == c.num_attention_heads, "{}: num_key_value_heads {} != num_attention_heads {} is not supported for MLA",
@@ -358,7 +368,7 @@ void read_native_config(kimi_config & c, key_reader & r) {
     c.vocab_size = r.req_int("vocab_size");
     c.hidden_size = r.req_int("hidden_size");
     c.intermediate_size = r.req_int("intermediate_size");
-    c.num_hidden_layers = r.req_int("num_hidden_layers");
+    c.num_hidden_layers = read_layer_count(r);
     c.num_attention_heads = r.req_int("num_attention_heads");
     const int64_t kvh = r.req_int("num_key_value_heads");
     PG_CHECK(kvh == c.num_attention_heads, "{}: num_key_value_heads {} != num_attention_heads {}", r.where(), kvh,

@@ -330,6 +330,19 @@ TEST(config_defects, nul_byte_is_refused) {
     }
 }
 
+// fuzz_config finding #10: num_hidden_layers sized per-layer tables before any check (2^48 layers: an allocation of 1 PiB
+// and an abort); it is bounded where it is read, in both config forms. Control: the real counts parse (other tests).
+TEST(config_defects, layer_count_is_bounded) {
+    for (int64_t n : {int64_t(281474976710656), int64_t(1025), int64_t(0), int64_t(-3)}) {
+        json a = native_cfg();
+        a["num_hidden_layers"] = n;
+        expect_rejected(a, {fmt::format("num_hidden_layers {} is outside 1..1024", n)}, "native num_hidden_layers");
+        json b = published_cfg();
+        b["num_hidden_layers"] = n;
+        expect_rejected(b, {fmt::format("num_hidden_layers {} is outside 1..1024", n)}, "published num_hidden_layers");
+    }
+}
+
 TEST(config_defects, wrong_type) {
     json a = native_cfg();
     a["hidden_size"] = "64";
