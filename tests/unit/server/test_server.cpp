@@ -694,14 +694,19 @@ TEST(server_http, queue_full_is_503_with_retry_after) {
     test_server s(mo);
     std::vector<std::thread> th;
     std::vector<int> holder_status(2, -1);
-    for (int i = 0; i < 2; ++i)
+    auto hold = [&](int i) {
         th.emplace_back([&, i] {
             holder_status[i] = s.post("/v1/completions", json{{"prompt", "busy " + std::to_string(i)}, {"max_tokens", 200}}.dump()).first;
         });
-    // Each holder decodes for ~10 s, so both are in the engine together for ~10 s even when the posts are late (a loaded
-    // 2-core machine under TSan's slowdown delayed them by more than 5 s in one check run). No speed is asserted: the
-    // window only has to exist.
-    const bool busy = wait_for([&] { return s.stats().running == 1 && s.stats().waiting == 1; }, 20);
+    };
+    // The holders go in one after the other: the second is posted only once the first is running. Posted together, the
+    // second could find the first still in the one-entry queue and be refused itself (seen once in a clean-clone CI run on
+    // a loaded machine: holder statuses 200, 503). Each holder decodes for ~10 s, so both are in the engine together for
+    // ~10 s even when a post is late (TSan's slowdown on a loaded 2-core machine). No speed is asserted.
+    hold(0);
+    const bool first_running = wait_for([&] { return s.stats().running == 1; }, 20);
+    if (first_running) hold(1);
+    const bool busy = first_running && wait_for([&] { return s.stats().running == 1 && s.stats().waiting == 1; }, 20);
     const int run_seen = s.stats().running, wait_seen = s.stats().waiting;
     if (!busy)
         for (auto & t : th) t.join();   // (leaving with joinable threads would terminate the test binary)
