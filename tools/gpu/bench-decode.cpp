@@ -346,7 +346,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
-        else if (k == "kda_gate_fold") co.kda_gate_fold = v != 0;
         else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = v != 0;
         else PG_FAIL("--set: unknown cuda_options name '{}'", k);
     }

@@ -142,13 +142,6 @@ struct cuda_options {
     // false: v1 (compare mode). On by prediction (issue 7): KDA_SCAN per node 48B B=1 21 -> ~5 us, B=64 540 -> ~90 us;
     // K3 B=1 42 -> ~7 us, B=64 1570 -> ~240 us; the H200 run (test-kda-decode-cuda [timing]) decides.
     bool kda_decode_v2 = true;
-    // KDA_GATE whose only reader is a KDA_SCAN on the v2 recurrence (decode): no gate launch; the scan computes g = gate(f)
-    // per channel (the same expression) and writes the gate's output too (cuda::kda_gate_in). Needs kda_decode_v2. false:
-    // the gate's own launch. OFF since its H200 run (session 3, test-kda-decode-cuda [timing], graph): the folded scan is
-    // slower than v2 + a separate gate by more than the launch it saves — 48B B=1 3.26 -> 4.31 us, B=64 85 -> 116 us; K3
-    // B=64 245 -> 336 us (the extra exp per channel was predicted hidden under the loads; it is not). Not used under a node
-    // callback (the gate's output would be read before its scan writes it).
-    bool kda_gate_fold = false;
     // RMS_NORM over whole rows whose output feeds LINEAR(s) on the GEMV path: the norm node launches those GEMVs with
     // the inverse RMS computed in the GEMV (from the x row each warp reads anyway) and writes the norm's output from
     // the same launch; the norm kernel launch is removed (fuse-plan.h). On since the H200 round 2 (bench/RESULTS.md): all four decode fusions

@@ -238,7 +238,6 @@ public:
         free_outputs();
         arena_on_ = false;
         run_bytes_ = 0;
-        cb_active_ = bool(cb);
         const int n_err = prepare(g);
         PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
         if (g.b) upload_batch(*g.b);
@@ -772,7 +771,6 @@ private:
                          shape_numel(in(n, 1).shape), n.p.n_head);
                 PG_CHECK(shape_numel(in(n, 2).shape) == n.p.n_head * n.p.head_dim_k, "dt_bias has {} values for {} channels",
                          shape_numel(in(n, 2).shape), n.p.n_head * n.p.head_dim_k);
-                if (size_t(id) < kda_fold_.size() && kda_fold_[size_t(id)] >= 0) break;   // written by its KDA_SCAN (kda_gate_fold)
                 PG_CUDA_CHECK(cuda::launch_kda_gate(f32_in(n, 0), x.shape.at(0), n.p.n_head, n.p.head_dim_k, w_in(n, 1),
                                                     w_in(n, 2), n.p.gate_lower_bound, y, st_));
                 break;
@@ -795,23 +793,10 @@ private:
                                                                 state_in(g, n, 5), db_, max_len, scratch, y, st_));
                     break;
                 }
-                const int fg = size_t(id) < kda_fold_.size() ? kda_fold_[size_t(id)] : -1;   // the folded KDA_GATE, or -1
-                float * g_out = fg >= 0 ? static_cast<float *>(outs_[size_t(fg)].at(0).p) : nullptr;
                 if (opt_.kda_decode_v2 && cuda::kda_scan_v2_supported(kK, kV, f32_in(n, 2), state_in(g, n, 5), y)) {
-                    cuda::kda_gate_in gi;
-                    if (fg >= 0) {
-                        const node & gn = g.nodes[size_t(fg)];
-                        gi = {f32_in(gn, 0), w_in(gn, 1), w_in(gn, 2), gn.p.gate_lower_bound, g_out};
-                    }
-                    PG_CUDA_CHECK(cuda::launch_kda_scan_v2(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), fg >= 0 ? nullptr : f32_in(n, 3),
-                                                           f32_in(n, 4), n.p.n_head, kK, kV, n.p.scale, state_in(g, n, 5), db_,
-                                                           y, fg >= 0 ? &gi : nullptr, st_));
+                    PG_CUDA_CHECK(cuda::launch_kda_scan_v2(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), f32_in(n, 3), f32_in(n, 4),
+                                                           n.p.n_head, kK, kV, n.p.scale, state_in(g, n, 5), db_, y, st_));
                     break;
-                }
-                if (fg >= 0) {   // v2 unusable here after all: the gate's launch, then v1
-                    const node & gn = g.nodes[size_t(fg)];
-                    PG_CUDA_CHECK(cuda::launch_kda_gate(f32_in(gn, 0), x.shape.at(0), gn.p.n_head, gn.p.head_dim_k, w_in(gn, 1),
-                                                        w_in(gn, 2), gn.p.gate_lower_bound, g_out, st_));
                 }
                 PG_CUDA_CHECK(cuda::launch_kda_scan_recurrent(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), f32_in(n, 3),
                                                               f32_in(n, 4), n.p.n_head, n.p.head_dim_k, n.p.head_dim_v,
@@ -988,44 +973,14 @@ private:
         return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0};
     }
 
-    // ---- KDA_GATE folded into its KDA_SCAN (cuda_options::kda_gate_fold; kda.cu v2 scan with kda_gate_in) ----
+    // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
     bool kda_scan_chunked(const node & n, int64_t T) const {
         return n.p.chunk_size == 64 && opt_.kda_chunk_min_tokens > 0 && T >= opt_.kda_chunk_min_tokens &&
                n.p.head_dim_k <= 128 && n.p.head_dim_k % 4 == 0 && n.p.head_dim_v <= 128;
     }
-    // kda_fold_[gate] = its scan, kda_fold_[scan] = its gate, when the gate's only reader is that scan's g (src 3) and the
-    // scan takes the recurrence (v2 dims): the gate launch is skipped; the scan computes g from f and writes the gate's
-    // output too (if v2 turns out unusable at the scan, e.g. unaligned buffers, the scan launches the gate kernel first).
-    void plan_kda_gate_fold(const graph & g) {
-        kda_fold_.assign(g.nodes.size(), -1);
-        // Not under a node callback (compare-backends, per-node copies): the callback reads a node's outputs right after
-        // its launch, and a folded gate's output is only written later by its scan (seen as kda_gate NMSE ~1 in the
-        // session-3 compare-backends run while every other node matched).
-        if (!opt_.kda_gate_fold || !opt_.kda_decode_v2 || cb_active_) return;
-        std::vector<int> reader(g.nodes.size(), -1);   // the one reader of a KDA_GATE's output; -2: several / other
-        for (size_t i = 0; i < g.nodes.size(); ++i)
-            for (size_t j = 0; j < g.nodes[i].src.size(); ++j) {
-                const node_ref r = g.nodes[i].src[j];
-                if (!r.valid() || g.nodes[size_t(r.node)].op != op_type::KDA_GATE) continue;
-                const bool ok = g.nodes[i].op == op_type::KDA_SCAN && j == 3 && r.out == 0 && reader[size_t(r.node)] == -1;
-                reader[size_t(r.node)] = ok ? int(i) : -2;
-            }
-        for (size_t i = 0; i < g.nodes.size(); ++i) {
-            const int sc = reader[i];
-            if (sc < 0) continue;
-            const node &gn = g.nodes[i], &sn = g.nodes[size_t(sc)];
-            if (gn.p.n_head != sn.p.n_head || gn.p.head_dim_k != sn.p.head_dim_k || sn.p.head_dim_v % 4 != 0 ||
-                sn.p.head_dim_k > 256 || kda_scan_chunked(sn, g.out(sn.src[0]).shape.at(0)))
-                continue;
-            kda_fold_[i] = sc;
-            kda_fold_[size_t(sc)] = int(i);
-        }
-    }
-
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        plan_kda_gate_fold(g);
         n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
@@ -1358,8 +1313,6 @@ private:
     std::vector<void *> run_allocs_;
     std::vector<int> err_slot_;
     cuda_fuse::plan fplan_;                      // fused launches of the current run (fuse-plan.h)
-    bool cb_active_ = false;                     // the current run() has a node callback (no folds that write outputs late)
-    std::vector<int> kda_fold_;                  // KDA_GATE <-> KDA_SCAN folded pairs of the current run (kda_gate_fold)
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
     int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;

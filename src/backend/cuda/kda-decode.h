@@ -5,17 +5,6 @@
 
 namespace perigee::cuda {
 
-// KDA_GATE's inputs, for the scan to form g = gate(f) itself (the gate launch folded into the scan): f [T, H*K] (the
-// gate projection), a_log [>= H] per head, dt_bias [H*K], lower_bound (< 0: K3's lb * sigmoid; else the 48B's softplus
-// form). g is then never read. f == nullptr: none (g is read). g_out (optional): where the scan also writes g [T, H*K]
-// (the folded KDA_GATE node's output, for its readers and node-by-node comparison).
-struct kda_gate_in {
-    const float * f = nullptr;
-    dweight a_log, dt_bias;
-    float lower_bound = 0.0f;
-    float * g_out = nullptr;
-};
-
 // Whether the v2 kernel takes these dims and pointers: 1 <= K <= 256, V % 4 == 0, state / v / o 16-byte aligned.
 bool kda_scan_v2_supported(int64_t K, int64_t V, const float * v, const float * state, const float * o);
 
@@ -24,10 +13,10 @@ bool kda_scan_v2_supported(int64_t K, int64_t V, const float * v, const float * 
 // value columns, head, sequence); thread (row group rg of 16, column quad cq of 8) holds rows [rg*R, rg*R + R) x 4
 // columns (R = K / 16 rounded up to 1, 2, 4, 8, 16); S^T k and S^T q are summed over the thread's rows in order, over
 // the 4 row groups of a warp by two shuffles, then over the 4 warps in warp order through shared memory (two barriers
-// per token; deterministic). gate != nullptr with gate->f set: g computed from f as KDA_GATE does (same expression).
+// per token; deterministic).
 // Returns cudaErrorInvalidValue when kda_scan_v2_supported() is false.
 cudaError_t launch_kda_scan_v2(const float * q, const float * k, const float * v, const float * g, const float * beta,
                                int64_t H, int64_t K, int64_t V, float scale, float * state, const dbatch & b, float * o,
-                               const kda_gate_in * gate, cudaStream_t st);
+                               cudaStream_t st);
 
 } // namespace perigee::cuda

@@ -6,7 +6,7 @@ namespace perigee::cuda {
 
 namespace {
 
-// g of one channel (KDA_GATE; the v2 scan's folded gate uses the same expression): a = exp(A_log[h]), xb = f + dt_bias.
+// g of one channel (KDA_GATE): a = exp(A_log[h]), xb = f + dt_bias.
 __device__ __forceinline__ float kda_gate_value(float a, float xb, float lb) {
     return lb < 0.0f ? lb * sigmoid_d(a * xb) : -a * softplus_d(xb);
 }
@@ -146,7 +146,7 @@ template <int R>
 __global__ void __launch_bounds__(k_v2_threads, R >= 16 ? 1 : 4) k_kda_scan_v2(
     const float * __restrict__ q, const float * __restrict__ k, const float * __restrict__ v, const float * __restrict__ g,
     const float * __restrict__ beta, int H, int K, int V, float scale, float * __restrict__ state, dbatch b,
-    float * __restrict__ o, kda_gate_in gate) {
+    float * __restrict__ o) {
     pdl_enter();
     __shared__ float4 red_pred[k_v2_warps][k_v2_cq];
     __shared__ float4 red_out[k_v2_warps][k_v2_cq];
@@ -161,7 +161,6 @@ __global__ void __launch_bounds__(k_v2_threads, R >= 16 ? 1 : 4) k_kda_scan_v2(
     float4 r[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) r[i] = (col_in && d0 + i < K) ? S[int64_t(d0 + i) * v4] : f4_zero();
-    const float a_head = gate.f ? expf(wload(gate.a_log, h)) : 0.0f;
     const int64_t t0 = b.seq_start[s], t1 = b.seq_start[s + 1];
     for (int64_t t = t0; t < t1; ++t) {
         const int64_t qk = (t * H + h) * K;
@@ -172,17 +171,13 @@ __global__ void __launch_bounds__(k_v2_threads, R >= 16 ? 1 : 4) k_kda_scan_v2(
             const bool in = d < K;
             kd[i] = in ? k[qk + d] : 0.0f;
             qd[i] = in ? q[qk + d] * scale : 0.0f;
-            ad[i] = in ? (gate.f ? gate.f[qk + d] + wload(gate.dt_bias, int64_t(h) * K + d) : g[qk + d]) : 0.0f;
+            ad[i] = in ? g[qk + d] : 0.0f;
         }
         const float bt = beta[t * H + h];
         const float4 vv = col_in ? *reinterpret_cast<const float4 *>(v + (t * H + h) * V + e) : f4_zero();
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-            if (d0 + i >= K) continue;
-            const float gv = gate.f ? kda_gate_value(a_head, ad[i], gate.lower_bound) : ad[i];
-            if (gate.g_out && blockIdx.x == 0 && cq == 0) gate.g_out[qk + d0 + i] = gv;   // the folded gate's output
-            ad[i] = expf(gv);
-        }
+        for (int i = 0; i < R; ++i)
+            if (d0 + i < K) ad[i] = expf(ad[i]);
         // decay, then this thread's share of S^T k (its rows in order)
         float4 p = f4_zero();
 #pragma unroll
@@ -268,15 +263,14 @@ bool kda_scan_v2_supported(int64_t K, int64_t V, const float * v, const float * 
 
 cudaError_t launch_kda_scan_v2(const float * q, const float * k, const float * v, const float * g, const float * beta,
                                int64_t H, int64_t K, int64_t V, float scale, float * state, const dbatch & b, float * o,
-                               const kda_gate_in * gate, cudaStream_t st) {
+                               cudaStream_t st) {
     if (!kda_scan_v2_supported(K, V, v, state, o)) return cudaErrorInvalidValue;
     if (b.n_seq == 0 || H == 0) return cudaGetLastError();
-    const kda_gate_in gi = gate ? *gate : kda_gate_in{};
     const dim3 grid(grid_for(V, 4 * k_v2_cq), unsigned(H), unsigned(b.n_seq));
     const int64_t rows = (K + k_v2_rg - 1) / k_v2_rg;   // rows per thread
 #define PG_KDA_V2_CASE(N)                                                                                            \
     launch_k(k_kda_scan_v2<N>, grid, k_v2_threads, 0, st, q, k, v, g, beta, int(H), int(K), int(V), scale, state, b, \
-             o, gi)
+             o)
     if (rows <= 1) PG_KDA_V2_CASE(1);
     else if (rows <= 2) PG_KDA_V2_CASE(2);
     else if (rows <= 4) PG_KDA_V2_CASE(4);

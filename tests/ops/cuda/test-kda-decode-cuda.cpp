@@ -2,8 +2,7 @@
 // reference (kda_scan_ref, the fp32 token recurrence) over SEVERAL CONSECUTIVE DECODE STEPS with the state kept on the
 // device between steps (so the state each step writes back is exactly what the next one reads), at the 48B geometry
 // (H=32) and K3's (H=96), K = V = 128, batch 1/5 (and 64 at the 48B), permuted slots; odd dims (K 32/80/200, V 44/48:
-// partial tiles, every row-count instance); ragged multi-token steps; the gate folded into the scan (kda_gate_in) vs
-// KDA_GATE + scan; the v1 kernel on the same data; the backend dispatch (a KDA_SCAN graph run 3 times on the device-
+// partial tiles, every row-count instance); ragged multi-token steps; the v1 kernel on the same data; the backend dispatch (a KDA_SCAN graph run 3 times on the device-
 // resident state, v2 on / off vs the CPU backend). Controls that must fail: a dropped state write-back (the device state
 // restored after each step), one gate value perturbed, two sequences' slots swapped, and the comparator controls.
 // Timing ("[timing]" lines, printed, never asserted): v1 vs v2 at both geometries, batch 1 and 64, eager back-to-back
@@ -128,38 +127,21 @@ struct gpu_batch {
     }
 };
 
-enum class kern { v1, v2, v2_gate };
-const char * kern_name(kern k) { return k == kern::v1 ? "v1" : k == kern::v2 ? "v2" : "v2+gate"; }
+enum class kern { v1, v2 };
+const char * kern_name(kern k) { return k == kern::v1 ? "v1" : "v2"; }
 
 // One step on the device state `st` (kept on the device between steps); returns o.
-std::vector<float> gpu_step(kern kk, const dims & dm, const gate_w & gw, const step_data & d, float scale, dev<float> & st,
-                            const dev<float> & a_log, const dev<float> & dt_bias) {
-    dev<float> q(d.q), k(d.k), v(d.v), f(d.f), g(d.g), beta(d.beta), o(size_t(d.T) * dm.H * dm.V), g_out(d.g.size());
+std::vector<float> gpu_step(kern kk, const dims & dm, const step_data & d, float scale, dev<float> & st) {
+    dev<float> q(d.q), k(d.k), v(d.v), g(d.g), beta(d.beta), o(size_t(d.T) * dm.H * dm.V);
     cu(cudaMemset(o.p, 0xff, o.n * 4), "memset o");   // NaN: an unwritten output fails the comparison
-    cu(cudaMemset(g_out.p, 0xff, g_out.n * 4), "memset g_out");
     gpu_batch gb(d.b);
-    (void)gw;
     if (kk == kern::v1) {
         cu(cuda::launch_kda_scan_recurrent(q.p, k.p, v.p, g.p, beta.p, dm.H, dm.K, dm.V, scale, st.p, gb.db, o.p, nullptr), "v1");
     } else {
-        cuda::kda_gate_in gi;
-        if (kk == kern::v2_gate) {
-            gi.f = f.p;
-            gi.a_log = {a_log.p, cuda::wtype::F32};
-            gi.dt_bias = {dt_bias.p, cuda::wtype::F32};
-            gi.lower_bound = dm.lb;
-            gi.g_out = g_out.p;
-        }
         EXPECT_TRUE(cuda::kda_scan_v2_supported(dm.K, dm.V, v.p, st.p, o.p));
-        // the folded gate never reads g: pass nullptr so that a read would fault
-        cu(cuda::launch_kda_scan_v2(q.p, k.p, v.p, kk == kern::v2_gate ? nullptr : g.p, beta.p, dm.H, dm.K, dm.V, scale, st.p,
-                                    gb.db, o.p, kk == kern::v2_gate ? &gi : nullptr, nullptr),
-           "v2");
+        cu(cuda::launch_kda_scan_v2(q.p, k.p, v.p, g.p, beta.p, dm.H, dm.K, dm.V, scale, st.p, gb.db, o.p, nullptr), "v2");
     }
     cu(cudaDeviceSynchronize(), "kda step");
-    if (kk == kern::v2_gate) {   // the folded gate's output: KDA_GATE's values (CPU: std::exp; device: expf)
-        EXPECT_TRUE(check("kda-decode v2+gate g_out vs cpu kda_gate", to_f64(d.g), g_out.down(), metric::RMS_RATIO, 1e-6));
-    }
     return o.down();
 }
 
@@ -183,7 +165,7 @@ bool run_steps(const std::string & tag, kern kk, const dims & dm, int n_steps, c
     const gate_w gw = make_gate(r, dm);
     std::vector<float> host_state = r.vec(size_t(dm.n_slots) * dm.H * dm.K * dm.V, -0.5f, 0.5f);
     const std::vector<float> init_state = host_state;
-    dev<float> st(host_state), a_log(gw.a_log), dt_bias(gw.dt_bias);
+    dev<float> st(host_state);
     std::vector<int> perm(size_t(dm.n_slots));
     std::iota(perm.begin(), perm.end(), 0);
     std::set<int> used;
@@ -200,14 +182,12 @@ bool run_steps(const std::string & tag, kern kk, const dims & dm, int n_steps, c
         if (ft == fault::gate_perturbed && step == n_steps - 1) {   // last step, sequence 0, head 1 (or 0), channel 5
             const size_t i = size_t(std::min(1, dm.H - 1)) * dm.K + 5;
             dg.f[i] = dg.f[i] > 0.0f ? -6.0f : 6.0f;
-            // g from the perturbed f, so that the folded gate's own check (g_out vs KDA_GATE of the inputs it was given)
-            // holds while o must still fail against the unperturbed reference (the first H200 run flagged g_out here)
             kda_gate_ref(dg.f.data(), dg.T, dm.H, dm.K, wview{gw.a_log.data(), dtype::F32}, wview{gw.dt_bias.data(), dtype::F32},
                          dm.lb, dg.g.data());
         }
         if (ft == fault::slots_swapped && lens.size() >= 2) std::swap(dg.b.slot[0], dg.b.slot[1]);
         const std::vector<float> before = ft == fault::drop_writeback ? st.down() : std::vector<float>{};
-        const std::vector<float> o = gpu_step(kk, dm, gw, dg, scale, st, a_log, dt_bias);
+        const std::vector<float> o = gpu_step(kk, dm, dg, scale, st);
         if (ft == fault::drop_writeback) st.up(before);   // the control: this step's state write-back lost
         ok &= check(fmt::format("{} step {} o", tag, step), to_f64(o_ref), o, metric::RMS_RATIO, k_tol);
     }
@@ -227,7 +207,7 @@ TEST(cuda_kda_decode, v2_multi_step_48b_and_k3) {
     for (const auto & [name, dm] : {std::pair{"48B H=32", k_48b}, std::pair{"K3 H=96", k_k3}}) {
         for (int B : {1, 5}) {
             const std::vector<int> lens(size_t(B), 1);
-            for (kern kk : {kern::v2, kern::v2_gate, kern::v1}) {
+            for (kern kk : {kern::v2, kern::v1}) {
                 const std::string tag = fmt::format("kda-decode {} {} B={} 8 steps", kern_name(kk), name, B);
                 EXPECT_TRUE(run_steps(tag, kk, dm, 8, lens, uint32_t(7000 + B + 10 * dm.H + 1000 * int(kk)))) << tag;
             }
@@ -241,17 +221,16 @@ TEST(cuda_kda_decode, v2_batch64_48b) {
     dm.n_slots = 70;
     const std::vector<int> lens(64, 1);
     EXPECT_TRUE(run_steps("kda-decode v2 48B B=64 3 steps", kern::v2, dm, 3, lens, 7100));
-    EXPECT_TRUE(run_steps("kda-decode v2+gate 48B B=64 3 steps", kern::v2_gate, dm, 3, lens, 7101));
 }
 
 // Every rows-per-thread instance (K 16 -> 1, 32 -> 2, 64 -> 4, 80 -> 8 with 48 rows masked, 200 -> 16), partial column
-// tiles (V 44, 48, 36), ragged multi-token steps, both gate forms.
+// tiles (V 44, 48, 36), ragged multi-token steps, both gate forms (K3's lower bound, the 48B's softplus).
 TEST(cuda_kda_decode, v2_odd_dims_and_ragged) {
     NEED_GPU();
     const std::vector<dims> ds = {{3, 16, 44, 5, -5.0f}, {3, 32, 48, 5, 0.0f}, {2, 64, 36, 5, -5.0f}, {3, 80, 44, 5, 0.0f},
                                   {2, 200, 72, 5, -5.0f}, {1, 128, 4, 5, 0.0f}};
     for (const dims & dm : ds) {
-        for (kern kk : {kern::v2, kern::v2_gate}) {
+        for (kern kk : {kern::v2}) {
             const std::string tag = fmt::format("kda-decode {} H={} K={} V={} lb={}", kern_name(kk), dm.H, dm.K, dm.V, dm.lb);
             EXPECT_TRUE(run_steps(tag + " decode B=3 5 steps", kk, dm, 5, {1, 1, 1}, uint32_t(7200 + dm.K + dm.V))) << tag;
             EXPECT_TRUE(run_steps(tag + " ragged {3,1,7} 3 steps", kk, dm, 3, {3, 1, 7}, uint32_t(7300 + dm.K + dm.V))) << tag;
@@ -268,7 +247,7 @@ TEST(cuda_kda_decode, v2_odd_dims_and_ragged) {
 TEST(cuda_kda_decode, controls_must_fail) {
     NEED_GPU();
     const std::vector<int> lens = {1, 1, 1};
-    for (kern kk : {kern::v2, kern::v2_gate}) {
+    for (kern kk : {kern::v2, kern::v1}) {
         const std::string base = fmt::format("kda-decode {} 48B B=3 4 steps", kern_name(kk));
         EXPECT_TRUE(run_steps(base, kk, k_48b, 4, lens, 7400));
         EXPECT_FALSE(run_steps(base + "/control(state write-back dropped)", kk, k_48b, 4, lens, 7400, fault::drop_writeback));
@@ -280,13 +259,13 @@ TEST(cuda_kda_decode, controls_must_fail) {
     rng r(7401);
     const gate_w gw = make_gate(r, k_48b);
     std::vector<float> host_state = r.vec(size_t(k_48b.n_slots) * k_48b.H * k_48b.K * k_48b.V, -0.5f, 0.5f);
-    dev<float> st(host_state), a_log(gw.a_log), dt_bias(gw.dt_bias);
+    dev<float> st(host_state);
     const step_data d = make_step(r, k_48b, gw, {1, 1}, {4, 2}, 50);
     const float scale = 1.0f / std::sqrt(128.0f);
     std::vector<float> o_ref(size_t(d.T) * k_48b.H * k_48b.V);
     kda_scan_ref(d.q.data(), d.k.data(), d.v.data(), d.g.data(), d.beta.data(), kda_dims{k_48b.H, k_48b.K, k_48b.V}, scale, 0,
                  host_state.data(), k_48b.n_slots, d.b, o_ref.data());
-    const std::vector<float> o = gpu_step(kern::v2, k_48b, gw, d, scale, st, a_log, dt_bias);
+    const std::vector<float> o = gpu_step(kern::v2, k_48b, d, scale, st);
     EXPECT_TRUE(check("kda-decode v2 one step o", to_f64(o_ref), o, metric::RMS_RATIO, k_tol));
     expect_control_fails("kda-decode v2 one step o", to_f64(o_ref), o, metric::RMS_RATIO, k_tol);
 }
@@ -352,9 +331,9 @@ TEST(cuda_kda_decode, backend_dispatch_three_runs) {
 }
 
 // The backend with the gate: KDA_GATE -> KDA_SCAN (decode, 3 sequences) run 3 times on the device-resident state with
-// (kda_decode_v2, kda_gate_fold) = (1,1) folded, (1,0), (0,1) (no fold without v2), vs the CPU backend: o, g (the gate
-// node's output, written by the scan when folded) and the state after 3 runs; both gate forms (K3's lower bound, 48B's).
-TEST(cuda_kda_decode, backend_gate_fold_three_runs) {
+// kda_decode_v2 on and off, vs the CPU backend: o, g (the gate node's output) and the state after 3 runs; both gate forms
+// (K3's lower bound, 48B's).
+TEST(cuda_kda_decode, backend_gate_three_runs) {
     NEED_GPU();
     for (float lb : {-5.0f, 0.0f}) {
         rng r(lb < 0 ? 7550 : 7551);
@@ -365,7 +344,7 @@ TEST(cuda_kda_decode, backend_gate_fold_three_runs) {
         const float scale = 1.0f / std::sqrt(float(dm.K));
         std::vector<std::vector<float>> ref_o;
         std::vector<float> ref_g, ref_state;
-        for (int mode : {-1, 11, 10, 1}) {   // -1: the CPU backend; else v2 * 10 + fold
+        for (int mode : {-1, 1, 0}) {   // -1: the CPU backend; else kda_decode_v2
             arena a;
             auto bp = std::make_shared<batch>(d.b);
             builder bd(bp);
@@ -384,8 +363,7 @@ TEST(cuda_kda_decode, backend_gate_fold_three_runs) {
             } else {
                 cuda_options opt;
                 opt.guard = true;
-                opt.kda_decode_v2 = mode / 10 == 1;
-                opt.kda_gate_fold = mode % 10 == 1;
+                opt.kda_decode_v2 = mode == 1;
                 auto g = backend_cuda_init(0, opt);
                 gpu = g.get();
                 be = std::move(g);
@@ -405,7 +383,7 @@ TEST(cuda_kda_decode, backend_gate_fold_three_runs) {
                 ref_state = to_vec(st);
                 continue;
             }
-            const std::string tag = fmt::format("kda backend gate lb={} kda_decode_v2={} kda_gate_fold={}", lb, mode / 10, mode % 10);
+            const std::string tag = fmt::format("kda backend gate lb={} kda_decode_v2={}", lb, mode);
             bool ok = true;
             for (int run = 0; run < 3; ++run)
                 ok &= check(fmt::format("{} run {} o", tag, run), to_f64(ref_o[size_t(run)]), outs[size_t(run)], metric::RMS_RATIO,
@@ -418,8 +396,7 @@ TEST(cuda_kda_decode, backend_gate_fold_three_runs) {
     }
 }
 
-// Timing (printed, never asserted): per KDA_SCAN launch, decode (1 token per sequence), v1 vs v2 vs v2 with the folded
-// gate, the 48B (H=32) and K3 (H=96) geometries, batch 1 and 64; eager (50 launches back to back on a stream, PDL on)
+// Timing (printed, never asserted): per KDA_SCAN launch, decode (1 token per sequence), v1 vs v2, the 48B (H=32) and K3 (H=96) geometries, batch 1 and 64; eager (50 launches back to back on a stream, PDL on)
 // and as a CUDA graph of 50 launches. Bytes: the state read + written once (2 x B x H x K x V x 4).
 TEST(cuda_kda_decode, timing) {
     NEED_GPU();
@@ -437,28 +414,21 @@ TEST(cuda_kda_decode, timing) {
             std::vector<int> slots(static_cast<size_t>(B));
             std::iota(slots.begin(), slots.end(), 0);
             const step_data d = make_step(r, dm, gw, std::vector<int>(size_t(B), 1), slots, 1024);
-            dev<float> q(d.q), k(d.k), v(d.v), f(d.f), g(d.g), beta(d.beta), o(size_t(d.T) * dm.H * dm.V);
-            dev<float> a_log(gw.a_log), dt_bias(gw.dt_bias);
+            dev<float> q(d.q), k(d.k), v(d.v), g(d.g), beta(d.beta), o(size_t(d.T) * dm.H * dm.V);
             dev<float> st(size_t(B) * dm.H * dm.K * dm.V);
             cu(cudaMemset(st.p, 0, st.n * 4), "memset state");
             gpu_batch gb(d.b);
             const float scale = 1.0f / std::sqrt(float(dm.K));
-            cuda::kda_gate_in gi;
-            gi.f = f.p;
-            gi.a_log = {a_log.p, cuda::wtype::F32};
-            gi.dt_bias = {dt_bias.p, cuda::wtype::F32};
-            gi.lower_bound = dm.lb;
             const double bytes = 2.0 * double(st.n) * 4;
-            double us[3][2] = {};
-            for (int kk = 0; kk < 3; ++kk) {
+            double us[2][2] = {};
+            for (int kk = 0; kk < 2; ++kk) {
                 auto launch = [&] {
                     if (kk == 0)
                         cu(cuda::launch_kda_scan_recurrent(q.p, k.p, v.p, g.p, beta.p, dm.H, dm.K, dm.V, scale, st.p, gb.db,
                                                            o.p, sm),
                            "v1");
                     else
-                        cu(cuda::launch_kda_scan_v2(q.p, k.p, v.p, g.p, beta.p, dm.H, dm.K, dm.V, scale, st.p, gb.db, o.p,
-                                                    kk == 2 ? &gi : nullptr, sm),
+                        cu(cuda::launch_kda_scan_v2(q.p, k.p, v.p, g.p, beta.p, dm.H, dm.K, dm.V, scale, st.p, gb.db, o.p, sm),
                            "v2");
                 };
                 const int reps = 50;
@@ -488,10 +458,10 @@ TEST(cuda_kda_decode, timing) {
                 cudaGraphExecDestroy(ge);
                 cudaGraphDestroy(gr);
             }
-            for (int kk = 0; kk < 3; ++kk)
+            for (int kk = 0; kk < 2; ++kk)
                 std::printf("[timing] kda_scan decode %s B=%d K=V=128 %-7s eager %8.2f us/launch, graph %8.2f us/launch "
                             "(%.0f GB/s state R+W)%s\n",
-                            name, B, kk == 0 ? "v1" : kk == 1 ? "v2" : "v2+gate", us[kk][0], us[kk][1],
+                            name, B, kk == 0 ? "v1" : "v2", us[kk][0], us[kk][1],
                             bytes / (us[kk][1] * 1e-6) / 1e9,
                             kk == 0 ? "" : fmt::format("  {:.1f}x v1 (graph)", us[0][1] / std::max(us[kk][1], 1e-3)).c_str());
         }
