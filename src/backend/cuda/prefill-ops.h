@@ -23,6 +23,11 @@ cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias
 // score takes the serial scan. Same limits.
 cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                                    cudaStream_t st);
+// The same selection by a threshold search (cuda_options::moe_select_radix): one thread per expert, the k-th largest
+// (score, id) key found bit by bit with one counting barrier per bit, then the k picks ranked; a token with a NaN score
+// takes the serial scan. 1 <= topk <= 64, E <= 1024, n_group <= 64.
+cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                    cudaStream_t st);
 
 // ---- mla-prefill.cu ----
 // MLA_ATTN prefill without a selection (cuda_options::mla_prefill_tokens), the CPU reference's expanded form:

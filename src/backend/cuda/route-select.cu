@@ -1,9 +1,12 @@
-// MOE_ROUTE selection, one warp per token (cuda_options::moe_select_warp): the k picks of the serial rule (highest
-// biased score, ties to the lower id, a NaN at the first untaken id wins as the serial scan lets it) without a single
-// __syncthreads. Why: the block-wide selection (moe.cu k_moe_select) pays two block barriers and a serial thread-0 merge
-// per pick; at K3's top-16 of 896 that is ~28 us per token (Nsight Compute / per-op profile, bench/RESULTS.md
-// 2026-11-30), longer than reading the router weight. Here each lane owns the experts e = lane + 32 i (i < 32, E <= 1024)
-// and keeps their taken flags in one register; a pick is a lane-local scan plus three warp reductions (__reduce_*_sync).
+// MOE_ROUTE selection kernels from the logits [T, E] (one block per token), all with the serial rule's exact outcome
+// (highest biased score, ties to the lower id, -0 == +0, a NaN at the first untaken id wins as the serial scan lets it)
+// and bit for bit the block selection's weights (moe.cu k_moe_select):
+//  - warp form (cuda_options::moe_select_warp): one warp, the picks by warp reductions with no block barrier;
+//  - sort form (cuda_options::moe_select_sort): a bitonic sort of (score, id) keys in one block;
+//  - threshold form (cuda_options::moe_select_radix): the k-th largest key found bit by bit with one counting barrier per
+//    bit, then the k picks ranked among themselves.
+// The three share one prologue (route_prologue: scores, bias, group pruning), one serial scan for NaN tokens and one
+// epilogue (route_write: ids and the renormalized weights).
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/prefill-ops.h"
 
@@ -22,21 +25,19 @@ __device__ __forceinline__ unsigned order_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// grid T, block 32: token t = blockIdx.x. logits [T, E] -> ids [T, k], w [T, k].
-__global__ void __launch_bounds__(32) k_moe_select_warp(const float * __restrict__ logits, dweight bias, droute c,
-                                                        int32_t * __restrict__ ids, float * __restrict__ w) {
-    pdl_enter();
-    __shared__ float score[k_sw_max_e];
-    __shared__ float biased[k_sw_max_e];
-    __shared__ int32_t sel[64];
-    const int64_t t = blockIdx.x;
-    const int lane = threadIdx.x;
+// The route prologue, block-cooperative (every thread of the block calls it; a block of one warp is fine): the row's
+// logits -> score [E] (sigmoid, or softmax with fp32 exp and a double sum as the reference sums) and biased [E] (score +
+// bias, then the experts of pruned groups set to -inf: group score = sum of its top-2 biased scores, ties to the lower
+// group; serial, n_group <= 64). Both arrays in shared memory, complete when it returns (ends with a barrier).
+// own_bias: a block of one thread per expert whose caller already loaded expert threadIdx.x's bias (0 without a bias)
+// into `bias_mine` (before pdl_enter: a weight, never written by a kernel, so its latency overlaps the predecessor).
+__device__ void route_prologue(const float * __restrict__ lrow, const dweight & bias, const droute & c, float * score,
+                               float * biased, bool own_bias = false, float bias_mine = 0.0f) {
     const int E = int(c.n_expert);
-    const float * lrow = logits + t * c.n_expert;
-    for (int e = lane; e < E; e += 32) score[e] = lrow[e];
-    __syncwarp();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = lrow[e];
     if (c.softmax) {   // serial, as the reference sums (fp32 exp, double sum)
-        if (lane == 0) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
             float mx = -INFINITY;
             for (int e = 0; e < E; ++e) mx = fmaxf(mx, score[e]);
             double sum = 0.0;
@@ -46,14 +47,15 @@ __global__ void __launch_bounds__(32) k_moe_select_warp(const float * __restrict
             }
             for (int e = 0; e < E; ++e) score[e] = float(score[e] / sum);
         }
-        __syncwarp();
-    } else {
-        for (int e = lane; e < E; e += 32) score[e] = sigmoid_d(score[e]);
+        __syncthreads();
+    } else {   // each thread converts the entries it loaded itself: no barrier needed in between
+        for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = sigmoid_d(score[e]);
     }
-    for (int e = lane; e < E; e += 32) biased[e] = score[e] + (bias.data ? wload(bias, e) : 0.0f);
-    __syncwarp();
-    if (c.n_group > 1 && c.topk_group < c.n_group) {   // group pruning: serial, as the other kernels (n_group <= 64)
-        if (lane == 0) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        biased[e] = score[e] + (own_bias ? bias_mine : bias.data ? wload(bias, e) : 0.0f);
+    __syncthreads();
+    if (c.n_group > 1 && c.topk_group < c.n_group) {
+        if (threadIdx.x == 0) {
             const int64_t gs = E / c.n_group;
             float gscore[64];
             bool keep[64];
@@ -75,8 +77,53 @@ __global__ void __launch_bounds__(32) k_moe_select_warp(const float * __restrict
             for (int64_t e = 0; e < E; ++e)
                 if (!keep[e / gs]) biased[e] = -INFINITY;
         }
-        __syncwarp();
+        __syncthreads();
     }
+}
+
+// The serial rule on one thread, as the reference scans: pick j = the first untaken id unless a later untaken id has a
+// strictly greater biased score (a NaN there, or no comparable candidate, keeps the first). For tokens with a NaN score.
+__device__ void serial_pick(const float * biased, int E, int k, int32_t * sel) {
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < E; ++e) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken |= sel[i] == e;
+            if (taken) continue;
+            if (best < 0 || biased[e] > biased[best]) best = e;
+        }
+        sel[j] = best;
+    }
+}
+
+// The epilogue, called by one whole warp (all 32 lanes) once sel [k] (shared) holds the picks in order: ids [k] and the
+// weights score / (sum + 1e-20) * scale, the sum over the picks in double in pick order (as the reference sums; every
+// lane forms the same sum from shuffles), each lane writing the slots j = lane, lane + 32.
+__device__ void route_write(const float * score, const int32_t * sel, const droute & c, int64_t t, int32_t * __restrict__ ids,
+                            float * __restrict__ w) {
+    const int lane = threadIdx.x & 31, k = int(c.topk);
+    const float s0 = lane < k ? score[sel[lane]] : 0.0f, s1 = lane + 32 < k ? score[sel[lane + 32]] : 0.0f;
+    double sum = 0.0;
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, j < 32 ? s0 : s1, j & 31);
+    for (int j = lane; j < k; j += 32) {
+        float wj = j < 32 ? s0 : s1;
+        if (c.renormalize) wj = float(wj / (sum + 1e-20));
+        ids[t * c.topk + j] = sel[j];
+        w[t * c.topk + j] = wj * c.scale;
+    }
+}
+
+// grid T, block 32: token t = blockIdx.x. logits [T, E] -> ids [T, k], w [T, k].
+__global__ void __launch_bounds__(32) k_moe_select_warp(const float * __restrict__ logits, dweight bias, droute c,
+                                                        int32_t * __restrict__ ids, float * __restrict__ w) {
+    pdl_enter();
+    __shared__ float score[k_sw_max_e];
+    __shared__ float biased[k_sw_max_e];
+    __shared__ int32_t sel[64];
+    const int64_t t = blockIdx.x;
+    const int lane = threadIdx.x;
+    const int E = int(c.n_expert);
+    route_prologue(logits + t * c.n_expert, bias, c, score, biased);
     const int n_i = (E + 31) / 32;
     unsigned taken = 0;   // bit i: expert lane + 32 i already picked
     for (int64_t j = 0; j < c.topk; ++j) {
@@ -101,17 +148,7 @@ __global__ void __launch_bounds__(32) k_moe_select_warp(const float * __restrict
         if (lane == 0) sel[j] = pick;
     }
     __syncwarp();
-    if (lane == 0) {
-        int32_t * oid = ids + t * c.topk;
-        double sum = 0.0;
-        for (int64_t j = 0; j < c.topk; ++j) sum += score[sel[j]];
-        for (int64_t j = 0; j < c.topk; ++j) {
-            float wj = score[sel[j]];
-            if (c.renormalize) wj = float(wj / (sum + 1e-20));
-            oid[j] = sel[j];
-            w[t * c.topk + j] = wj * c.scale;
-        }
-    }
+    route_write(score, sel, c, t, ids, w);
 }
 
 // ---- Sort form (cuda_options::moe_select_sort): one block per token; the E biased scores become 64-bit keys
@@ -132,64 +169,11 @@ __global__ void __launch_bounds__(k_ss_threads) k_moe_select_sort(const float * 
     __shared__ int32_t sel[64];
     const int64_t t = blockIdx.x;
     const int E = int(c.n_expert);
-    const float * lrow = logits + t * c.n_expert;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = lrow[e];
-    __syncthreads();
-    if (c.softmax) {   // serial, as the reference sums (fp32 exp, double sum)
-        if (threadIdx.x == 0) {
-            float mx = -INFINITY;
-            for (int e = 0; e < E; ++e) mx = fmaxf(mx, score[e]);
-            double sum = 0.0;
-            for (int e = 0; e < E; ++e) {
-                score[e] = expf(score[e] - mx);
-                sum += score[e];
-            }
-            for (int e = 0; e < E; ++e) score[e] = float(score[e] / sum);
-        }
-    } else {
-        for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = sigmoid_d(score[e]);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) biased[e] = score[e] + (bias.data ? wload(bias, e) : 0.0f);
-    __syncthreads();
-    if (c.n_group > 1 && c.topk_group < c.n_group && threadIdx.x == 0) {   // group pruning: serial (n_group <= 64)
-        const int64_t gs = E / c.n_group;
-        float gscore[64];
-        bool keep[64];
-        for (int64_t g = 0; g < c.n_group; ++g) {
-            float a = -INFINITY, b2 = -INFINITY;
-            for (int64_t e = g * gs; e < (g + 1) * gs; ++e) {
-                const float v = biased[e];
-                if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
-            }
-            gscore[g] = a + (gs > 1 ? b2 : 0.0f);
-            keep[g] = false;
-        }
-        for (int64_t i = 0; i < c.topk_group; ++i) {   // ties to the lower group
-            int64_t best = -1;
-            for (int64_t g = 0; g < c.n_group; ++g)
-                if (!keep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
-            keep[best] = true;
-        }
-        for (int64_t e = 0; e < E; ++e)
-            if (!keep[e / gs]) biased[e] = -INFINITY;
-    }
-    __syncthreads();
+    route_prologue(logits + t * c.n_expert, bias, c, score, biased);
     int nan = 0;
     for (int e = threadIdx.x; e < E; e += blockDim.x) nan |= biased[e] != biased[e];
     if (__syncthreads_or(nan)) {   // the serial rule, as the reference scans
-        if (threadIdx.x == 0) {
-            for (int64_t j = 0; j < c.topk; ++j) {
-                int best = -1;
-                for (int e = 0; e < E; ++e) {
-                    bool taken = false;
-                    for (int64_t i = 0; i < j; ++i) taken |= sel[i] == e;
-                    if (taken) continue;
-                    if (best < 0 || biased[e] > biased[best]) best = e;
-                }
-                sel[j] = best;
-            }
-        }
+        if (threadIdx.x == 0) serial_pick(biased, E, int(c.topk), sel);
     } else {
         int N = 1;
         while (N < E) N <<= 1;
@@ -213,17 +197,65 @@ __global__ void __launch_bounds__(k_ss_threads) k_moe_select_sort(const float * 
         if (threadIdx.x < c.topk) sel[threadIdx.x] = int32_t(0xFFFFFFFFull - (key[threadIdx.x] & 0xFFFFFFFFull));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int32_t * oid = ids + t * c.topk;
-        double sum = 0.0;
-        for (int64_t j = 0; j < c.topk; ++j) sum += score[sel[j]];
-        for (int64_t j = 0; j < c.topk; ++j) {
-            float wj = score[sel[j]];
-            if (c.renormalize) wj = float(wj / (sum + 1e-20));
-            oid[j] = sel[j];
-            w[t * c.topk + j] = wj * c.scale;
+    if (threadIdx.x < 32) route_write(score, sel, c, t, ids, w);
+}
+
+// ---- Threshold form (cuda_options::moe_select_radix): one block per token, one thread per expert (block = E rounded up
+// to a warp, <= 1024). Each expert's biased score becomes its 32-bit order key (order_key: -0 == +0, -inf above 0, 0 =
+// no expert). The k-th largest key K is built from the top bit down, one __syncthreads_count per bit: bit b is kept
+// when at least k keys are >= (prefix | bit b). The picks are then every key > K plus the (k - #{key > K}) lowest ids
+// among the keys == K (their rank among equal keys from a ballot and the per-warp counts): exactly the serial rule's
+// set (ties to the lower id). Each pick's place is its rank among the k picks by (key, ~id), counted by k threads over
+// the k candidates. 33 counting barriers and 3 plain ones whatever E, instead of the sort's 55 (K3) / 36 (48B) stages
+// each touching all keys (session 4 ncu: k_moe_select_sort 19.8 us for K3, 8.9 us for the 48B). A token with a NaN
+// score takes the serial scan, as in the sort form.
+__global__ void __launch_bounds__(k_sw_max_e) k_moe_select_radix(const float * __restrict__ logits, dweight bias, droute c,
+                                                                 int32_t * __restrict__ ids, float * __restrict__ w) {
+    const float bias_mine = bias.data && int(threadIdx.x) < c.n_expert ? wload(bias, threadIdx.x) : 0.0f;   // a weight
+    pdl_enter();
+    __shared__ float score[k_sw_max_e];
+    __shared__ float biased[k_sw_max_e];
+    __shared__ unsigned long long cand[64];
+    __shared__ int32_t sel[64];
+    __shared__ int eq_warp[32];
+    __shared__ int n_cand;
+    const int64_t t = blockIdx.x;
+    const int E = int(c.n_expert), k = int(c.topk);
+    const int e = threadIdx.x, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    route_prologue(logits + t * c.n_expert, bias, c, score, biased, true, bias_mine);
+    const float v = e < E ? biased[e] : 0.0f;
+    if (__syncthreads_or(e < E && v != v)) {   // the serial rule, as the reference scans
+        if (threadIdx.x == 0) serial_pick(biased, E, k, sel);
+    } else {
+        const unsigned key = e < E ? order_key(v) : 0u;
+        unsigned thr = 0;   // after the loop: the k-th largest key (>= 1: there are >= k experts, all keys >= 1)
+        for (int b = 31; b >= 0; --b) {
+            const unsigned probe = thr | (1u << b);
+            if (__syncthreads_count(key >= probe) >= k) thr = probe;
+        }
+        const int need = k - __syncthreads_count(key > thr);   // how many of the keys == thr are picked (>= 1)
+        const bool eq = key == thr;
+        const unsigned bal = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) eq_warp[wid] = __popc(bal);
+        if (threadIdx.x == 0) n_cand = 0;
+        __syncthreads();
+        bool pick = key > thr;
+        if (eq) {   // rank among the equal keys by id: lower lanes of this warp, then the earlier warps
+            int before = __popc(bal & ((1u << lane) - 1u));
+            for (int q = 0; q < wid; ++q) before += eq_warp[q];
+            pick = before < need;
+        }
+        if (pick) cand[atomicAdd(&n_cand, 1)] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFull - unsigned(e));
+        __syncthreads();
+        if (threadIdx.x < k) {   // place = the number of picks before this one (greater key, or equal and lower id)
+            const unsigned long long mine = cand[threadIdx.x];
+            int place = 0;
+            for (int j = 0; j < k; ++j) place += cand[j] > mine;
+            sel[place] = int32_t(0xFFFFFFFFull - (mine & 0xFFFFFFFFull));
         }
     }
+    __syncthreads();
+    if (threadIdx.x < 32) route_write(score, sel, c, t, ids, w);
 }
 
 } // namespace
@@ -239,6 +271,15 @@ cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias
                                    cudaStream_t st) {
     if (c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk > 64 || c.topk > c.n_expert) return cudaErrorInvalidValue;
     if (T > 0) return launch_k(k_moe_select_warp, unsigned(T), 32, 0, st, logits, bias, c, ids, w);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                    cudaStream_t st) {
+    if (c.n_expert < 1 || c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk < 1 || c.topk > 64 || c.topk > c.n_expert)
+        return cudaErrorInvalidValue;
+    const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
+    if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
 }
 

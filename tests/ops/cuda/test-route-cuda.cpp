@@ -1,13 +1,16 @@
-// MOE_ROUTE selection by one warp per token and by a bitonic sort per token (route-select.cu, cuda_options::
-// moe_select_warp / moe_select_sort), on the GPU (both held to the same checks):
-//  1. warp_equals_block: over many shapes (E 8..1024, top-1..16, T 1..37, bias or none, sigmoid/softmax, grouped or not,
-//     renormalized or not) with logits from a coarse grid (so that exact ties are everywhere) plus NaN and -inf cases,
-//     the warp selection's ids and weights are bit for bit those of the block-wide selection (moe.cu k_moe_select, the
-//     kernel the parity suites already hold to the CPU reference).
-//  2. warp_equals_cpu_rule: on the same tie-heavy logits (no NaN), the ids equal a host implementation of the reference's
-//     rule (descending biased score, ties to the lower id, group pruning by top-2 sums, ties to the lower group) and the
+// MOE_ROUTE selection kernels (route-select.cu) on the GPU: one warp per token (cuda_options::moe_select_warp), a
+// bitonic sort per token (moe_select_sort) and the threshold search (moe_select_radix), all held to the same checks:
+//  1. fast_equals_block: over many shapes (E 1..1024, top-1..64, T 1..37, bias or none, sigmoid/softmax, grouped or not,
+//     renormalized or not) with logits from a coarse grid (so that exact ties are everywhere), continuous logits, NaN,
+//     -inf and all-equal cases, each form's ids and weights are bit for bit those of the block-wide selection (moe.cu
+//     k_moe_select, the kernel the parity suites already hold to the CPU reference).
+//  2. fast_equals_cpu_rule: on the same logits (no NaN), the ids equal a host implementation of the reference's rule
+//     (descending biased score, ties to the lower id, group pruning by top-2 sums, ties to the lower group) and the
 //     weights agree to 1e-6.
-//  3. the comparators' controls: one swapped id and one weight moved by one ulp must each be reported.
+//  3. controls_fail: one swapped id and one weight moved by one ulp must each be reported; the host rule with ties to
+//     the HIGHER id must disagree with every kernel on tie-heavy logits (the tie rule is really exercised).
+//  4. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection) at the Kimi-Linear-48B and
+//     K3 geometries: CUDA graphs of back-to-back launches with PDL on, router weights rotated past the L2.
 // The cases skip (saying why) on a machine without a CUDA device.
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/prefill-ops.h"
@@ -18,11 +21,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace perigee::cuda {
@@ -38,7 +44,8 @@ bool have_gpu() {
 struct rcase {
     int E, k, T, n_group, topk_group;
     bool bias, softmax, renorm;
-    int special;   // 0 none, 1 NaN at expert 0 of every token, 2 NaN in the middle, 3 half the experts -inf
+    int special;   // 0 none, 1 NaN at expert 0 of every token, 2 NaN in the middle, 3 half the experts -inf,
+                   // 4 continuous logits (no ties), 5 every logit equal, 6 every logit -inf
 };
 
 struct result {
@@ -46,7 +53,8 @@ struct result {
     std::vector<float> w;
 };
 
-enum class kind { block, warp, sort };
+enum class kind { block, warp, sort, radix };
+const char * kind_name(kind k) { return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : "block"; }
 
 // Runs one selection kernel on the device over logits [T, E].
 result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
@@ -66,9 +74,10 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     const dweight bw{db, wtype::F32};
     cudaStream_t st;
     cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    const cudaError_t e = kk == kind::warp   ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
-                          : kk == kind::sort ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
-                                             : launch_moe_select(dl, c.T, bw, r, di, dw, st);
+    const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
+                          : kk == kind::sort  ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
+                          : kk == kind::radix ? launch_moe_select_radix(dl, c.T, bw, r, di, dw, st)
+                                              : launch_moe_select(dl, c.T, bw, r, di, dw, st);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
     cudaStreamDestroy(st);
@@ -83,7 +92,8 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
 }
 
 // The reference's rule on the host (src/backend/cpu/moe.cpp moe_route_ref, from given logits).
-result host_select(const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
+// ties_high: ties to the HIGHER id instead (a wrong rule, for the control that must fail).
+result host_select(const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias, bool ties_high = false) {
     result out{std::vector<int32_t>(size_t(c.T * c.k)), std::vector<float>(size_t(c.T * c.k))};
     const int E = c.E;
     for (int t = 0; t < c.T; ++t) {
@@ -117,7 +127,8 @@ result host_select(const rcase & c, const std::vector<float> & logits, const std
         std::vector<int> order(static_cast<size_t>(E));
         std::iota(order.begin(), order.end(), 0);
         std::partial_sort(order.begin(), order.begin() + c.k, order.end(), [&](int a, int b) {
-            return biased[size_t(a)] > biased[size_t(b)] || (biased[size_t(a)] == biased[size_t(b)] && a < b);
+            return biased[size_t(a)] > biased[size_t(b)] ||
+                   (biased[size_t(a)] == biased[size_t(b)] && (ties_high ? a > b : a < b));
         });
         double sum = 0.0;
         for (int j = 0; j < c.k; ++j) sum += score[size_t(order[size_t(j)])];
@@ -167,15 +178,38 @@ std::vector<rcase> cases() {
             }
     for (int special : {1, 2, 3})
         for (int E : {64, 896}) v.push_back(rcase{E, 8, 5, 1, 1, true, false, true, special});
+    // wide top-k (the threshold form's 64 candidate slots, the epilogue's second lane slot), tiny E, E not a multiple of
+    // 32 (a partial last warp), continuous / all-equal / all -inf logits, the two target geometries
+    for (int E : {64, 100, 256, 896, 1024})
+        for (int k : {32, 33, 64})
+            for (int special : {0, 4}) v.push_back(rcase{E, k, 3, 1, 1, true, false, true, special});
+    for (int E : {1, 2, 3, 5, 7, 31, 33, 65})
+        for (int k : {1, 2, 5})
+            if (k <= E) v.push_back(rcase{E, k, 2, 1, 1, E % 2 == 1, false, true, E == 33 ? 4 : 0});
+    for (int special : {5, 6})
+        for (int E : {8, 256, 896}) {
+            v.push_back(rcase{E, 8, 2, 1, 1, false, false, true, special});
+            v.push_back(rcase{E, 8, 2, 1, 1, true, special == 5, true, special});
+        }
+    for (int T : {1, 8}) {
+        v.push_back(rcase{256, 8, T, 1, 1, true, false, true, 4});   // Kimi-Linear-48B
+        v.push_back(rcase{896, 16, T, 1, 1, true, false, true, 4});  // K3
+        v.push_back(rcase{256, 8, T, 8, 4, true, false, true, 4});   // grouped, continuous
+    }
     return v;
 }
 
 void make_inputs(const rcase & c, uint32_t seed, std::vector<float> & logits, std::vector<float> & bias) {
     std::mt19937 rng(seed);
     logits.assign(size_t(c.T) * c.E, 0.0f);
-    for (auto & x : logits) x = float(int(rng() % 9) - 4) * 0.5f;   // 9 values: exact ties everywhere
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    for (auto & x : logits) x = c.special == 4 ? nd(rng) : float(int(rng() % 9) - 4) * 0.5f;   // coarse: exact ties everywhere
     bias.assign(size_t(c.E), 0.0f);
-    for (auto & b : bias) b = float(int(rng() % 5) - 2) * 0.125f;
+    for (auto & b : bias) b = c.special == 4 ? nd(rng) * 0.01f : float(int(rng() % 5) - 2) * 0.125f;
+    if (c.special == 5 || c.special == 6) {   // every key equal: the picks are ids 0..k-1
+        for (auto & x : logits) x = c.special == 5 ? 0.75f : -std::numeric_limits<float>::infinity();
+        for (auto & b : bias) b = 0.25f;
+    }
     for (int t = 0; t < c.T; ++t) {
         float * row = logits.data() + size_t(t) * c.E;
         if (c.special == 1) row[0] = std::nanf("");
@@ -185,27 +219,30 @@ void make_inputs(const rcase & c, uint32_t seed, std::vector<float> & logits, st
     }
 }
 
-TEST(route_select, warp_equals_block) {
+std::string describe(const rcase & c) {
+    return "E " + std::to_string(c.E) + " k " + std::to_string(c.k) + " T " + std::to_string(c.T) + " groups " +
+           std::to_string(c.n_group) + "/" + std::to_string(c.topk_group) + " bias " + std::to_string(c.bias) + " softmax " +
+           std::to_string(c.softmax) + " renorm " + std::to_string(c.renorm) + " special " + std::to_string(c.special);
+}
+
+const kind k_fast[] = {kind::warp, kind::sort, kind::radix};
+
+TEST(route_select, fast_equals_block) {
     NEED_GPU();
     int n = 0;
     uint32_t seed = 1;
     for (const rcase & c : cases()) {
         std::vector<float> logits, bias;
         make_inputs(c, seed++, logits, bias);
-        const result blk = run_select(kind::block, c, logits, bias), wrp = run_select(kind::warp, c, logits, bias),
-                     srt = run_select(kind::sort, c, logits, bias);
-        EXPECT_EQ(diff_bitwise(srt, blk), "") << "sort: E " << c.E << " k " << c.k << " T " << c.T << " groups " << c.n_group
-                                              << "/" << c.topk_group << " bias " << c.bias << " softmax " << c.softmax
-                                              << " special " << c.special;
-        const std::string d = diff_bitwise(wrp, blk);
-        EXPECT_EQ(d, "") << "E " << c.E << " k " << c.k << " T " << c.T << " groups " << c.n_group << "/" << c.topk_group
-                         << " bias " << c.bias << " softmax " << c.softmax << " special " << c.special;
+        const result blk = run_select(kind::block, c, logits, bias);
+        for (const kind kk : k_fast)
+            EXPECT_EQ(diff_bitwise(run_select(kk, c, logits, bias), blk), "") << kind_name(kk) << ": " << describe(c);
         ++n;
     }
-    std::printf("[route_select] warp == block and sort == block bit for bit on %d cases\n", n);
+    std::printf("[route_select] warp, sort and radix == block bit for bit on %d cases\n", n);
 }
 
-TEST(route_select, warp_equals_cpu_rule) {
+TEST(route_select, fast_equals_cpu_rule) {
     NEED_GPU();
     int n = 0;
     uint32_t seed = 1000;
@@ -213,35 +250,155 @@ TEST(route_select, warp_equals_cpu_rule) {
         if (c.special == 1 || c.special == 2) continue;   // the host rule's partial_sort is not defined on NaN
         std::vector<float> logits, bias;
         make_inputs(c, seed++, logits, bias);
-        const result wrp = run_select(kind::warp, c, logits, bias), ref = host_select(c, logits, bias);
-        EXPECT_EQ(diff_ids_close(run_select(kind::sort, c, logits, bias), ref, 1e-6f), "") << "sort: E " << c.E << " k " << c.k;
-        const std::string d = diff_ids_close(wrp, ref, 1e-6f);
-        EXPECT_EQ(d, "") << "E " << c.E << " k " << c.k << " T " << c.T << " groups " << c.n_group << "/" << c.topk_group
-                         << " bias " << c.bias << " softmax " << c.softmax << " special " << c.special;
+        const result ref = host_select(c, logits, bias);
+        for (const kind kk : k_fast)
+            EXPECT_EQ(diff_ids_close(run_select(kk, c, logits, bias), ref, 1e-6f), "") << kind_name(kk) << ": " << describe(c);
         ++n;
     }
-    std::printf("[route_select] warp == the reference rule on %d cases\n", n);
+    std::printf("[route_select] warp, sort and radix == the reference rule on %d cases\n", n);
 }
 
 TEST(route_select, controls_fail) {
     NEED_GPU();
-    const rcase c{896, 16, 3, 1, 1, true, false, true, 0};
+    for (const kind kk : k_fast) {
+        const rcase c{896, 16, 3, 1, 1, true, false, true, 0};
+        std::vector<float> logits, bias;
+        make_inputs(c, 77, logits, bias);
+        const result got = run_select(kk, c, logits, bias), blk = run_select(kind::block, c, logits, bias),
+                     ref = host_select(c, logits, bias);
+        ASSERT_EQ(diff_bitwise(got, blk), "") << kind_name(kk);
+        ASSERT_EQ(diff_ids_close(got, ref, 1e-6f), "") << kind_name(kk);
+        result swapped = got;
+        std::swap(swapped.ids[0], swapped.ids[1]);
+        EXPECT_NE(diff_bitwise(swapped, blk), "") << kind_name(kk) << " control: a swapped pick must be reported (bitwise)";
+        EXPECT_NE(diff_ids_close(swapped, ref, 1e-6f), "") << kind_name(kk) << " control: a swapped pick must be reported (reference)";
+        result ulp = got;
+        ulp.w[5] = std::nextafter(ulp.w[5], 1e30f);
+        EXPECT_NE(diff_bitwise(ulp, blk), "") << kind_name(kk) << " control: a weight one ulp off must be reported (bitwise)";
+        result far = got;
+        far.w[5] *= 1.0001f;
+        EXPECT_NE(diff_ids_close(far, ref, 1e-6f), "") << kind_name(kk) << " control: a weight 1e-4 off must be reported (reference)";
+        // the tie rule matters on these logits: the rule with ties to the higher id picks other experts
+        EXPECT_NE(diff_ids_close(got, host_select(c, logits, bias, true), 1e-6f), "")
+            << kind_name(kk) << " control: ties to the higher id must give other picks on the tie-heavy logits";
+    }
+    // the same tie control on the all-equal case: the picks must be 0..k-1, never k-1..0 or the top ids
+    const rcase eq{256, 8, 1, 1, 1, false, false, true, 5};
     std::vector<float> logits, bias;
-    make_inputs(c, 77, logits, bias);
-    const result wrp = run_select(kind::warp, c, logits, bias), blk = run_select(kind::block, c, logits, bias),
-                 ref = host_select(c, logits, bias);
-    ASSERT_EQ(diff_bitwise(wrp, blk), "");
-    ASSERT_EQ(diff_ids_close(wrp, ref, 1e-6f), "");
-    result swapped = wrp;
-    std::swap(swapped.ids[0], swapped.ids[1]);
-    EXPECT_NE(diff_bitwise(swapped, blk), "") << "control: a swapped pick must be reported (bitwise)";
-    EXPECT_NE(diff_ids_close(swapped, ref, 1e-6f), "") << "control: a swapped pick must be reported (reference)";
-    result ulp = wrp;
-    ulp.w[5] = std::nextafter(ulp.w[5], 1e30f);
-    EXPECT_NE(diff_bitwise(ulp, blk), "") << "control: a weight one ulp off must be reported (bitwise)";
-    result far = wrp;
-    far.w[5] *= 1.0001f;
-    EXPECT_NE(diff_ids_close(far, ref, 1e-6f), "") << "control: a weight 1e-4 off must be reported (reference)";
+    make_inputs(eq, 5, logits, bias);
+    const result got = run_select(kind::radix, eq, logits, bias);
+    for (int j = 0; j < eq.k; ++j) EXPECT_EQ(got.ids[size_t(j)], j) << "radix, all scores equal: pick " << j;
+    EXPECT_NE(diff_ids_close(got, host_select(eq, logits, bias, true), 1e-6f), "")
+        << "control: ties to the higher id must pick 255..248 on all-equal scores";
+}
+
+// ---- timing ----
+struct gpu_timer {
+    cudaStream_t st{};
+    explicit gpu_timer(cudaStream_t s) : st(s) {}
+    // median over 7 replays of a graph of nl back-to-back launches of f(i), per launch, in us
+    double us(const std::function<void(int)> & f, int nl) {
+        f(0);   // eager once, outside the capture (one-time attributes)
+        EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        cudaGraph_t gr;
+        cudaGraphExec_t ge;
+        EXPECT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), cudaSuccess);
+        for (int i = 0; i < nl; ++i) f(i);
+        EXPECT_EQ(cudaStreamEndCapture(st, &gr), cudaSuccess);
+        EXPECT_EQ(cudaGraphInstantiate(&ge, gr, 0), cudaSuccess);
+        cudaEvent_t a, b;
+        cudaEventCreate(&a);
+        cudaEventCreate(&b);
+        std::vector<float> v;
+        for (int r = 0; r < 10; ++r) {
+            cudaEventRecord(a, st);
+            cudaGraphLaunch(ge, st);
+            cudaEventRecord(b, st);
+            cudaEventSynchronize(b);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, a, b);
+            if (r >= 3) v.push_back(ms);
+        }
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(gr);
+        EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+        std::sort(v.begin(), v.end());
+        return double(v[v.size() / 2]) * 1000.0 / nl;
+    }
+};
+
+TEST(route_select, timing) {
+    NEED_GPU();
+    pdl_scope pdl(true);   // as the backend's decode step runs
+    struct geo { const char * name; int E, k; int64_t D; };
+    cudaStream_t st;
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    gpu_timer tm(st);
+    for (const geo & g : {geo{"48B", 256, 8, 2304}, geo{"K3", 896, 16, 7168}}) {
+        const size_t wbytes = size_t(g.E) * size_t(g.D) * 2;
+        const int copies = int((size_t(160) << 20) / wbytes + 1), nl = 64;
+        std::vector<uint16_t> hw(size_t(g.E) * size_t(g.D));
+        std::mt19937 rng(11);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (auto & x : hw) {
+            const float f = nd(rng) * 0.02f;
+            uint32_t u;
+            std::memcpy(&u, &f, 4);
+            x = uint16_t(u >> 16);
+        }
+        std::vector<void *> wc(static_cast<size_t>(copies));
+        for (auto & p : wc) {
+            cudaMalloc(&p, wbytes);
+            cudaMemcpy(p, hw.data(), wbytes, cudaMemcpyHostToDevice);
+        }
+        std::vector<float> hx(size_t(8 * g.D)), hb(size_t(g.E));
+        for (auto & x : hx) x = nd(rng);
+        for (auto & b : hb) b = nd(rng) * 0.01f;
+        float *x, *db, *lg, *w;
+        int32_t * ids;
+        cudaMalloc(reinterpret_cast<void **>(&x), hx.size() * 4);
+        cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+        cudaMalloc(reinterpret_cast<void **>(&db), hb.size() * 4);
+        cudaMemcpy(db, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice);
+        cudaMalloc(reinterpret_cast<void **>(&lg), size_t(8 * g.E) * 4);
+        cudaMalloc(reinterpret_cast<void **>(&ids), size_t(8 * g.k) * 4);
+        cudaMalloc(reinterpret_cast<void **>(&w), size_t(8 * g.k) * 4);
+        const droute r{g.E, g.k, 1, 1, true, 2.5f, 0};
+        const dweight bw{db, wtype::F32};
+        using sel_fn = cudaError_t (*)(const float *, int64_t, dweight, const droute &, int32_t *, float *, cudaStream_t);
+        const std::pair<const char *, sel_fn> sels[] = {
+            {"block", launch_moe_select}, {"sort", launch_moe_select_sort}, {"radix", launch_moe_select_radix}};
+        const std::pair<const char *, gemv_cfg> gemvs[] = {{"gemv-v1", gemv_cfg{0, 0}}, {"gemv-v2", gemv_cfg{4, 0}}};
+        for (int T : {1, 8}) {
+            auto gemv = [&](int i, const gemv_cfg & cfg) {
+                EXPECT_EQ(launch_linear_gemv(x, T, g.D, dweight{wc[size_t(i % copies)], wtype::BF16}, g.E, lg, st, cfg),
+                          cudaSuccess);
+            };
+            std::printf("[timing] %s route E=%d top-%d D=%lld T=%d (us per launch, graph of %d, PDL):", g.name, g.E, g.k,
+                        (long long)g.D, T, nl);
+            for (const auto & gv : gemvs) std::printf(" %s %.2f", gv.first, tm.us([&](int i) { gemv(i, gv.second); }, nl));
+            for (const auto & sv : sels)
+                std::printf(" | %s %.2f", sv.first,
+                            tm.us([&](int) { EXPECT_EQ(sv.second(lg, T, bw, r, ids, w, st), cudaSuccess); }, nl));
+            std::printf("\n[timing] %s route T=%d, GEMV + selection:", g.name, T);
+            for (const auto & gv : gemvs)
+                for (const auto & sv : sels)
+                    std::printf(" | %s+%s %.2f", gv.first, sv.first, tm.us([&](int i) {
+                                    gemv(i, gv.second);
+                                    EXPECT_EQ(sv.second(lg, T, bw, r, ids, w, st), cudaSuccess);
+                                }, nl));
+            std::printf("\n");
+        }
+        for (auto p : wc) cudaFree(p);
+        cudaFree(x);
+        cudaFree(db);
+        cudaFree(lg);
+        cudaFree(ids);
+        cudaFree(w);
+    }
+    cudaStreamDestroy(st);
 }
 
 } // namespace
