@@ -570,6 +570,422 @@ void launch_mla_v2_linear_any(bool out, const float * x, dweight kv_b, int64_t T
     }
 }
 
+// ---- Decode v3 (cuda_options::mla_decode_v3; needs v2's shapes) ----
+// Why v2 is still slow at batch 1 (bench/session4-h200-2026-11-30-ncu-48b-step.txt, one 48B MLA layer, each kernel
+// isolated: cache_write 5.2 + q_absorb 4.6 + attention 21.0 + combine 9.2 + out 4.5 us for ~13 MB): five launches, each
+// a chain of dependent memory latencies (the attention: batch arrays -> block table -> tile, after q rows loaded one
+// float4 at a time; the combine: per thread a serial walk over the ns partials in three passes, 32 blocks only).
+// v3, three launches, with everything that does not depend on the kernel just before issued BEFORE pdl_wait (under PDL
+// it overlaps that kernel; see the ordering argument below):
+//  * k_mla_q_absorb_v3: q_absorb v2 with the first batch of W_UK loads before pdl_wait, plus one more block column that
+//    writes the latent cache rows of the step (the cache write launch is gone).
+//  * k_mla_attn_v3: v2's attention. Before pdl_wait: the batch arrays, the first key tile (cp.async) and the q_rope rows;
+//    after it only the q_lat rows (written by q_absorb). Key ranges are whole 32-key tiles. Keys of THIS step's tokens
+//    (positions >= pos0 of the sequence) are read from the c / kr inputs, not from the cache, so the attention never
+//    waits for the cache write. Partials as [acc (ns x L, 16-byte aligned)] + [m, l] pairs.
+//  * k_mla_out_v3: the combine folded into the output projection: W_UV loads before pdl_wait, then per (token, head)
+//    the ns exp weights from one warp (lanes over the partials) and the merged o_lat tile in shared memory.
+// Ordering (PDL): every kernel passes pdl_wait before its pdl_trigger, so when a kernel's pre-wait code runs, the kernel
+// before its predecessor has completed (and transitively all earlier ones): the attention may read the cache, c, kr, q
+// and sel before its wait (only q_lat comes from its predecessor); q_absorb and out read only weights before theirs.
+// Nothing is written before a wait. fp32; the summation order of the combine differs from v2 (f32 tolerance).
+constexpr int k_v3_tiles_max = 64;
+
+// qlat as v2 (TT tokens per block); the last block column (blockIdx.x == gridDim.x - 1) writes the cache rows [c | kr]
+// of the tile's tokens instead.
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(256, 1) k_mla_q_absorb_v3(const float * __restrict__ q, const void * __restrict__ kv_b,
+                                                         int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv, int64_t L,
+                                                         float * __restrict__ qlat, const float * __restrict__ c,
+                                                         const float * __restrict__ kr, float * __restrict__ cache, dbatch b) {
+    const int64_t t0 = int64_t(blockIdx.y) * TT;
+    if (blockIdx.x == gridDim.x - 1) {   // the cache write of tokens t0 .. t0 + TT - 1
+        pdl_enter();
+        for (int tt = 0; tt < TT && t0 + tt < T; ++tt) {
+            const int64_t t = t0 + tt;
+            const int s = b.tok_seq[t];
+            const int64_t pos = b.pos0[s] + t - b.seq_start[s];
+            float * row = cache + cache_row(b, s, pos) * (L + dr);
+            for (int64_t i = threadIdx.x; i < L + dr; i += blockDim.x) row[i] = i < L ? c[t * L + i] : kr[t * dr + i - L];
+        }
+        return;
+    }
+    __shared__ float qs[TT][256 + 8 * k_qa_rows];
+    __shared__ float4 red[8][TT][32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t L4 = L / 4, nct = (L4 + 31) / 32;
+    const int64_t h = blockIdx.x / nct, cb = (blockIdx.x % nct) * 32, c4 = cb + lane;
+    const int64_t wbase = h * (dn + dv) * L + 4 * min(c4, L4 - 1);
+    float4 w[k_qa_rows];
+    // weights: constant for the step, loaded before the wait
+#pragma unroll
+    for (int r = 0; r < k_qa_rows; ++r) w[r] = wload4<WT>(kv_b, wbase + min(int64_t(wid + 8 * r), dn - 1) * L);
+    pdl_enter();
+    constexpr int QW = 256 + 8 * k_qa_rows;
+    for (int i = threadIdx.x; i < TT * QW; i += blockDim.x) {
+        const int tt = i / QW, k = i % QW;
+        const int64_t t = t0 + tt;
+        qs[tt][k] = t < T && k < dn ? q[(t * H + h) * (dn + dr) + k] : 0.0f;
+    }
+    __syncthreads();
+    float4 acc[TT];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) acc[tt] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int64_t i0 = wid; i0 < dn; i0 += 8 * k_qa_rows) {
+        if (i0 != wid) {
+#pragma unroll
+            for (int r = 0; r < k_qa_rows; ++r) w[r] = wload4<WT>(kv_b, wbase + min(i0 + 8 * r, dn - 1) * L);
+        }
+#pragma unroll
+        for (int r = 0; r < k_qa_rows; ++r) {
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) fma4(acc[tt], qs[tt][i0 + 8 * r], w[r]);
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) red[wid][tt][lane] = acc[tt];
+    __syncthreads();
+    for (int o = threadIdx.x; o < TT * 32; o += blockDim.x) {
+        const int tt = o / 32, cc = o % 32;
+        const int64_t t = t0 + tt, cidx = cb + cc;
+        if (t >= T || cidx >= L4) continue;
+        float4 sum = red[0][tt][cc];
+#pragma unroll
+        for (int ww = 1; ww < 8; ++ww) {
+            const float4 v = red[ww][tt][cc];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        reinterpret_cast<float4 *>(qlat + (t * H + h) * L)[cidx] = sum;
+    }
+}
+
+// Block per (token, group of k_v2_warps * HPW heads) x key range of kpb keys (a multiple of 32). Shapes as v2, plus c
+// and kr 16-byte aligned. Dynamic shared memory: mla_v3_smem(HPW, L + dr).
+template <int HPW>
+__global__ void __launch_bounds__(k_v2_warps * 32, 2) k_mla_attn_v3(
+    const float * __restrict__ q, const float * __restrict__ qlat, const float * __restrict__ c, const float * __restrict__ kr,
+    int64_t H, int64_t dn, int64_t dr, int64_t L, float scale, const float * __restrict__ cache,
+    const int32_t * __restrict__ sel, int64_t topk, dbatch b, int64_t kpb, float * __restrict__ olat,
+    float * __restrict__ part_acc, float * __restrict__ part_ml, int * err) {
+    constexpr int HG = k_v2_warps * HPW;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t G = (H + HG - 1) / HG;
+    const int64_t t = blockIdx.x / G, h0 = (blockIdx.x % G) * HG;
+    // ---- before pdl_wait: nothing here is written by q_absorb (the kernel just before) ----
+    const int s = b.tok_seq[t];
+    const int64_t p0 = b.pos0[s], tok0 = b.seq_start[s];
+    const int64_t pos = p0 + t - tok0;
+    const int W = int(L + dr), W4 = W / 4, S = W4 | 1, L4 = int(L / 4);
+    extern __shared__ float4 sm4[];
+    float4 * cs = sm4;                                                        // [k_v2_keys][S] key rows [c | kr]
+    float4 * qs = cs + k_v2_keys * S;                                         // [HG][S] [q_lat | q_rope]
+    float * ps = reinterpret_cast<float *>(qs + HG * S);                      // [HG][k_v2_keys]
+    const float ** src_c = reinterpret_cast<const float **>(ps + HG * k_v2_keys);   // [k_v2_keys] latent part, null: masked
+    const float ** src_r = src_c + k_v2_keys;                                 // [k_v2_keys] rope part
+    const int64_t n_keys = sel ? topk : pos + 1;
+    const int64_t j0 = int64_t(blockIdx.y) * kpb, j1 = min(n_keys, j0 + kpb);
+    bool bad = false;   // a selected position past the token's own (reported after the wait: no write before it)
+    // q_rope rows of the group
+    const int R4 = W4 - L4;
+    for (int i = threadIdx.x; i < HG * R4; i += blockDim.x) {
+        const int hh = i / R4, cc = i % R4;
+        const int64_t h = h0 + hh;
+        cp_async16_zfill(qs + hh * S + L4 + cc, h < H ? q + (t * H + h) * (dn + dr) + dn + 4 * cc : q, h < H ? 16 : 0);
+    }
+    // the row sources of the tile at jt (warp 0), then every warp's cp.async of its rows
+    auto issue_tile = [&](int64_t jt) {
+        if (wid == 0) {
+            const int64_t j = jt + lane;
+            const float *rc = nullptr, *rr = nullptr;
+            if (j < j1) {
+                int64_t p = j;
+                if (sel) {
+                    p = sel[t * topk + j];
+                    if (p > pos) {
+                        bad = true;
+                        p = -1;
+                    }
+                }
+                if (p >= p0) {   // a token of this step: its row is not in the cache yet (written beside this kernel)
+                    const int64_t tp = tok0 + p - p0;
+                    rc = c + tp * L;
+                    rr = kr + tp * dr;
+                } else if (p >= 0) {
+                    rc = cache + cache_row(b, s, p) * W;
+                    rr = rc + L;
+                }
+            }
+            src_c[lane] = rc;
+            src_r[lane] = rr;
+        }
+        __syncthreads();
+        for (int r = wid; r < k_v2_keys; r += k_v2_warps) {
+            const float * rc = src_c[r];
+            const float * rr = src_r[r];
+            for (int cc = lane; cc < W4; cc += 32) {
+                const float * src = cc < L4 ? rc + 4 * cc : rr + 4 * (cc - L4);
+                cp_async16_zfill(cs + r * S + cc, rc ? src : cache, rc ? 16 : 0);
+            }
+        }
+    };
+    if (j0 < j1) issue_tile(j0);
+    pdl_wait();
+    pdl_trigger();
+    // ---- after the wait: q_lat ----
+    for (int i = threadIdx.x; i < HG * L4; i += blockDim.x) {
+        const int hh = i / L4, cc = i % L4;
+        const int64_t h = h0 + hh;
+        cp_async16_zfill(qs + hh * S + cc, h < H ? qlat + (t * H + h) * L + 4 * cc : qlat, h < H ? 16 : 0);
+    }
+    cp_async_commit_wait_all();
+    __syncthreads();
+    float m[HPW], lsum[HPW];
+    float4 acc[HPW][4];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        m[hh] = -INFINITY;
+        lsum[hh] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[hh][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    const float4 * qw = qs + wid * HPW * S;
+    for (int64_t jt = j0; jt < j1; jt += k_v2_keys) {
+        if (jt != j0) {
+            __syncthreads();   // the previous tile's readers are done
+            issue_tile(jt);
+            cp_async_commit_wait_all();
+            __syncthreads();
+        }
+        const bool kv = src_c[lane] != nullptr;
+        float sx[HPW], sy[HPW], sz[HPW], sw[HPW];
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) sx[hh] = sy[hh] = sz[hh] = sw[hh] = 0.0f;
+        const float4 * cr = cs + lane * S;
+#pragma unroll 4
+        for (int cc = 0; cc < W4; ++cc) {
+            const float4 kv4 = cr[cc];
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                const float4 qv = qw[hh * S + cc];
+                sx[hh] = fmaf(qv.x, kv4.x, sx[hh]);
+                sy[hh] = fmaf(qv.y, kv4.y, sy[hh]);
+                sz[hh] = fmaf(qv.z, kv4.z, sz[hh]);
+                sw[hh] = fmaf(qv.w, kv4.w, sw[hh]);
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) {
+            const float sc = kv ? ((sx[hh] + sy[hh]) + (sz[hh] + sw[hh])) * scale : -INFINITY;
+            const float mn = fmaxf(m[hh], warp_max(sc));
+            float p = 0.0f, corr = 1.0f;
+            if (mn != -INFINITY) {
+                p = kv ? expf(sc - mn) : 0.0f;
+                corr = expf(m[hh] - mn);
+            }
+            lsum[hh] = lsum[hh] * corr + warp_sum(p);
+            m[hh] = mn;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                acc[hh][k].x *= corr;
+                acc[hh][k].y *= corr;
+                acc[hh][k].z *= corr;
+                acc[hh][k].w *= corr;
+            }
+            ps[(wid * HPW + hh) * k_v2_keys + lane] = p;
+        }
+        __syncwarp();
+        const int nk = int(min(int64_t(k_v2_keys), j1 - jt));
+        for (int j = 0; j < nk; ++j) {
+            float pj[HPW];
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) pj[hh] = ps[(wid * HPW + hh) * k_v2_keys + j];
+            const float4 * crow = cs + j * S;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int cc = lane + 32 * k;
+                if (cc < L4) {
+                    const float4 cv = crow[cc];
+#pragma unroll
+                    for (int hh = 0; hh < HPW; ++hh) fma4(acc[hh][k], pj[hh], cv);
+                }
+            }
+        }
+    }
+    if (bad) atomicOr(err + ERR_SEL_RANGE, 1);
+    const int64_t ns = gridDim.y;
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        const int64_t h = h0 + wid * HPW + hh;
+        if (h >= H) continue;
+        const int64_t th = t * H + h;
+        if (part_acc) {   // unnormalised partial of this key range, merged by k_mla_out_v3
+            float4 * pa = reinterpret_cast<float4 *>(part_acc + (th * ns + blockIdx.y) * L);
+            if (lane == 0) {
+                part_ml[(th * ns + blockIdx.y) * 2] = m[hh];
+                part_ml[(th * ns + blockIdx.y) * 2 + 1] = lsum[hh];
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int cc = lane + 32 * k;
+                if (cc < L4) pa[cc] = acc[hh][k];
+            }
+            continue;
+        }
+        if (m[hh] == -INFINITY && lane == 0 && sel) atomicOr(err + ERR_SEL_RANGE, 1);   // no position selected
+        const float inv = lsum[hh] > 0.0f ? 1.0f / lsum[hh] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int cc = lane + 32 * k;
+            if (cc < L4)
+                reinterpret_cast<float4 *>(olat + th * L)[cc] =
+                    make_float4(acc[hh][k].x * inv, acc[hh][k].y * inv, acc[hh][k].z * inv, acc[hh][k].w * inv);
+        }
+    }
+}
+
+// o [T, H, dv] as k_mla_out_v2; o_lat from the ns <= k_v3_tiles_max partials when part_acc is set (the combine), else
+// read from olat.
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(256) k_mla_out_v3(const float * __restrict__ olat, const float * __restrict__ part_acc,
+                                                    const float * __restrict__ part_ml, int64_t ns,
+                                                    const int32_t * __restrict__ sel, int * err, const void * __restrict__ kv_b,
+                                                    int64_t T, int64_t H, int64_t dn, int64_t dv, int64_t L,
+                                                    float * __restrict__ o) {
+    __shared__ float4 os[TT][128];
+    __shared__ float fw[TT][k_v3_tiles_max];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t L4 = L / 4, nrc = (dv + 31) / 32;
+    const int64_t h = blockIdx.x / nrc, r0 = (blockIdx.x % nrc) * 32 + wid * 4;
+    const int64_t t0 = int64_t(blockIdx.y) * TT;
+    float4 w[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int64_t i = min(r0 + r, dv - 1), c4 = min(int64_t(lane + 32 * k), L4 - 1);
+            w[r][k] = wload4<WT>(kv_b, (h * (dn + dv) + dn + i) * L + 4 * c4);
+        }
+    }
+    pdl_enter();   // the weights above are constant; the partials / o_lat come from the attention just before
+    if (part_acc) {
+        for (int tt = wid; tt < TT; tt += 8) {   // the exp weights of (token, head): lanes over the partials
+            const int64_t t = t0 + tt;
+            if (t >= T) break;
+            const float * ml = part_ml + (t * H + h) * ns * 2;
+            const float ma = lane < ns ? ml[2 * lane] : -INFINITY, la = lane < ns ? ml[2 * lane + 1] : 0.0f;
+            const float mb = lane + 32 < ns ? ml[2 * (lane + 32)] : -INFINITY;
+            const float lb = lane + 32 < ns ? ml[2 * (lane + 32) + 1] : 0.0f;
+            const float M = warp_max(fmaxf(ma, mb));
+            const float fa = ma == -INFINITY ? 0.0f : expf(ma - M), fb = mb == -INFINITY ? 0.0f : expf(mb - M);
+            const float den = warp_sum(fa * la + fb * lb);
+            const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+            if (lane < ns) fw[tt][lane] = fa * inv;
+            if (lane + 32 < ns) fw[tt][lane + 32] = fb * inv;
+            if (M == -INFINITY && lane == 0 && sel && blockIdx.x % nrc == 0) atomicOr(err + ERR_SEL_RANGE, 1);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < TT * 128; i += blockDim.x) {
+            const int tt = i / 128, cc = i % 128;
+            const int64_t t = t0 + tt;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < T && cc < L4) {
+                const float4 * pa = reinterpret_cast<const float4 *>(part_acc + (t * H + h) * ns * L) + cc;
+#pragma unroll 8
+                for (int64_t k = 0; k < ns; ++k) fma4(v, fw[tt][k], pa[k * L4]);
+            }
+            os[tt][cc] = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < TT * 128; i += blockDim.x) {
+            const int tt = i / 128, cc = i % 128;
+            const int64_t t = t0 + tt;
+            os[tt][cc] = t < T && cc < L4 ? reinterpret_cast<const float4 *>(olat + (t * H + h) * L)[cc]
+                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    __syncthreads();
+    for (int tt = 0; tt < TT; ++tt) {
+        const int64_t t = t0 + tt;
+        if (t >= T) break;
+        float pr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 ov = os[tt][lane + 32 * k];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pr[r] += w[r][k].x * ov.x + w[r][k].y * ov.y + w[r][k].z * ov.z + w[r][k].w * ov.w;
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pr[r] = warp_sum(pr[r]);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (r0 + r < dv) o[(t * H + h) * dv + r0 + r] = pr[r];
+        }
+    }
+}
+
+size_t mla_v3_smem(int hpw, int64_t W) {
+    const int64_t S = (W / 4) | 1, HG = int64_t(k_v2_warps) * hpw;
+    return size_t((k_v2_keys + HG) * S * 16 + HG * k_v2_keys * 4 + 2 * k_v2_keys * 8);
+}
+template <int HPW>
+cudaError_t mla_v3_attrs() {
+    static const cudaError_t e = [] {
+        cudaError_t r = cudaFuncSetAttribute(k_mla_attn_v3<HPW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(mla_v3_smem(HPW, 512 + 64)));
+        if (r == cudaSuccess)
+            r = cudaFuncSetAttribute(k_mla_attn_v3<HPW>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared));
+        return r;
+    }();
+    return e;
+}
+
+template <wtype WT>
+void launch_mla_v3_linears(bool out, const float * x, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv,
+                           int64_t L, float * y, const float * c, const float * kr, float * cache, const dbatch & b,
+                           const float * part_acc, const float * part_ml, int64_t ns, const int32_t * sel, int * err,
+                           cudaStream_t st) {
+    const unsigned ty1 = unsigned(T), ty8 = unsigned((T + 7) / 8);
+    if (!out) {
+        const unsigned gx = unsigned(H * ((L / 4 + 31) / 32)) + 1;   // + the cache-write column
+        if (T == 1)
+            launch_k(k_mla_q_absorb_v3<WT, 1>, dim3(gx, ty1), 256, 0, st, x, kv_b.data, T, H, dn, dr, dv, L, y, c, kr, cache, b);
+        else
+            launch_k(k_mla_q_absorb_v3<WT, 8>, dim3(gx, ty8), 256, 0, st, x, kv_b.data, T, H, dn, dr, dv, L, y, c, kr, cache, b);
+    } else {
+        const unsigned gx = unsigned(H * ((dv + 31) / 32));
+        if (T == 1)
+            launch_k(k_mla_out_v3<WT, 1>, dim3(gx, ty1), 256, 0, st, x, part_acc, part_ml, ns, sel, err, kv_b.data, T, H, dn,
+                     dv, L, y);
+        else
+            launch_k(k_mla_out_v3<WT, 8>, dim3(gx, ty8), 256, 0, st, x, part_acc, part_ml, ns, sel, err, kv_b.data, T, H, dn,
+                     dv, L, y);
+    }
+}
+void launch_mla_v3_linears_any(bool out, const float * x, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dr,
+                               int64_t dv, int64_t L, float * y, const float * c, const float * kr, float * cache,
+                               const dbatch & b, const float * part_acc, const float * part_ml, int64_t ns,
+                               const int32_t * sel, int * err, cudaStream_t st) {
+    switch (kv_b.type) {
+        case wtype::BF16:
+            launch_mla_v3_linears<wtype::BF16>(out, x, kv_b, T, H, dn, dr, dv, L, y, c, kr, cache, b, part_acc, part_ml, ns, sel,
+                                               err, st);
+            break;
+        case wtype::F16:
+            launch_mla_v3_linears<wtype::F16>(out, x, kv_b, T, H, dn, dr, dv, L, y, c, kr, cache, b, part_acc, part_ml, ns, sel,
+                                              err, st);
+            break;
+        default:
+            launch_mla_v3_linears<wtype::F32>(out, x, kv_b, T, H, dn, dr, dv, L, y, c, kr, cache, b, part_acc, part_ml, ns, sel,
+                                              err, st);
+            break;
+    }
+}
+
 } // namespace
 
 bool mla_v2_supported(const mla_shape & d) {
@@ -598,7 +1014,7 @@ int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split) {
 
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st, bool v2) {
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2, bool v3) {
     const int64_t T = b.n_tok, H = d.n_head, dn = d.head_dim_nope, dr = d.head_dim_rope, dv = d.head_dim_v,
                   L = d.kv_lora_rank;
     if (T == 0) return cudaGetLastError();
@@ -607,6 +1023,31 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
     float * olat = scratch + T * H * L;
     // v2 reads q, the q_rope rows and the cache rows as float4s: 16-byte aligned bases (device allocations are).
     const bool aligned = (reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(cache)) % 16 == 0;
+    const bool aligned_ckr = (reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(kr)) % 16 == 0;
+    if (v2 && v3 && mla_v2_supported(d) && aligned && aligned_ckr) {
+        if (n_split < 1 || n_split > k_v2_max_split) return cudaErrorInvalidValue;
+        // whole 32-key tiles per range: per = ceil(tiles / n_split) tiles each, ns = ceil(tiles / per) ranges
+        const int64_t max_keys = sel ? topk : int64_t(b.max_pos), tiles = std::max<int64_t>(1, (max_keys + k_v2_keys - 1) / k_v2_keys);
+        const int64_t per = (tiles + n_split - 1) / n_split, ns = (tiles + per - 1) / per;
+        float * part_acc = ns > 1 ? scratch + 2 * T * H * L : nullptr;
+        float * part_ml = ns > 1 ? part_acc + T * H * ns * L : nullptr;   // within mla_scratch_floats (ns <= n_split)
+        launch_mla_v3_linears_any(false, q, kv_b, T, H, dn, dr, dv, L, qlat, c, kr, cache, b, nullptr, nullptr, 0, sel, err, st);
+        const int hpw = mla_v2_hpw(T);
+        const int64_t hg = int64_t(k_v2_warps) * hpw, G = (H + hg - 1) / hg;
+        const size_t smem = mla_v3_smem(hpw, L + dr);
+        const dim3 grid(unsigned(T * G), unsigned(ns));
+        const cudaError_t e = hpw == 4 ? mla_v3_attrs<4>() : mla_v3_attrs<2>();
+        if (e != cudaSuccess) return e;
+        if (hpw == 4) {
+            launch_k(k_mla_attn_v3<4>, grid, k_v2_warps * 32, smem, st, q, qlat, c, kr, H, dn, dr, L, scale, cache, sel, topk, b,
+                     per * k_v2_keys, olat, part_acc, part_ml, err);
+        } else {
+            launch_k(k_mla_attn_v3<2>, grid, k_v2_warps * 32, smem, st, q, qlat, c, kr, H, dn, dr, L, scale, cache, sel, topk, b,
+                     per * k_v2_keys, olat, part_acc, part_ml, err);
+        }
+        launch_mla_v3_linears_any(true, olat, kv_b, T, H, dn, dr, dv, L, o, c, kr, cache, b, part_acc, part_ml, ns, sel, err, st);
+        return cudaGetLastError();
+    }
     if (v2 && mla_v2_supported(d) && aligned) {
         if (n_split < 1 || n_split > k_v2_max_split) return cudaErrorInvalidValue;
         // At most one range per 32-key tile of the longest key list of the step (fewer partials to merge).

@@ -1,5 +1,8 @@
-// MLA_ATTN decode kernels v2 (cuda_options::mla_decode_v2; src/backend/cuda/mla.cu "Decode v2") vs the CPU reference
-// and vs the first kernels (v1), issue 7.
+// MLA_ATTN decode kernels v2 (cuda_options::mla_decode_v2; src/backend/cuda/mla.cu "Decode v2") and v3
+// (cuda_options::mla_decode_v3, "Decode v3": three launches, loads before the PDL wait, the step's own keys read from
+// c / kr) vs the CPU reference and vs the first kernels (v1), issue 7. Every case runs v1, v2 and v3 (split on; v2 and
+// v3 also with one key range); v3 must also differ bitwise from v2 where several key ranges are merged (its combine
+// normalises before summing), else its kernels did not run.
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend is the reference; the CUDA backend runs
 // in guard mode; "measured <= threshold" printed on every line; the latent cache compared exactly (the cache write is
@@ -40,9 +43,12 @@ bool have_gpu() {
 #define NEED_GPU() \
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA parity runner needs the GPU machine"
 
-cuda_options opts(bool v2, bool split = true) {
+// ver 1: the first kernels, 2: v2, 3: v3 (mla.cu "Decode v3": cache write inside q_absorb's launch, combine inside the
+// output projection, loads before the PDL wait).
+cuda_options opts(int ver, bool split = true) {
     cuda_options o{true, 8};   // guard mode
-    o.mla_decode_v2 = v2;
+    o.mla_decode_v2 = ver >= 2;
+    o.mla_decode_v3 = ver >= 3;
     o.mla_split = split;
     return o;
 }
@@ -176,10 +182,11 @@ void controls(const std::string & name, const std::vector<float> & ref, const st
     tally(!pert && !neg);
 }
 
-void control_differs(const std::string & nm, const std::vector<float> & v2, const std::vector<float> & v1) {
+void control_differs(const std::string & nm, const std::vector<float> & v2, const std::vector<float> & v1,
+                     const char * a = "v2", const char * b = "v1") {
     const bool same = v2.size() == v1.size() && std::memcmp(v2.data(), v1.data(), v2.size() * 4) == 0;
-    std::printf("[%s/control(v2 bitwise equal to v1)] %s (must be DIFFERENT: the v2 kernels ran)\n", nm.c_str(),
-                same ? "EQUAL" : "DIFFERENT");
+    std::printf("[%s/control(%s bitwise equal to %s)] %s (must be DIFFERENT: the %s kernels ran)\n", nm.c_str(), a, b,
+                same ? "EQUAL" : "DIFFERENT", a);
     EXPECT_FALSE(same) << nm;
     tally(!same);
 }
@@ -213,12 +220,19 @@ TEST(cuda_mla, decode_causal_vs_cpu_v1_v2) {
         const std::string nm = fmt::format("mla-decode/H{}/L{}/T{}/ps{}/pos{}{}/{}", c.d.H, c.d.L, c.T, c.ps, pos[0],
                                            c.T > 1 ? "..." : "", dtype_name(c.wt));
         const ref_out ref = run_cpu(mc);
-        const gpu_out v2 = run_gpu(mc, opts(true)), v2one = run_gpu(mc, opts(true, false)), v1 = run_gpu(mc, opts(false));
+        const gpu_out v2 = run_gpu(mc, opts(2)), v2one = run_gpu(mc, opts(2, false)), v1 = run_gpu(mc, opts(1));
+        const gpu_out v3 = run_gpu(mc, opts(3)), v3one = run_gpu(mc, opts(3, false));
         EXPECT_TRUE(check_case(nm + "/v2", mc, ref, v2)) << nm;
         EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, v2one)) << nm;
+        EXPECT_TRUE(check_case(nm + "/v3", mc, ref, v3)) << nm;
+        EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, v3one)) << nm;
         EXPECT_TRUE(check_case(nm + "/v1", mc, ref, v1)) << nm;
         if (c.d.L == 512) control_differs(nm, v2.o, v1.o);
+        // v3's combine sums (f_i / den) acc_i where v2 sums f_i acc_i then divides: with several key ranges the two differ
+        // in the last bits, so bitwise equality would mean v3's kernels did not run
+        if (c.d.L == 512 && c.T == 1 && pos[0] >= 64) control_differs(nm + "/v3-vs-v2", v3.o, v2.o, "v3", "v2");
         if (ci == 6 || ci == 11) controls(nm + "/v2", ref.o, v2.o);
+        if (ci == 6 || ci == 13) controls(nm + "/v3", ref.o, v3.o);
     }
 }
 
@@ -237,8 +251,10 @@ TEST(cuda_mla, ragged_chunks_vs_cpu) {
         build(mc, c.d, c.lens, c.pos0, c.ps, dtype::BF16, 22000 + uint32_t(ci++));
         const std::string nm = fmt::format("mla-ragged/H{}/L{}/T{}/seqs{}", c.d.H, c.d.L, mc.T, c.lens.size());
         const ref_out ref = run_cpu(mc);
-        EXPECT_TRUE(check_case(nm + "/v2", mc, ref, run_gpu(mc, opts(true)))) << nm;
-        EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v2", mc, ref, run_gpu(mc, opts(2)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v3", mc, ref, run_gpu(mc, opts(3)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, run_gpu(mc, opts(3, false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(1)))) << nm;
     }
 }
 
@@ -257,9 +273,11 @@ TEST(cuda_mla, selected_by_indexer_vs_cpu) {
         build(mc, c.d, c.lens, c.pos0, c.ps, dtype::BF16, 23000 + uint32_t(ci++), 1, c.topk);
         const std::string nm = fmt::format("mla-sel/H{}/L{}/T{}/top{}", c.d.H, c.d.L, mc.T, c.topk);
         const ref_out ref = run_cpu(mc);
-        EXPECT_TRUE(check_case(nm + "/v2", mc, ref, run_gpu(mc, opts(true)))) << nm;
-        EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, run_gpu(mc, opts(true, false)))) << nm;
-        EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v2", mc, ref, run_gpu(mc, opts(2)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, run_gpu(mc, opts(2, false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v3", mc, ref, run_gpu(mc, opts(3)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, run_gpu(mc, opts(3, false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(1)))) << nm;
     }
 }
 
@@ -283,11 +301,14 @@ TEST(cuda_mla, selected_given_and_controls) {
     build(mc, d, lens, pos0, 64, dtype::BF16, 24001, 2, 0, sel);
     const std::string nm = "mla-sel-given/H8/L512/T2/top45";
     const ref_out ref = run_cpu(mc);
-    const gpu_out v2 = run_gpu(mc, opts(true));
+    const gpu_out v2 = run_gpu(mc, opts(2)), v3 = run_gpu(mc, opts(3));
     EXPECT_TRUE(check_case(nm + "/v2", mc, ref, v2)) << nm;
-    EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, run_gpu(mc, opts(true, false)))) << nm;
-    EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(false)))) << nm;
+    EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, run_gpu(mc, opts(2, false)))) << nm;
+    EXPECT_TRUE(check_case(nm + "/v3", mc, ref, v3)) << nm;
+    EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, run_gpu(mc, opts(3, false)))) << nm;
+    EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(1)))) << nm;
     controls(nm + "/v2", ref.o, v2.o);
+    controls(nm + "/v3", ref.o, v3.o);
     {   // control: the reference with ONE selected key dropped (in the second tile) must not pass for v2's output
         auto dropped = sel;
         int j = 40;
@@ -296,13 +317,16 @@ TEST(cuda_mla, selected_given_and_controls) {
         mla_case md;
         build(md, d, lens, pos0, 64, dtype::BF16, 24001, 2, 0, dropped);
         const ref_out rd = run_cpu(md);
-        const bool pass = check(nm + "/control(reference without key " + std::to_string(j) + ")", to_f64(rd.o), v2.o,
-                                metric::NMSE, k_tol_f32);
-        std::printf("[%s/control(dropped key)] %s (must FAIL)\n", nm.c_str(), pass ? "PASSED" : "FAILED");
-        EXPECT_FALSE(pass);
-        tally(!pass);
+        for (const gpu_out * g : {&v2, &v3}) {
+            const char * vn = g == &v2 ? "v2" : "v3";
+            const bool pass = check(nm + "/control(" + vn + " vs reference without key " + std::to_string(j) + ")", to_f64(rd.o),
+                                    g->o, metric::NMSE, k_tol_f32);
+            std::printf("[%s/control(dropped key, %s)] %s (must FAIL)\n", nm.c_str(), vn, pass ? "PASSED" : "FAILED");
+            EXPECT_FALSE(pass) << vn;
+            tally(!pass);
+        }
     }
-    for (bool v : {true, false}) {   // control: position 71 selected by the token at position 70
+    for (int v : {3, 2, 1}) {   // control: position 71 selected by the token at position 70
         auto bad = sel;
         bad[size_t(topk + 5)] = pos0[1] + 1;
         mla_case mb;
@@ -312,18 +336,20 @@ TEST(cuda_mla, selected_given_and_controls) {
             run_gpu(mb, opts(v));
         } catch (const perigee::error & e) {
             threw = true;
-            std::printf("[%s/control(selected position past pos, %s)] raised: %s\n", nm.c_str(), v ? "v2" : "v1", e.what());
+            std::printf("[%s/control(selected position past pos, v%d)] raised: %s\n", nm.c_str(), v, e.what());
         }
-        EXPECT_TRUE(threw) << "a selected position past the token's own must raise (" << (v ? "v2" : "v1") << ")";
+        EXPECT_TRUE(threw) << "a selected position past the token's own must raise (v" << v << ")";
         tally(threw);
     }
 }
 
 // ---- 5. the switch's default ----
-TEST(cuda_mla, default_is_v2) {
+TEST(cuda_mla, default_is_v3) {
     const cuda_options d;
-    std::printf("[defaults] mla_decode_v2 %d, mla_split %d\n", int(d.mla_decode_v2), int(d.mla_split));
+    std::printf("[defaults] mla_decode_v2 %d, mla_decode_v3 %d, mla_split %d\n", int(d.mla_decode_v2), int(d.mla_decode_v3),
+                int(d.mla_split));
     EXPECT_TRUE(d.mla_decode_v2);
+    EXPECT_TRUE(d.mla_decode_v3);
 }
 
 // ---- 6. timing at the true geometries, ctx 1024 (printed, not asserted) ----
@@ -356,17 +382,22 @@ TEST(cuda_mla, timing_true_geometries) {
             build(mc, G.d, std::vector<int>(size_t(B), 1), std::vector<int>(size_t(B), ctx), ps, dtype::BF16,
                   25000 + uint32_t(B) + uint32_t(G.d.H));
             const auto init = snapshot(*mc.cache);
-            std::vector<float> o1, o2;
-            const double t1 = node_time_ms(mc.g, mc.o, opts(false), &o1);
+            std::vector<float> o1, o2, o3;
+            const double t1 = node_time_ms(mc.g, mc.o, opts(1), &o1);
             restore(*mc.cache, init);
-            const double t2 = node_time_ms(mc.g, mc.o, opts(true), &o2);
+            const double t2 = node_time_ms(mc.g, mc.o, opts(2), &o2);
             restore(*mc.cache, init);
-            std::printf("[timing] MLA_ATTN %s H %d ctx %d B %d: v1 %.4f ms, v2 %.4f ms (%.2fx)\n", G.name, G.d.H, ctx, B, t1, t2,
-                        t1 / t2);
+            const double t3 = node_time_ms(mc.g, mc.o, opts(3), &o3);
+            restore(*mc.cache, init);
+            std::printf("[timing] MLA_ATTN %s H %d ctx %d B %d: v1 %.4f ms, v2 %.4f ms, v3 %.4f ms (v2/v3 %.2fx)\n", G.name,
+                        G.d.H, ctx, B, t1, t2, t3, t2 / t3);
             const std::string nm = fmt::format("mla-timing/{}/B{}", G.name, B);
             const bool ok = check(nm + "/v2-vs-v1", to_f64(o1), o2, metric::NMSE, k_tol_f32);
+            const bool ok3 = check(nm + "/v3-vs-v1", to_f64(o1), o3, metric::NMSE, k_tol_f32);
             EXPECT_TRUE(ok) << nm;
+            EXPECT_TRUE(ok3) << nm;
             tally(ok);
+            tally(ok3);
         }
     }
 }
