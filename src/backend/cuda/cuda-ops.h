@@ -75,10 +75,20 @@ cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, i
 // dot product when the grid would not fill the SMs (partials summed in shared memory in a fixed order: deterministic).
 // split: 0 = chosen from the grid size and SM count; 1, 2, 4 or 8 = that many warps per row (benchmarks, tests).
 // Any other value: cudaErrorInvalidValue.
+// v3 (cuda_options::gemv_v3; chunks of ONE token, 16-bit weights, in % 8 == 0; any other chunk keeps the kernel that
+// unroll/split choose): a persistent grid (at most the resident blocks) whose lanes hold U 16-byte weight loads of their
+// row slice in flight, U chosen to cover the slice in whole rounds (a 2304-wide bf16 row: 9 chunks per lane = one round
+// of U = 9, no tail round), and each register refilled with the NEXT row's load as soon as it is consumed (the loads of
+// row i + 1 stream while row i is summed); the staged norm's first loads are issued before its prologue. v3: 0 = off;
+// 1 = on; 2 = on, with the first loads issued even before the PDL wait (the weights must not be written by the kernel
+// before: true of checkpoint weights inside a step). v3_unroll: 0 = chosen from the slice, else 1, 2, 3, 4, 5, 8, 9 or
+// 16 (benchmarks, tests). split as above; 0 = chosen by v3's rule (linear.cu v3_run: tiles per SM).
 inline constexpr int k_gemv_unroll_default = 4;
 struct gemv_cfg {
     int unroll = k_gemv_unroll_default;
     int split = 0;
+    int v3 = 0;
+    int v3_unroll = 0;
 };
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
@@ -129,12 +139,19 @@ struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_
 // mla_split_for picks it from the block count (1 when disabled). scratch: mla_scratch_floats(T, d, n_split) floats.
 // v2 (cuda_options::mla_decode_v2): head groups sharing 32-key latent tiles in shared memory, weights read once per token
 // tile (mla.cu "Decode v2"); n_split up to 64; shapes outside mla_v2_supported run the first kernels.
+// v3 (cuda_options::mla_decode_v3, only with v2): three launches instead of five (the cache write inside q_absorb's
+// launch, the combine inside the output projection), loads that do not depend on the previous kernel issued before the
+// PDL wait (mla.cu "Decode v3"); c and kr must be 16-byte aligned, else v2 runs.
 bool mla_v2_supported(const mla_shape & d);
 int mla_split_for(int64_t T, const mla_shape & d, bool enabled, bool v2 = false);
 int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split);
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st, bool v2 = false);
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2 = false, bool v3 = false);
+// The MLA kv_a split (cuda_options::fuse_mla_kv, fuse-plan.h rule 6): x [T, W] -> cols = x[:, :L], c = RMS_NORM(cols)
+// (w may be absent, eps), kr = x[:, L:] in one launch; c bitwise launch_rms_norm's.
+cudaError_t launch_mla_kv_split(const float * x, int64_t T, int64_t W, int64_t L, dweight w, float eps, float * cols, float * c,
+                                float * kr, cudaStream_t st);
 
 // ---- indexer.cu ----
 // scratch: at least T * b.max_pos floats.

@@ -260,28 +260,18 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
 // norm launch otherwise). The norm's output yn is the staged x', written by all blocks (slices of TT * in).
 static_assert(k_gemv_norm_stage_max + 8 * (k_gemv_warps + 1) * 4 <= 48 * 1024,
               "the staged x' and the static reduction scratch must fit 48 KiB (no dynamic-smem opt-in)");
-template <wtype WT, int TT>
-__global__ void __launch_bounds__(k_gemv_warps * 32)
-    k_linear_gemv_norm_staged(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw,
-                              float eps, float * __restrict__ yn) {
-    pdl_enter();
-    extern __shared__ float4 stage4[];
-    float * xs = reinterpret_cast<float *>(stage4);   // [TT, in]
+// The staged-norm prologue (k_linear_gemv_norm_staged, the v2 and v3 staged kernels): the block reduces x^2 over each
+// token's row, writes x' = (x * inv) * nw (the norm kernel's order) into xs [TT, in] (shared memory), then its slice of
+// the norm's output yn (blocks b, b + gridDim, ... of NT elements). Every thread of the block calls it; xs is complete
+// and the block synchronized when it returns.
+template <int TT>
+__device__ __forceinline__ void stage_norm(const float * __restrict__ x, int64_t in, const float * __restrict__ nw, float eps,
+                                           float * xs, float * __restrict__ yn) {
     __shared__ float red[TT][k_gemv_warps];
     __shared__ float inv_s[TT];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     constexpr int NT = k_gemv_warps * 32;
     const bool vec4 = in % 4 == 0;
-    if (blockIdx.x < g.start[g.n]) {   // the first virtual block's weight rows -> L2 while the block stages x'
-        int s = 0;
-        while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
-        const int64_t r0 = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps;
-        const int64_t rows = g.out[s] - r0 < k_gemv_warps ? g.out[s] - r0 : k_gemv_warps;
-        constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
-        const char * p0 = static_cast<const char *>(g.w[s]) + r0 * in * esz;
-        for (int64_t off = int64_t(tid) * 128; off < rows * in * esz; off += int64_t(NT) * 128)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off));
-    }
     {
         float ss[TT];
 #pragma unroll
@@ -330,6 +320,28 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     __syncthreads();
     if (yn)
         for (int64_t i = int64_t(blockIdx.x) * NT + tid; i < int64_t(TT) * in; i += int64_t(gridDim.x) * NT) yn[i] = xs[i];
+}
+
+template <wtype WT, int TT>
+__global__ void __launch_bounds__(k_gemv_warps * 32)
+    k_linear_gemv_norm_staged(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw,
+                              float eps, float * __restrict__ yn) {
+    pdl_enter();
+    extern __shared__ float4 stage4[];
+    float * xs = reinterpret_cast<float *>(stage4);   // [TT, in]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int NT = k_gemv_warps * 32;
+    if (blockIdx.x < g.start[g.n]) {   // the first virtual block's weight rows -> L2 while the block stages x'
+        int s = 0;
+        while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
+        const int64_t r0 = int64_t(blockIdx.x - g.start[s]) * k_gemv_warps;
+        const int64_t rows = g.out[s] - r0 < k_gemv_warps ? g.out[s] - r0 : k_gemv_warps;
+        constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
+        const char * p0 = static_cast<const char *>(g.w[s]) + r0 * in * esz;
+        for (int64_t off = int64_t(tid) * 128; off < rows * in * esz; off += int64_t(NT) * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off));
+    }
+    stage_norm<TT>(x, in, nw, eps, xs, yn);
 
     constexpr int VN = wvec<WT>::n;
     // 16-bit weights: a lane's 8 x' values are two float4s 32 bytes apart from the next lane's; lanes 4-7 of each
@@ -524,7 +536,6 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     constexpr int UC = U / R >= 1 ? U / R : 1;   // chunks per iteration (R * UC loads in flight per lane)
     constexpr int VN = wvec<WT>::n;
     constexpr int CH = 32 * VN;                  // elements of one warp-wide chunk (512 bytes)
-    constexpr int NT = k_gemv_warps * 32;
     __shared__ float part[k_gemv_warps][R * TT];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
@@ -554,44 +565,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
         }
         extern __shared__ float4 stage4[];
         float * st = reinterpret_cast<float *>(stage4);   // [TT, in]
-        __shared__ float red[TT][k_gemv_warps];
-        __shared__ float inv_s[TT];
-        float ss[TT];
-#pragma unroll
-        for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
-        const int64_t n4 = in / 4;
-#pragma unroll
-        for (int t = 0; t < TT; ++t)
-            for (int64_t c = tid; c < n4; c += NT) {
-                const float4 v = reinterpret_cast<const float4 *>(x + t * in)[c];
-                reinterpret_cast<float4 *>(st + t * in)[c] = v;
-                ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-#pragma unroll
-        for (int t = 0; t < TT; ++t) {
-            const float v = warp_sum(ss[t]);
-            if (lane == 0) red[t][warp] = v;
-        }
-        __syncthreads();
-        if (tid < TT) {
-            float s = 0.0f;
-#pragma unroll
-            for (int w = 0; w < k_gemv_warps; ++w) s += red[tid][w];
-            inv_s[tid] = rsqrtf(s / float(in) + eps);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int t = 0; t < TT; ++t) {
-            const float inv = inv_s[t];
-            for (int64_t c = tid; c < in; c += NT) {
-                float v = st[t * in + c] * inv;
-                if (nw) v *= nw[c];
-                st[t * in + c] = v;
-            }
-        }
-        __syncthreads();
-        if (yn)
-            for (int64_t i = int64_t(blockIdx.x) * NT + tid; i < int64_t(TT) * in; i += int64_t(gridDim.x) * NT) yn[i] = st[i];
+        stage_norm<TT>(x, in, nw, eps, st, yn);
         xs = st;
     }
     // 16-bit weights: a lane's 8 x values are two float4s; lanes 4-7 of each quarter warp read their second half first,
@@ -799,10 +773,238 @@ cudaError_t v2_chunk(const float * x, int64_t tt, int64_t in, wtype wt, const fu
     }
 }
 
+// ---- GEMV v3 (gemv_cfg::v3; chunks of one token, 16-bit weights) ----
+// What held the 48B geometry's 2304-wide rows (bench/session4-h200-2026-11-30-ncu-48b-step.txt, 1.6-2.8 TB/s): a bf16
+// row of 2304 columns is 9 warp-wide chunks, so v1 pays 9 dependent round trips per row (one 16-byte load in flight per
+// lane) and v2 with U = 4 pays 3 rounds of which the last carries 1 chunk (a whole latency for 1/9 of the bytes); the
+// staged-norm kernels issue no weight load until x' is staged (two block barriers), and every row of a persistent
+// block starts with an empty pipe. v3:
+//  - a warp's slice of a row (S warps per row; slice = ceil(chunks / S)) is read in rounds of U chunks per lane, U chosen
+//    so that the rounds are whole (v3_u_for: 9 for a 2304-wide row, 16 for 4096, 8 for 4096 split in 2);
+//  - the loads of the NEXT round (the next row of this warp when this row is done) are issued into each register as
+//    soon as its chunk is summed, so every lane keeps U loads in flight across rows, with no drain between them;
+//  - the first round's loads are issued before the staged-norm prologue (before the PDL wait too with v3 == 2);
+//  - a persistent grid: at most the resident blocks; block b takes tiles b, b + gridDim, ... (8 / S rows per tile).
+// Per lane the accumulation order is v2's (the chunk's 8 products as two sums of 4, added in chunk order), then the
+// butterfly sum; with S > 1 the slices' sums are added in slice order: deterministic for a given (U, S).
+template <wtype WT, int U, bool STAGED, bool EARLY>
+__global__ void __launch_bounds__(k_gemv_warps * 32)
+    k_linear_gemv_v3(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
+                     float eps, float * __restrict__ yn) {
+    constexpr int VN = wvec<WT>::n;
+    constexpr int CH = 32 * VN;
+    __shared__ float part[k_gemv_warps];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
+    const unsigned total = g.start[g.n];
+    const int64_t nch = (in + CH - 1) / CH;
+    const int64_t kb = nch * ks / S, ke = nch * (ks + 1) / S;
+    const int rounds = int(((nch + S - 1) / S + U - 1) / U);   // the same for every warp of the block
+    // tile vb -> (segment, row of this warp, whether the row exists)
+    auto locate = [&](unsigned vb, int & s, int64_t & row, bool & ok) {
+        s = 0;
+        while (s + 1 < g.n && vb >= g.start[s + 1]) ++s;
+        row = int64_t(vb - g.start[s]) * groups + gi;
+        ok = vb < total && row < g.out[s];
+        if (!ok) row = 0;
+    };
+    auto issue = [&](uint4 & r, int s, int64_t row, bool ok, int rd, int u) {
+        const int64_t k = kb + int64_t(rd) * U + u, c = k * CH + int64_t(lane) * VN;
+        r = ok && k < ke && c < in ? wraw_load<WT>(g.w[s], row * in + c) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    unsigned vb = blockIdx.x;
+    int rd = 0, s = 0;
+    int64_t row = 0;
+    bool ok = false;
+    uint4 raw[U];
+    locate(vb, s, row, ok);
+    if constexpr (EARLY) {   // weights only: never written by the kernel before
+#pragma unroll
+        for (int u = 0; u < U; ++u) issue(raw[u], s, row, ok, 0, u);
+    }
+    pdl_enter();
+    if constexpr (!EARLY) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) issue(raw[u], s, row, ok, 0, u);
+    }
+    const float * xs = x;
+    if constexpr (STAGED) {
+        extern __shared__ float4 stage4[];
+        float * st = reinterpret_cast<float *>(stage4);   // [1, in]
+        stage_norm<1>(x, in, nw, eps, st, yn);
+        xs = st;
+    }
+    const int sw = VN == 8 ? ((lane >> 2) & 1) * 4 : 0;
+    float acc = 0.0f;
+    while (vb < total) {
+        unsigned nvb = vb;
+        int nrd = rd + 1, ns = s;
+        int64_t nrow = row;
+        bool nok = ok;
+        if (nrd == rounds) {
+            nrd = 0, nvb = vb + gridDim.x;
+            locate(nvb, ns, nrow, nok);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int64_t k = kb + int64_t(rd) * U + u, c = k * CH + int64_t(lane) * VN;
+            if (ok && k < ke && c < in) {
+                float wv[VN];
+                wraw_cvt<WT>(raw[u], wv);
+                const float * xt = xs + c;
+                if constexpr (VN == 8) {
+                    const float4 p = *reinterpret_cast<const float4 *>(xt + sw);
+                    const float4 q = *reinterpret_cast<const float4 *>(xt + (sw ^ 4));
+                    const float4 a = sw ? q : p, b = sw ? p : q;
+                    acc += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w;
+                    acc += wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+                } else {
+                    const float4 a = *reinterpret_cast<const float4 *>(xt);
+                    acc += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w;
+                }
+            }
+            issue(raw[u], ns, nrow, nok, nrd, u);   // this register's next load, while the others are still in flight
+        }
+        if (nrd == 0) {   // the row (slice) is done
+            const float v = warp_sum(acc);
+            acc = 0.0f;
+            if (S == 1) {
+                if (lane == 0 && ok) gemv_store(g, s, row, 0, v);
+            } else {
+                if (lane == 0) part[warp] = v;
+                __syncthreads();
+                if (tid < groups) {
+                    const int64_t r2 = int64_t(vb - g.start[s]) * groups + tid;
+                    float sum = 0.0f;
+                    for (int q = 0; q < S; ++q) sum += part[tid * S + q];
+                    if (r2 < g.out[s]) gemv_store(g, s, r2, 0, sum);
+                }
+                __syncthreads();   // part is reused by the next tile
+            }
+        }
+        vb = nvb, rd = nrd, s = ns, row = nrow, ok = nok;
+    }
+}
+
+// The U of a slice of `per` chunks per lane: one round when per <= 16 (the smallest instantiated U >= per), else
+// ceil(per / 16) rounds of equal size.
+constexpr int k_v3_us[] = {1, 2, 3, 4, 5, 8, 9, 16};
+int v3_u_for(int64_t per) {
+    const int64_t rounds = (per + 15) / 16;
+    const int64_t want = (per + rounds - 1) / rounds;
+    for (int u : k_v3_us)
+        if (u >= want) return u;
+    return 16;
+}
+bool v3_u_valid(int u) {
+    for (int v : k_v3_us)
+        if (v == u) return true;
+    return false;
+}
+
+template <wtype WT, int U, bool STAGED, bool EARLY>
+struct v3_kern {
+    static constexpr auto fn = k_linear_gemv_v3<WT, U, STAGED, EARLY>;
+    // resident blocks per SM (the carve-out hint set once per instantiation, outside any stream capture)
+    static int occupancy(size_t smem, cudaStream_t st) {
+        if constexpr (STAGED) {
+            static bool carveout_set = false;
+            cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+            cudaStreamIsCapturing(st, &cap);
+            if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
+                cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+                carveout_set = true;
+            }
+        }
+        int occ = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, k_gemv_warps * 32, smem);
+        return std::max(1, occ);
+    }
+};
+
+template <wtype WT, bool STAGED, bool EARLY>
+int v3_occupancy(int u, size_t smem, cudaStream_t st) {
+    switch (u) {
+        case 1: return v3_kern<WT, 1, STAGED, EARLY>::occupancy(smem, st);
+        case 2: return v3_kern<WT, 2, STAGED, EARLY>::occupancy(smem, st);
+        case 3: return v3_kern<WT, 3, STAGED, EARLY>::occupancy(smem, st);
+        case 4: return v3_kern<WT, 4, STAGED, EARLY>::occupancy(smem, st);
+        case 5: return v3_kern<WT, 5, STAGED, EARLY>::occupancy(smem, st);
+        case 8: return v3_kern<WT, 8, STAGED, EARLY>::occupancy(smem, st);
+        case 9: return v3_kern<WT, 9, STAGED, EARLY>::occupancy(smem, st);
+        default: return v3_kern<WT, 16, STAGED, EARLY>::occupancy(smem, st);
+    }
+}
+
+template <wtype WT, bool STAGED, bool EARLY>
+cudaError_t v3_run(const float * x, int64_t in, fused_segs g, const gemv_cfg & cfg, const float * nw, float eps, float * yn,
+                   cudaStream_t st) {
+    const int sms = device_sms();
+    const size_t smem = STAGED ? size_t(in) * 4 : 0;
+    const int64_t nch = (in + 32 * wvec<WT>::n - 1) / (32 * wvec<WT>::n);
+    // S: forced, or the smallest of 1, 2, 4, 8 whose tiles spread evenly (>= 90%) over the SMs, else the best spread.
+    // Per SM, not per resident slot (v2's rule): a block streams its tiles back to back with the pipe kept full, so what
+    // must balance is the bytes each SM pulls (a resident block's U loads per lane could pull ~3x its share of the copy
+    // rate); >= 4 tiles per SM counts as balanced. 48B: S = 1 for the 2304-wide groups (>= 256 tiles) and KDA f_b; S = 2
+    // for the 2304-row LINEARs (o_proj, the downs: 576 tiles); S = 4 for the 256-row router.
+    int S = cfg.split;
+    if (S == 0) {
+        double best_eff = -1.0;
+        for (int c = 1; c <= k_gemv_warps; c *= 2) {
+            if (c > 1 && nch < c) break;
+            const int64_t rows_tile = k_gemv_warps / c;
+            int64_t tiles = 0;
+            for (int i = 0; i < g.n; ++i) tiles += (g.out[i] + rows_tile - 1) / rows_tile;
+            const double per = double(tiles) / sms;
+            const double eff = per >= 4.0 ? 1.0 : per / std::ceil(per);
+            if (eff > best_eff + 1e-9) best_eff = eff, S = c;
+            if (eff >= 0.9) break;
+        }
+    }
+    const int U = cfg.v3_unroll > 0 ? cfg.v3_unroll : v3_u_for((nch + S - 1) / S);
+    const int occ = v3_occupancy<WT, STAGED, EARLY>(U, smem, st);
+    const int64_t rows_tile = k_gemv_warps / S;
+    g.start[0] = 0;
+    for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
+    const unsigned grid = unsigned(std::min<int64_t>(g.start[g.n], int64_t(sms) * occ));
+    const int th = k_gemv_warps * 32;
+    switch (U) {
+        case 1: return launch_k(v3_kern<WT, 1, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        case 2: return launch_k(v3_kern<WT, 2, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        case 3: return launch_k(v3_kern<WT, 3, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        case 4: return launch_k(v3_kern<WT, 4, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        case 5: return launch_k(v3_kern<WT, 5, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        case 8: return launch_k(v3_kern<WT, 8, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        case 9: return launch_k(v3_kern<WT, 9, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+        default: return launch_k(v3_kern<WT, 16, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn);
+    }
+}
+
+// Whether a chunk of tt tokens goes to v3: one token, 16-bit weights, whole 8-element vectors (16-byte loads).
+bool v3_applies(const gemv_cfg & cfg, int64_t tt, int64_t in, wtype wt) {
+    return cfg.v3 > 0 && tt == 1 && wt != wtype::F32 && in % 8 == 0;
+}
+
+cudaError_t v3_chunk(const float * x, int64_t in, wtype wt, const fused_segs & g, const gemv_cfg & cfg, bool staged,
+                     const float * nw, float eps, float * yn, cudaStream_t st) {
+    const bool early = cfg.v3 == 2;
+    if (wt == wtype::BF16) {
+        if (staged) return early ? v3_run<wtype::BF16, true, true>(x, in, g, cfg, nw, eps, yn, st)
+                                 : v3_run<wtype::BF16, true, false>(x, in, g, cfg, nw, eps, yn, st);
+        return early ? v3_run<wtype::BF16, false, true>(x, in, g, cfg, nw, eps, yn, st)
+                     : v3_run<wtype::BF16, false, false>(x, in, g, cfg, nw, eps, yn, st);
+    }
+    if (staged) return early ? v3_run<wtype::F16, true, true>(x, in, g, cfg, nw, eps, yn, st)
+                             : v3_run<wtype::F16, true, false>(x, in, g, cfg, nw, eps, yn, st);
+    return early ? v3_run<wtype::F16, false, true>(x, in, g, cfg, nw, eps, yn, st)
+                 : v3_run<wtype::F16, false, false>(x, in, g, cfg, nw, eps, yn, st);
+}
+
 bool cfg_valid(const gemv_cfg & c) {
     const bool u = c.unroll == 0 || c.unroll == 1 || c.unroll == 2 || c.unroll == 4 || c.unroll == 8;
     const bool s = c.split == 0 || c.split == 1 || c.split == 2 || c.split == 4 || c.split == 8;
-    return u && s;
+    const bool v3 = (c.v3 >= 0 && c.v3 <= 2) && (c.v3_unroll == 0 || v3_u_valid(c.v3_unroll));
+    return u && s && v3;
 }
 
 __global__ void k_weight_to_f32(dweight w, int64_t n, float * __restrict__ y) {
@@ -850,13 +1052,15 @@ cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W
     if (!cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
         const int64_t tt = T - t0 < 8 ? T - t0 : 8;
-        if (cfg.unroll > 0) {
+        if (cfg.unroll > 0 || v3_applies(cfg, tt, in, W.type)) {
             fused_segs g{};
             g.n = 1;
             g.w[0] = W.data;
             g.y[0] = y + t0 * out;
             g.out[0] = out;
-            const cudaError_t e = v2_chunk(x + t0 * in, tt, in, W.type, g, cfg, false, nullptr, 0.0f, nullptr, st);
+            const cudaError_t e = v3_applies(cfg, tt, in, W.type)
+                                      ? v3_chunk(x + t0 * in, in, W.type, g, cfg, false, nullptr, 0.0f, nullptr, st)
+                                      : v2_chunk(x + t0 * in, tt, in, W.type, g, cfg, false, nullptr, 0.0f, nullptr, st);
             if (e != cudaSuccess) return e;
             continue;
         }
@@ -877,7 +1081,7 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
     if (n < 1 || n > k_gemv_group_max || !cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
         const int64_t tt = T - t0 < 8 ? T - t0 : 8;
-        if (cfg.unroll > 0) {
+        if (cfg.unroll > 0 || v3_applies(cfg, tt, in, wt)) {
             fused_segs g{};
             g.n = n;
             for (int s = 0; s < n; ++s) {
@@ -885,7 +1089,9 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
                 g.y[s] = y[s] + t0 * out[s];
                 g.out[s] = out[s];
             }
-            const cudaError_t e = v2_chunk(x + t0 * in, tt, in, wt, g, cfg, false, nullptr, 0.0f, nullptr, st);
+            const cudaError_t e = v3_applies(cfg, tt, in, wt)
+                                      ? v3_chunk(x + t0 * in, in, wt, g, cfg, false, nullptr, 0.0f, nullptr, st)
+                                      : v2_chunk(x + t0 * in, tt, in, wt, g, cfg, false, nullptr, 0.0f, nullptr, st);
             if (e != cudaSuccess) return e;
             continue;
         }
@@ -934,6 +1140,12 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
         const float * xc = x + t0 * in;
         float * yn = nm.on && nm.y ? nm.y + t0 * in : nullptr;
         const bool staged = nm.on && nm.staged && tt * in * 4 <= k_gemv_norm_stage_max && in % 4 == 0;
+        if (v3_applies(cfg, tt, in, wt) && (staged || !nm.on)) {   // the in-warp norm prologue keeps the first kernel
+            const cudaError_t e = v3_chunk(xc, in, wt, g, cfg, staged, nm.w, nm.eps, yn, st);
+            if (e != cudaSuccess) return e;
+            if (staged && staged_launches) ++*staged_launches;
+            continue;
+        }
         if (cfg.unroll > 0 && (staged || !nm.on)) {   // the in-warp norm prologue (not staged) keeps the first kernel
             const cudaError_t e = v2_chunk(xc, tt, in, wt, g, cfg, staged, nm.w, nm.eps, yn, st);
             if (e != cudaSuccess) return e;

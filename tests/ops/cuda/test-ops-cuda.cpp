@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -845,7 +846,8 @@ TEST(cuda_ops, linear_group_same_input) {
 // after an RMS_NORM, with every fusion switch explicitly off and explicitly on (the defaults turn them on since round 2),
 // each run in a fresh backend after a decoy backend of the same shapes and other values (round 2's K7168/F32/T8 failure:
 // a leaf read before its upload landed gave all-zero LINEARs in the 2nd and later backends of a case). x must come back
-// bitwise equal to its leaf. Each with the first GEMV kernels (cuda_options::gemv_unroll 0) and the default v2 kernels.
+// bitwise equal to its leaf. Each with the first GEMV kernels (cuda_options::gemv_unroll 0), the default v2 kernels and
+// v3 (cuda_options::gemv_v3 2; it runs for the BF16 weights at T = 1).
 TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
     NEED_GPU();
     const int K = 7168, O = 2304;
@@ -873,11 +875,13 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
             std::vector<out_check> oc;
             for (auto & y : ys) oc.push_back({y, metric::NMSE, k_tol_f32});
             for (int on = 0; on < 2; ++on)
-            for (int unroll : {0, cuda::k_gemv_unroll_default}) {   // the first GEMV kernels and the default v2 kernels
-                const std::string nm = fmt::format("linear_wide/{}/K{}/T{}/fusions-{}/u{}", dtype_name(wt), K, T, on ? "on" : "off",
-                                                   unroll);
+            for (int var : {0, 1, 2}) {   // the first GEMV kernels, the default v2 kernels, v3 (gemv_v3 2: BF16 at T = 1)
+                const int unroll = var == 0 ? 0 : cuda::k_gemv_unroll_default;
+                const std::string nm = fmt::format("linear_wide/{}/K{}/T{}/fusions-{}/u{}{}", dtype_name(wt), K, T, on ? "on" : "off",
+                                                   unroll, var == 2 ? "/v3" : "");
                 cuda_options o{true, 8};
                 o.gemv_unroll = unroll;
+                o.gemv_v3 = var == 2 ? 2 : 0;
                 o.linear_group = on != 0;
                 o.fuse_norm_linear = o.fuse_add = o.fuse_conv_l2 = o.fuse_sigmoid = on != 0;
                 o.fuse_norm_staged = true;
@@ -918,10 +922,12 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
 // plain (launch_linear_gemv), grouped (3 segments), fused with the epilogues (sigmoid, +res0, +res0+res1) and the folded
 // RMSNorm (staged where it fits: T_chunk * in * 4 <= 47 KiB, else the first in-warp kernel). Shapes: in not a multiple of
 // the 256-element chunk nor of the unroll, in % 8 != 0 (the element path of 16-bit weights), out not a multiple of the
-// rows per tile, 1 row per segment; T 1..8 and 11 (two token chunks); BF16 / F16 / F32 weights. Each output buffer is
+// rows per tile, 1 row per segment; T 1..8, 9 and 11 (two token chunks); BF16 / F16 / F32 weights. Each output buffer is
 // filled with NaN before the launch (an unwritten element fails the NaN placement). Worst NMSE per (dtype, kind, cfg)
 // printed; controls: a perturbed candidate per (dtype, kind) must fail, a second launch must be bitwise equal, an invalid
-// cfg must be refused.
+// cfg must be refused. v3 (gemv_cfg::v3, one-token chunks of 16-bit weights): the same references and tolerance, its own
+// perturbed control per (dtype, kind) at T = 1, and with one warp per row every output bit for bit equal to v2 u4 s1's
+// (the same per-lane order; control: one ulp moved must compare unequal).
 struct dmem {
     void * p = nullptr;
     explicit dmem(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 16)), cudaSuccess); }
@@ -939,17 +945,25 @@ std::vector<float> dget(const float * p, size_t n) {
 
 TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     NEED_GPU();
-    const std::vector<cuda::gemv_cfg> cfgs = {{0, 0}, {1, 0}, {2, 0}, {4, 0}, {8, 0}, {4, 1}, {4, 2}, {4, 8}, {8, 8}, {1, 2}};
+    // v3 (gemv_cfg::v3; runs on chunks of one token with 16-bit weights and in % 8 == 0, else unroll/split's kernel):
+    // chosen U and split, v3 == 2 (first loads before the PDL wait), forced U 3 / 9 / 16 (rounds with a tail, one round,
+    // more U than chunks), forced splits 2 and 8 with U 1 (several rounds per slice, pipelined across rows and tiles).
+    const std::vector<cuda::gemv_cfg> cfgs = {{0, 0},       {1, 0},       {2, 0},       {4, 0},       {8, 0},
+                                              {4, 1},       {4, 2},       {4, 8},       {8, 8},       {1, 2},
+                                              {0, 0, 1, 0}, {0, 0, 2, 0}, {0, 1, 1, 0}, {0, 0, 1, 3}, {0, 0, 1, 9},
+                                              {0, 0, 1, 16}, {0, 2, 1, 1}, {0, 8, 1, 1}};
     const char * kinds[] = {"plain", "group", "epilogue", "norm"};
     std::map<std::string, std::pair<double, int>> worst;   // (dtype/kind/cfg) -> (worst NMSE, cases)
-    int n_bad = 0;
-    bool controls_done[3][4] = {};
+    int n_bad = 0, n_v3_bitwise = 0, n_v3_expected = 0;
+    bool controls_done[3][4] = {}, controls_v3_done[3][4] = {};
     for (dtype wt : {dtype::BF16, dtype::F16, dtype::F32}) {
         const cuda::wtype cw = wt == dtype::BF16 ? cuda::wtype::BF16 : wt == dtype::F16 ? cuda::wtype::F16 : cuda::wtype::F32;
-        std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 264}, {300, 1000}, {130, 100}, {70, 2312}, {1, 520}};
+        // + the Kimi-Linear-48B widths: 2304 (9 chunks per lane: one v3 round), 4096 (o_proj), 128 (KDA f_b: half a chunk)
+        std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 264}, {300, 1000}, {130, 100}, {70, 2312}, {1, 520},
+                                                           {75, 2304}, {41, 4096}, {33, 128}};
         if (wt == dtype::BF16) shapes.push_back({65, 7176});
         for (auto [out0, in] : shapes)
-            for (int T : {1, 2, 3, 4, 5, 6, 7, 8, 11}) {
+            for (int T : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11}) {   // 9: a one-token second chunk (v3 after a v1/v2 chunk)
                 rng r(9100 + uint32_t(T) * 13 + uint32_t(in) + uint32_t(out0) * 7 + uint32_t(wt) * 100000);
                 arena a;
                 const int64_t outs[3] = {out0, 17, 260};
@@ -1000,6 +1014,7 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         for (auto * v : {&dy, &dsig, &dz0, &dz1}) cudaMemset((*v)[size_t(s)]->p, 0xff, size_t(T * outs[s]) * 4);
                     cudaMemset(dyn.p, 0xff, size_t(T * in) * 4);
                 };
+                std::vector<std::vector<float>> v2_s1[4];   // T = 1: v2 u4 s1's outputs per kind (the v3 bitwise check)
                 for (const auto & cfg : cfgs)
                     for (int kind = 0; kind < 4; ++kind) {
                         nan_fill();
@@ -1019,7 +1034,9 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         if (kind == 3) nm.on = true, nm.staged = true, nm.w = dnw.f(), nm.eps = eps, nm.y = dyn.f();
                         if (kind >= 2) e = cuda::launch_linear_gemv_fused(dx.f(), T, in, cw, segs, 3, nm, nullptr, nullptr, cfg);
                         if (e == cudaSuccess) e = cudaDeviceSynchronize();
-                        const std::string key = fmt::format("gemv/{}/{}/u{}s{}", dtype_name(wt), kinds[kind], cfg.unroll, cfg.split);
+                        const std::string key = cfg.v3 ? fmt::format("gemv/{}/{}/v3-{}u{}s{}", dtype_name(wt), kinds[kind], cfg.v3,
+                                                                      cfg.v3_unroll, cfg.split)
+                                                       : fmt::format("gemv/{}/{}/u{}s{}", dtype_name(wt), kinds[kind], cfg.unroll, cfg.split);
                         const std::string nm_case = fmt::format("{}/{}x{}/T{}", key, out0, in, T);
                         EXPECT_EQ(e, cudaSuccess) << nm_case << ": " << cudaGetErrorString(e);
                         // (reference, candidate) pairs of this launch
@@ -1063,6 +1080,39 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                             EXPECT_FALSE(pert);
                             tally(!pert);
                         }
+                        // v3 controls, once per (16-bit dtype, kind) at T = 1 where v3 runs: a perturbed output must fail
+                        const bool v3_ran = cfg.v3 > 0 && T == 1 && wt != dtype::F32 && in % 8 == 0;
+                        if (v3_ran && cfg.v3 == 1 && cfg.v3_unroll == 0 && cfg.split == 0 && !controls_v3_done[di][kind]) {
+                            controls_v3_done[di][kind] = true;
+                            const bool pert = check(nm_case + "/control(perturbed 10x)", pr[0].first,
+                                                    perturb(pr[0].first, pr[0].second, metric::NMSE, k_tol_f32), metric::NMSE, k_tol_f32);
+                            std::printf("[%s/control] (must FAIL) %s\n", nm_case.c_str(), pert ? "PASSED - BAD" : "FAILED as required");
+                            EXPECT_FALSE(pert);
+                            tally(!pert);
+                        }
+                        // v3 with one warp per row sums each lane's chunks in v2's order (v2 at T = 1: one row per warp):
+                        // every output bit for bit equal to v2 u4 s1's; v2 without the split keeps its outputs for that
+                        if (T == 1 && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1) {
+                            v2_s1[kind].clear();
+                            for (const auto & q : pr) v2_s1[kind].push_back(q.second);
+                        }
+                        if (v3_ran && cfg.v3 == 1 && cfg.split == 1 && cfg.v3_unroll == 0) {
+                            ++n_v3_expected;
+                            bool same = v2_s1[kind].size() == pr.size();
+                            for (size_t i = 0; same && i < pr.size(); ++i)
+                                same = pr[i].second.size() == v2_s1[kind][i].size() &&
+                                       std::memcmp(pr[i].second.data(), v2_s1[kind][i].data(), pr[i].second.size() * 4) == 0;
+                            if (!same) std::printf("[%s/vs v2 u4s1] NOT bitwise equal\n", nm_case.c_str());
+                            else ++n_v3_bitwise;
+                            EXPECT_TRUE(same) << nm_case << ": v3 (split 1) vs v2 u4s1";
+                            tally(same);
+                            // its control: one output element changed by one ulp must break the bitwise equality
+                            auto moved = pr[0].second;
+                            moved[0] = std::nextafter(moved[0], INFINITY);
+                            const bool ctl = std::memcmp(moved.data(), v2_s1[kind][0].data(), moved.size() * 4) == 0;
+                            EXPECT_FALSE(ctl) << nm_case << ": the one-ulp control compared equal";
+                            tally(!ctl);
+                        }
                         // determinism: the same launch again gives the same bits (split rows summed in a fixed order)
                         if (kind == 1 && cfg.split != 1 && (T == 1 || T == 8)) {
                             const auto first = pr[0].second;
@@ -1078,17 +1128,24 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
             }
     }
     for (const auto & [k, w] : worst) std::printf("[%s] worst NMSE %.3e <= %.1e over %d outputs\n", k.c_str(), w.first, k_tol_f32, w.second);
-    std::printf("[gemv] %d failing outputs\n", n_bad);
+    std::printf("[gemv] %d failing outputs; v3 s1 bitwise equal to v2 u4s1 in %d of %d launches (16-bit weights, T = 1, in %% 8 "
+                "== 0: 15 shapes x 4 kinds = 60 expected)\n", n_bad, n_v3_bitwise, n_v3_expected);
+    EXPECT_EQ(n_v3_expected, 60);
     // an invalid cfg is refused, not run
     {
         dmem x(64 * 4), w(64 * 64 * 2), y(64 * 4);
         const cudaError_t e3 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {3, 0});
         const cudaError_t e5 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {4, 3});
-        std::printf("[gemv/invalid cfg] unroll 3: %s, split 3: %s (both must be invalid value)\n", cudaGetErrorString(e3),
-                    cudaGetErrorString(e5));
+        const cudaError_t e6 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {0, 0, 3, 0});
+        const cudaError_t e7 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {0, 0, 1, 7});
+        std::printf("[gemv/invalid cfg] unroll 3: %s, split 3: %s, v3 3: %s, v3_unroll 7: %s (all must be invalid value)\n",
+                    cudaGetErrorString(e3), cudaGetErrorString(e5), cudaGetErrorString(e6), cudaGetErrorString(e7));
         EXPECT_EQ(e3, cudaErrorInvalidValue);
         EXPECT_EQ(e5, cudaErrorInvalidValue);
-        tally(e3 == cudaErrorInvalidValue && e5 == cudaErrorInvalidValue);
+        EXPECT_EQ(e6, cudaErrorInvalidValue);
+        EXPECT_EQ(e7, cudaErrorInvalidValue);
+        tally(e3 == cudaErrorInvalidValue && e5 == cudaErrorInvalidValue && e6 == cudaErrorInvalidValue &&
+              e7 == cudaErrorInvalidValue);
         cudaGetLastError();
         cuda_options o;
         o.gemv_unroll = 3;   // the backend refuses it at init, naming the option
@@ -1097,6 +1154,17 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
             backend_cuda_init(0, o);
         } catch (const error & e) {
             named = std::string(e.what()).find("gemv_unroll") != std::string::npos;
+            std::printf("[gemv/invalid option] %s\n", e.what());
+        }
+        EXPECT_TRUE(named);
+        tally(named);
+        o.gemv_unroll = 4;
+        o.gemv_v3 = 3;   // likewise gemv_v3
+        named = false;
+        try {
+            backend_cuda_init(0, o);
+        } catch (const error & e) {
+            named = std::string(e.what()).find("gemv_v3") != std::string::npos;
             std::printf("[gemv/invalid option] %s\n", e.what());
         }
         EXPECT_TRUE(named);
