@@ -1467,6 +1467,270 @@ void launch_v5_one(const float * x, int64_t Din, const int32_t * ids, const floa
     }
 }
 
+// ---- Decode v6 (cuda_options::moe_decode_v6, MXFP4 at T == 1; v5_cfg 1000s digit 1): v5's arithmetic on a lean loop,
+// the combine folded into the down kernel. Why: v5's gate/up kernel issues ~510 SASS instructions per step (4-unit group)
+// and warp, of which ~240 are the dequant and the mmas (static count of the cubin, 512 more per unrolled step; H200, Nsight,
+// session 4: issue 0.51 per scheduler, 61% SM throughput, DRAM 41%): the rest is per-load 64-bit address arithmetic
+// (row * nu * 16 recomputed for each of the 8 loads of a step), the bounds branches around every load and B load, and the
+// zero moves that feed them. v6 takes shapes where no bound can fail (Din, d_ff, d_out multiples of 128: K3, 3584 / 3072)
+// and keeps per lane one pointer per (matrix, row) and one for its B words, so a step is its loads at immediate offsets,
+// the dequant, 16 mmas and the scales. The weight stream is loaded with L1::no_allocate (read once) so that the scale bytes
+// (each 32-byte sector serves 8 steps of a row) stay in L1 instead of going back to L2 (v5: 29% excess L2 sectors, the
+// scale loads). The arithmetic is v5's, in v5's order: y is bit for bit v5's.
+// Combine: the down kernel's blocks of one 128-row tile (one per slot) count themselves on a per-tile counter; the last to
+// arrive sums w_j y_j over the slots in slot order for the tile's rows with k_moe_combine_g's expression (same result,
+// bit for bit), after a fence. The counters live in gw (moe_group_ints ints, unused by v5/v6 otherwise) and are zeroed by
+// the gate/up kernel (which the down kernel waits for: stream order or PDL's full-grid wait). 2 launches per node.
+__device__ __forceinline__ uint4 ld_stream_v6(const uint4 * p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+// fp4x8_f16_v5's output, bit for bit (checked on the host for all 2^32 words), in 11 integer ops instead of 14: the
+// even nibbles' fields (magnitude bits 0-2 of a byte, sign moved to bit 6 by a LOP3 of q and q << 3) and the odd ones'
+// (magnitude at bits 1-3 from q >> 3, sign at bit 7 where it is) sit 6 bits apart as fp16 bits 9-11 and 15 need, so each
+// pair is one shift (or none) and one AND with the pair mask: p[0] = e << 9, p[1] = o << 8, p[2] = e << 1, p[3] = o.
+__device__ __forceinline__ void fp4x8_f16_v6(uint32_t q, uint32_t (&p)[4]) {
+    constexpr uint32_t M = 0x8E008E00u;   // fp16 bits 9-11 and 15 of both halves
+    const uint32_t e = (q & 0x07070707u) | ((q << 3) & ~0x07070707u);
+    const uint32_t o = ((q >> 3) & 0x0E0E0E0Eu) | (q & ~0x0E0E0E0Eu);
+    p[0] = (e << 9) & M;
+    p[1] = (o << 8) & M;
+    p[2] = (e << 1) & M;
+    p[3] = o & M;
+}
+
+// e8m0_g's value (b == 0: 2^-127 as 0x00400000; else b << 23), as one max.
+__device__ __forceinline__ float e8m0_v6(uint32_t b) { return __int_as_float(max(int(b << 23), 0x00400000)); }
+
+// Lane (g, t)'s streams: q[m][h] = unit t of row (row_g + 8 h) of matrix m (a step s adds 4 s units), sc[m][h] its scale
+// byte; xl = the lane's B words of unit t (hi for even g, lo for odd; a step adds 64 words), act = lane supplies B.
+template <int NM>
+struct v6_lane {
+    const uint4 * q[NM];       // row row_g; row row_g + 8 is rs units further
+    const uint8_t * sc[NM];    // its scale bytes (row row_g + 8: rs bytes further)
+    int rs;                    // 8 nu
+};
+
+template <int NM>
+__device__ __forceinline__ void v6_load(v5_buf<NM, 1> & b, const v6_lane<NM> & p, int s) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            b.q[m][h][0] = ld_stream_v6(p.q[m] + (h ? p.rs : 0) + 4 * s);
+            b.sc[m][h][0] = __ldg(p.sc[m] + (h ? p.rs : 0) + 4 * s);
+        }
+}
+
+// v5_group for one step without bounds: the same loads of B (active lanes only), dequant, mmas and scale steps in the same
+// order, so the sums are v5's bit for bit.
+template <int NM>
+__device__ __forceinline__ void v6_group(const v5_buf<NM, 1> & b, const uint32_t * xl, bool act, uint4 & xb,
+                                         float (&acc)[NM][2]) {
+    float d[NM][4];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        if (act) xb = *reinterpret_cast<const uint4 *>(xl + w * 4);   // inactive lanes keep the caller's zeros
+        // Matrix by matrix (v5 dequantizes both first): each d[m] sees the same mmas in the same order; 8 fewer live
+        // registers.
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            uint32_t pg[4], ph[4];
+            const uint4 & q0 = b.q[m][0][0];
+            const uint4 & q1 = b.q[m][1][0];
+            fp4x8_f16_v6(w == 0 ? q0.x : w == 1 ? q0.y : w == 2 ? q0.z : q0.w, pg);
+            fp4x8_f16_v6(w == 0 ? q1.x : w == 1 ? q1.y : w == 2 ? q1.z : q1.w, ph);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const uint32_t b0 = hh == 0 ? xb.x : xb.z, b1 = hh == 0 ? xb.y : xb.w;
+                const uint32_t a[4] = {pg[2 * hh], ph[2 * hh], pg[2 * hh + 1], ph[2 * hh + 1]};
+                mma_f16_v5(d[m], a, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        acc[m][0] = fmaf((d[m][0] + d[m][1]) * 16384.0f, e8m0_v6(b.sc[m][0][0]), acc[m][0]);
+        acc[m][1] = fmaf((d[m][2] + d[m][3]) * 16384.0f, e8m0_v6(b.sc[m][1][0]), acc[m][1]);
+    }
+}
+
+// v5_rows without bounds: ns = nu / 4 steps (nu % 4 == 0), every row valid. Same order of steps and of the quad sums.
+template <int NM, int PD, typename STAGE>
+__device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uint32_t * xl, STAGE stage,
+                                        float (&acc)[NM][2]) {
+    constexpr int NB = PD + 1;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool act = (g >> 1) == t;
+    uint4 xb = make_uint4(0, 0, 0, 0);   // B words: loaded by active lanes only, zero for the others throughout
+    v5_buf<NM, 1> buf[NB];
+#pragma unroll
+    for (int i = 0; i < PD; ++i)
+        if (i < ns) v6_load<NM>(buf[i], p, i);
+    const int e = stage();
+#pragma unroll
+    for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.0f;
+    for (int s0 = 0; s0 < ns; s0 += NB) {
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            const int s = s0 + i;
+            if (s + PD < ns) v6_load<NM>(buf[(i + PD) % NB], p, s + PD);
+            if (s < ns) v6_group<NM>(buf[i], xl + 64 * s, act, xb, acc);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = acc[m][h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            acc[m][h] = ldexpf(v, -e);
+        }
+}
+
+// The lane's streams for rows row_g, row_g + 8 of NM matrices with nu units per row, and its B pointer into xs.
+template <int NM>
+__device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint8_t * const * base, const uint8_t * const * scl,
+                                                     int64_t row_g, int64_t nu, const uint32_t * xs_hi, const uint32_t * xs_lo) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        p.q[m] = reinterpret_cast<const uint4 *>(base[m] + row_g * nu * 16) + t;
+        p.sc[m] = scl[m] + row_g * nu + t;
+    }
+    p.rs = int(8 * nu);
+    return ((g & 1) ? xs_lo : xs_hi) + t * 16;
+}
+
+// hbuf [k, F] for T == 1: grid (F / 128, k), F and Din multiples of 128; dynamic shared v5_smem(Din). Block (0, 0) zeroes
+// the n_cnt combine counters of the down kernel that follows.
+template <int PD, int MINB>
+__global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const float * __restrict__ x, int64_t Din,
+                                                                      const int32_t * __restrict__ ids,
+                                                                      const dexpert * __restrict__ ex, int64_t E,
+                                                                      dexperts_cfg c, float * __restrict__ hbuf, int * err,
+                                                                      int * __restrict__ cnt, int n_cnt) {
+    pdl_enter();
+    if (blockIdx.x == 0 && blockIdx.y == 0)
+        for (int i = threadIdx.x; i < n_cnt; i += blockDim.x) cnt[i] = 0;
+    extern __shared__ uint32_t xs_v5[];
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E) {   // the whole block leaves: no barrier is reached
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
+        return;
+    }
+    uint32_t * xs_hi = xs_v5;
+    uint32_t * xs_lo = xs_v5 + Din / 2 + k_v5_lo_pad;
+    const int64_t row_g = int64_t(blockIdx.x) * k_v5_rows + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+    const uint8_t * const base[2] = {ex[e].gate.packed, ex[e].up.packed};
+    const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
+    v6_lane<2> p;
+    const uint32_t * xl = v6_setup<2>(p, base, scl, row_g, Din / 32, xs_hi, xs_lo);
+    float acc[2][2];
+    v6_rows<2, PD>(p, int(Din / 128), xl, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
+    if ((threadIdx.x & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int64_t row = row_g + 8 * h;
+            hbuf[int64_t(j) * c.d_ff + row] = c.act == 1 ? situ_d(acc[0][h], acc[1][h], c.situ_beta, c.situ_linear_beta)
+                                                         : silu_d(acc[0][h]) * acc[1][h];
+        }
+    }
+}
+
+// ybuf [k, Dout] = down_{ids[j]} h_j (unweighted), then y = sum_j w_j ybuf_j by the last block of each 128-row tile:
+// grid (Dout / 128, k), Dout and F multiples of 128; dynamic shared v5_smem(F); cnt [Dout / 128] zeroed by the gate/up
+// kernel. A slot with an invalid id writes nothing and contributes 0 (as k_moe_combine_g), but its block still counts.
+template <int PD, int MINB>
+__global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(const float * __restrict__ hbuf,
+                                                                        const int32_t * __restrict__ ids,
+                                                                        const dexpert * __restrict__ ex, int64_t E,
+                                                                        dexperts_cfg c, float * __restrict__ ybuf,
+                                                                        const float * __restrict__ w, int64_t k,
+                                                                        int * __restrict__ cnt, float * __restrict__ y) {
+    pdl_enter();
+    extern __shared__ uint32_t xs_v5[];
+    __shared__ int last;
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    const int64_t Dout = c.d_out;
+    if (e >= 0 && e < E) {   // uniform over the block
+        uint32_t * xs_hi = xs_v5;
+        uint32_t * xs_lo = xs_v5 + c.d_ff / 2 + k_v5_lo_pad;
+        const int64_t row_g = int64_t(blockIdx.x) * k_v5_rows + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+        const uint8_t * const base[1] = {ex[e].down.packed};
+        const uint8_t * const scl[1] = {ex[e].down.scale};
+        const float * h = hbuf + int64_t(j) * c.d_ff;
+        v6_lane<1> p;
+        const uint32_t * xl = v6_setup<1>(p, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
+        float acc[1][2];
+        v6_rows<1, PD>(p, int(c.d_ff / 128), xl, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); }, acc);
+        if ((threadIdx.x & 3) == 0) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) ybuf[int64_t(j) * Dout + row_g + 8 * hh] = acc[0][hh];
+        }
+    }
+    __threadfence();   // this block's ybuf rows before its count
+    __syncthreads();
+    if (threadIdx.x == 0) last = (atomicAdd(cnt + blockIdx.x, 1) + 1) % int(k) == 0;   // modulo: a down-only benchmark
+    __syncthreads();
+    if (!last) return;
+    __threadfence();   // the other slots' rows (their fence came before their count)
+    if (threadIdx.x < k_v5_rows) {
+        const int64_t r = int64_t(blockIdx.x) * k_v5_rows + threadIdx.x;
+        float a = 0.0f;
+        for (int64_t jj = 0; jj < k; ++jj) {   // k_moe_combine_g's sum (T == 1), in slot order
+            const int32_t ej = ids[jj];
+            const float v = (ej >= 0 && ej < E) ? __ldcg(ybuf + jj * Dout + r) : 0.0f;
+            a += w[jj] * v;
+        }
+        y[r] = a;
+    }
+}
+
+// v6 when every bound holds (else v5): Din, d_ff, d_out multiples of 128, the Dout / 128 counters fit in gw (n_gw ints).
+// Forms (cfg / 100 % 10, cfg / 10 % 10 as v5's digits): gate/up 0/1 = PD 1 at 3 blocks/SM, 2 = PD 2 at 2; down 0/1 = PD 2
+// at 4, 2 = PD 3 at 2, 4 = PD 2 at 3. Stages (cfg % 10): 0 both, 1 gate/up only, 2 down (+ combine) only.
+bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
+                   int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int32_t * gw, int64_t n_gw,
+                   int * err, cudaStream_t st, int cfg) {
+    const int64_t tiles = c.d_out / k_v5_rows;
+    if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || tiles > n_gw || k < 1 || k > 65535) return false;
+    const int gu = cfg / 100 % 10, dn = cfg / 10 % 10, stages = cfg % 10;
+    int * cnt = reinterpret_cast<int *>(gw);
+    if (stages != 2) {
+        const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
+        if (gu == 2)
+            launch_k(k_moe_gate_up_v6<2, 2>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, experts, E, c, hbuf, err, cnt,
+                     int(tiles));
+        else
+            launch_k(k_moe_gate_up_v6<1, 3>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, experts, E, c, hbuf, err, cnt,
+                     int(tiles));
+    }
+    if (stages != 1) {
+        const dim3 grid{unsigned(tiles), unsigned(k)};
+        const float * hb = hbuf;
+        if (dn == 2)
+            launch_k(k_moe_down_comb_v6<3, 2>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
+                     cnt, y);
+        else if (dn == 4)
+            launch_k(k_moe_down_comb_v6<2, 3>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
+                     cnt, y);
+        else
+            launch_k(k_moe_down_comb_v6<2, 4>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
+                     cnt, y);
+    }
+    return true;
+}
+
 } // namespace
 
 int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
@@ -1492,7 +1756,10 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     float * ybuf = scratch + S * c.d_ff;
     const bool one = T == 1;
     if (one && o.dec_v5 && vfmt == 2 && Din <= k_v5_max_k && c.d_ff <= k_v5_max_k) {   // 3 launches (v5: fp16 tensor cores)
-        launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
+        // v5_cfg's 1000s digit 1: the v6 kernels (cuda_options::moe_decode_v6) where their bounds hold, else v5.
+        if (o.v5_cfg / 1000 % 10 != 1 ||
+            !launch_v6_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E), err, st, o.v5_cfg))
+            launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
         return cudaGetLastError();
     }
     if (one && o.dec_v4 && (vfmt == 1 || vfmt == 2) && k <= 32) {   // 2 launches (v4: gate/up per slot, down + combine)

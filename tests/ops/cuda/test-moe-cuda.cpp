@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -564,6 +565,82 @@ TEST(cuda_moe, decode_v5_t1) {
     }
 }
 
+// ---- 6. Decode v6 (cuda_options::moe_decode_v6 with moe_decode_v5; owner: experts) ----
+// v6 is v5's arithmetic on a bound-free loop plus the combine folded into the down kernel (last block of each 128-row tile
+// sums w_j y_j in slot order with k_moe_combine_g's expression), for Din / d_ff / d_out multiples of 128; other shapes
+// fall back to v5. So y must be v5's BIT FOR BIT on every shape. Shapes: K3's expert (3584 x 3072, top-16 of 18, SiTU),
+// 1024 x 2560 top-5 of 8 with x scaled by 3e-5, 640 x 512 top-4 of 12 with x * 4e3 and scales 100..140 (the v5 test's
+// extremes), 1024 x 1024 top-1 (one slot: the first arriving block is the last); fallback shapes 4224 x 96 and
+// 2048 x 1056 (v5 runs: equal trivially). Checks: ids exact and y at the f32 tolerance vs the CPU; y bitwise v5's; three
+// graph replays bitwise the eager run (the combine counters are re-zeroed by every gate/up launch). Controls that must FAIL: the bitwise comparator on v6's y with one element's lowest bit flipped; two
+// experts' weights swapped vs the CPU at the f32 tolerance; the comparator family (10x perturbation, negative threshold).
+TEST(cuda_moe, decode_v6_t1) {
+    NEED_GPU();
+    struct shape { int D, F, E, k, act, s_lo, s_hi; float xscale; bool v6; };
+    const shape shapes[] = {{3584, 3072, 18, 16, 1, 118, 121, 1.0f, true}, {1024, 2560, 8, 5, 1, 116, 122, 3e-5f, true},
+                            {640, 512, 12, 4, 0, 100, 140, 4e3f, true},      {1024, 1024, 6, 1, 0, 116, 122, 1.0f, true},
+                            {4224, 96, 8, 3, 0, 114, 120, 1.0f, false},      {2048, 1056, 24, 20, 0, 100, 140, 1.0f, false}};
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && !a.empty() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 16000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k);
+        auto mc = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-v6/D{}/F{}/k{}/x{}{}", sh.D, sh.F, sh.k, sh.xscale, sh.v6 ? "" : "/v5-fallback");
+        const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+        cuda_options v6{true, 8};
+        v6.moe_decode_v5 = true;
+        v6.moe_decode_v6 = true;
+        EXPECT_TRUE(parity(nm, g, oc, v6)) << nm;
+        cuda_options v5 = v6;
+        v5.moe_decode_v6 = false;
+        const auto got6 = run_cuda(g, mc->y, v6), got5 = run_cuda(g, mc->y, v5);
+        const bool same = bitwise(got6, got5);
+        std::printf("[%s/v6-vs-v5] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        EXPECT_TRUE(same) << nm;
+        tally(same);
+        {   // control: the bitwise comparator must see a one-ulp change
+            auto bad = got6;
+            bad[bad.size() / 2] = std::nextafter(bad[bad.size() / 2], INFINITY);
+            const bool caught = !bitwise(bad, got5);
+            std::printf("[%s/control(one ulp at %zu vs bitwise)] %s\n", nm.c_str(), bad.size() / 2,
+                        caught ? "differs as required: PASS" : "NOT caught: FAIL");
+            EXPECT_TRUE(caught) << nm;
+            tally(caught);
+        }
+        {   // graph replays (the counters must be re-zeroed each replay) bitwise the eager run
+            cuda_options cap = v6;
+            cap.guard = false;
+            auto gpu = backend_cuda_init(0, cap);
+            gpu->run(g);
+            const auto eager = read_f32(*gpu, mc->y);
+            gpu->capture(g);
+            gpu->replay(3);
+            const auto rep = read_f32(*gpu, mc->y);
+            const bool bit = bitwise(eager, rep) && bitwise(eager, got6);
+            std::printf("[%s/graph-replay x3] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(bit) << nm;
+            tally(bit);
+        }
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        const auto ids = read_i32(*cpu, mc->ids);
+        int unsel = -1;
+        for (int e = 0; e < sh.E && unsel < 0; ++e)
+            if (std::find(ids.begin(), ids.end(), e) == ids.end()) unsel = e;
+        ASSERT_GE(unsel, 0) << nm << ": every expert selected, no swap partner";
+        auto ms = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale, true, ids[0], unsel);
+        const bool swapped = check(nm + "/control(expert " + std::to_string(ids[0]) + " <-> " + std::to_string(unsel) +
+                                       " swapped vs f32 tolerance)",
+                                   to_f64(ref), run_cuda(ms->g, ms->y, v6), metric::NMSE, k_tol_f32);
+        EXPECT_FALSE(swapped) << nm;
+        tally(!swapped);
+        controls(nm, ref, got6, metric::NMSE, k_tol_f32);
+    }
+}
+
 // Microbenchmark (prints, asserts nothing but a clean run): K3's MXFP4 expert node at T == 1 (Din 3584, d_ff 3072, top-16,
 // SiTU) straight through launch_moe_experts_grouped, 64 experts on the device (1.1 GB; each launch takes the next set of
 // 16, so a set's 0.28 GB was last read 3 launches = 0.85 GB earlier: weights come from HBM, not the 50 MB L2). Per variant:
@@ -654,7 +731,11 @@ TEST(cuda_moe, bench_decode_k3_experts) {
                             {"v5 gu4(UL2,PD1,2blk)", mk(false, true, 400), all}, {"v5 dn5(UL2,PD1,3blk)", mk(false, true, 50), all},
                             {"v5 dn6(UL2,PD2,2blk)", mk(false, true, 60), all}, {"v5 gu4+dn5", mk(false, true, 450), all},
                             {"v5 gate/up only", mk(false, true, 1), bytes_gu},
-                            {"v5 down+combine only", mk(false, true, 2), bytes_dn}};
+                            {"v5 down+combine only", mk(false, true, 2), bytes_dn},
+                            {"v6", mk(false, true, 1000), all},       {"v6 gu2(PD2,2blk)", mk(false, true, 1200), all},
+                            {"v6 dn2(PD3,2blk)", mk(false, true, 1020), all}, {"v6 dn4(PD2,3blk)", mk(false, true, 1040), all},
+                            {"v6 gate/up only", mk(false, true, 1001), bytes_gu},
+                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn}};
     std::vector<float> y_v4;   // set 0's output by v4: every full variant must match it at the f32 tolerance
     for (const variant & v : vars) {
         auto launch = [&](int i) {
