@@ -641,6 +641,97 @@ TEST(cuda_moe, decode_v6_t1) {
     }
 }
 
+// Decode v6 with invalid expert ids (-1 and E) among the slots, straight through launch_moe_experts_grouped (the router
+// never emits them; the kernels must still finish, flag ERR_EXPERT_ID and give the invalid slots 0): v6's fused combine
+// counts the invalid slots' blocks too. y must be v5's (3 launches, k_moe_combine_g) bit for bit, on 3 repeated launches
+// (counters re-zeroed each time). Control that must FAIL: the same comparator against y with all ids valid.
+TEST(cuda_moe, decode_v6_invalid_ids) {
+    NEED_GPU();
+    const int64_t D = 1024, F = 1024, E = 8, k = 4;
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<void *> allocs;
+    auto dalloc = [&](size_t n) {
+        void * p = nullptr;
+        EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess) << "cudaMalloc " << n;
+        allocs.push_back(p);
+        return p;
+    };
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
+        cuda::dexpert_matrix m;
+        auto * p = static_cast<uint8_t *>(dalloc(size_t(out * in / 2)));
+        auto * sc = static_cast<uint8_t *>(dalloc(size_t(out * in / 32)));
+        EXPECT_EQ(cuda::launch_fill_random(p, out * in / 2, 3, seed, 0.0f, 255.0f, st), cudaSuccess);
+        EXPECT_EQ(cuda::launch_fill_random(sc, out * in / 32, 3, seed + 1, 118.0f, 121.0f, st), cudaSuccess);
+        m.packed = p;
+        m.scale = sc;
+        m.fmt = 1;
+        m.out = out;
+        m.in = in;
+        return m;
+    };
+    std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 500 + 10 * e), mat(F, D, 503 + 10 * e), mat(D, F, 506 + 10 * e)};
+    auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
+    auto * dids = static_cast<int32_t *>(dalloc(size_t(k) * 4));
+    const std::vector<float> hw{0.4f, 0.3f, 0.2f, 0.1f};
+    auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
+    auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * err = static_cast<int *>(dalloc(64));
+    ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 11, -1.0f, 1.0f, st), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(gw, 0x7f, size_t(cuda::moe_group_ints(1, k, E)) * 4, st), cudaSuccess);   // garbage counters
+    const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
+    auto run = [&](const std::vector<int32_t> & ids, int v5cfg, int & flag) {
+        cuda::dmoe_opts o;
+        o.dec_v4 = o.dec_v5 = true;
+        o.v5_cfg = v5cfg;
+        std::vector<float> out(static_cast<size_t>(D));
+        EXPECT_EQ(cudaMemcpyAsync(dids, ids.data(), size_t(k) * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(y, 0xff, size_t(D) * 4, st), cudaSuccess);   // NaN: an unwritten row shows
+        EXPECT_EQ(cuda::launch_moe_experts_grouped(2, dx, 1, D, dids, dw, k, dex, E, cfg, scratch, gw, y, err, st, o), cudaSuccess);
+        EXPECT_EQ(cudaMemcpyAsync(out.data(), y, out.size() * 4, cudaMemcpyDeviceToHost, st), cudaSuccess);
+        int herr[16] = {};
+        EXPECT_EQ(cudaMemcpyAsync(herr, err, sizeof(herr), cudaMemcpyDeviceToHost, st), cudaSuccess);
+        EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        flag = herr[cuda::ERR_EXPERT_ID];
+        return out;
+    };
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    const std::vector<int32_t> bad_ids{3, -1, 6, int32_t(E)}, good_ids{3, 1, 6, 7};
+    int f5 = 0;
+    const auto y5 = run(bad_ids, 0, f5);
+    EXPECT_NE(f5, 0) << "v5 did not flag the invalid ids";
+    bool finite = true;
+    for (float v : y5) finite = finite && std::isfinite(v);
+    EXPECT_TRUE(finite) << "v5's y has non-finite entries with invalid ids";
+    for (int rep = 0; rep < 3; ++rep) {
+        int f6 = 0;
+        const auto y6 = run(bad_ids, 1000, f6);
+        const bool same = bitwise(y5, y6);
+        std::printf("[moe-v6/invalid-ids/rep%d] flag %d, y %s\n", rep, f6, same ? "bitwise v5's: PASS" : "DIFFERS from v5: FAIL");
+        EXPECT_NE(f6, 0) << "v6 did not flag the invalid ids";
+        EXPECT_TRUE(same);
+        tally(same && f6 != 0);
+    }
+    int fg = 0;
+    const auto yg = run(good_ids, 1000, fg);
+    const bool wrong = bitwise(y5, yg);
+    std::printf("[moe-v6/invalid-ids/control(all ids valid vs bitwise)] %s\n", wrong ? "NOT caught: FAIL" : "differs as required: PASS");
+    EXPECT_FALSE(wrong);
+    EXPECT_EQ(fg, 0) << "valid ids flagged";
+    tally(!wrong);
+    for (void * p : allocs) cudaFree(p);
+    cudaStreamDestroy(st);
+}
+
 // Microbenchmark (prints, asserts nothing but a clean run): K3's MXFP4 expert node at T == 1 (Din 3584, d_ff 3072, top-16,
 // SiTU) straight through launch_moe_experts_grouped, 64 experts on the device (1.1 GB; each launch takes the next set of
 // 16, so a set's 0.28 GB was last read 3 launches = 0.85 GB earlier: weights come from HBM, not the 50 MB L2). Per variant:
