@@ -23,6 +23,10 @@
 //                     outputs; the L2_NORM launch is removed (the KDA q/k path: 2 launches per KDA layer).
 //   fuse_sigmoid      SIGMOID(y) with y the output of a LINEAR on the GEMV path: the GEMV epilogue writes y and sigmoid(y)
 //                     (the KDA beta = sigmoid(b_proj h): 1 launch per KDA layer); the SIGMOID launch is removed.
+//   fuse_mla_kv       The MLA kv_a split (forward.cpp mla_block): a = COLS(x, 0, L), c = RMS_NORM(a) over whole rows of L,
+//                     r = COLS(x, L, W - L) with x [T, W] F32: one launch at a's position (mla.cu k_mla_kv_split) writes
+//                     a, c and r; the RMS_NORM and the second COLS launches are removed (2 launches per MLA layer). Only
+//                     when every consumer of c and r comes after a (they are computed earlier than in the graph).
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -59,9 +63,12 @@ struct plan {
     std::vector<int> conv_l2;        // per SHORT_CONV node: the L2_NORM its launch also computes (-1: none)
     int conv_l2s = 0;                // L2_NORM launches removed (computed by their SHORT_CONV's launch)
     int sigmoids = 0;                // SIGMOID launches removed (written by their LINEAR's GEMV epilogue)
+    std::vector<int> mla_kv_norm;    // per COLS node: the RMS_NORM its k_mla_kv_split launch also computes (-1: none)
+    std::vector<int> mla_kv_rope;    // ... and the second COLS (the rope columns)
+    int mla_kvs = 0;                 // kv_a splits folded (2 launches removed each)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
-    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s + sigmoids; }
+    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs; }
 };
 
 // A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
@@ -85,6 +92,8 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.done_by.assign(N, -1);
     p.at.assign(N, {});
     p.conv_l2.assign(N, -1);
+    p.mla_kv_norm.assign(N, -1);
+    p.mla_kv_rope.assign(N, -1);
     auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
 
     // consumers of output 0 of each node, in graph order
@@ -288,6 +297,55 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             sg->sig = int(i);
             p.done_by[i] = pos;
             ++p.sigmoids;
+        }
+    }
+
+    // 6. the MLA kv_a split: COLS(x, 0, L) -> RMS_NORM, COLS(x, L, W - L)
+    if (o.fuse_mla_kv) {
+        for (size_t i = 0; i < N; ++i) {
+            const node & a = g.nodes[i];
+            if (a.op != op_type::COLS || p.done_by[i] >= 0 || a.src.empty() || !a.src[0].valid() || a.p.c0 != 0) continue;
+            const auto & xs = g.out(a.src[0]).shape;
+            if (xs.size() != 2 || g.out(a.src[0]).type != dtype::F32 || a.p.n <= 0 || a.p.n >= xs[1]) continue;
+            const int64_t L = a.p.n;
+            int rn = -1, rc = -1;
+            for (int j : cons[i]) {
+                const node & m = g.nodes[size_t(j)];
+                if (m.op == op_type::RMS_NORM && p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty() && m.p.n == L &&
+                    same(m.src[0], node_ref{int(i), 0}) && g.out(m.src[0]).type == dtype::F32) {
+                    if (m.src.size() > 1 && m.src[1].valid()) {
+                        const node & wn = g.at(m.src[1]);
+                        if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->numel() != L) continue;
+                        const dtype t = wn.leaf->type;
+                        if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
+                    }
+                    rn = j;
+                    break;
+                }
+            }
+            if (rn < 0) continue;
+            for (size_t j = 0; j < N; ++j) {
+                const node & m = g.nodes[j];
+                if (j != i && m.op == op_type::COLS && p.done_by[j] < 0 && !m.src.empty() && same(m.src[0], a.src[0]) &&
+                    m.p.c0 == L && m.p.n == xs[1] - L) {
+                    rc = int(j);
+                    break;
+                }
+            }
+            if (rc < 0) continue;
+            bool later = true;   // every consumer of c and r after a (computed at a's position)
+            auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
+            for (int j : cons[size_t(rn)]) later &= at_pos(j) > int(i);
+            for (int j : cons[size_t(rc)]) later &= at_pos(j) > int(i);
+            for (size_t j = 0; j < N && later; ++j)   // outputs other than 0 are not in cons: none for these ops
+                for (const node_ref & r : g.nodes[j].src)
+                    if (r.valid() && (r.node == rn || r.node == rc) && r.out != 0) later = false;
+            if (!later) continue;
+            p.mla_kv_norm[i] = rn;
+            p.mla_kv_rope[i] = rc;
+            p.done_by[size_t(rn)] = int(i);
+            p.done_by[size_t(rc)] = int(i);
+            ++p.mla_kvs;
         }
     }
     return p;

@@ -986,6 +986,31 @@ void launch_mla_v3_linears_any(bool out, const float * x, dweight kv_b, int64_t 
     }
 }
 
+// ---- The MLA kv_a split (cuda_options::fuse_mla_kv; fuse-plan.h rule 6) ----
+// cols(x, 0, L) -> RMS_NORM -> c and cols(x, L, W - L) -> kr of the model graph in one launch: block per token, the
+// RMS_NORM exactly as k_norm<0> with the same thread count (norm.cu threads_for: 256 for 256 <= L < 4096), so c is
+// bitwise the unfused kernel's; the raw columns written too (every node of the pattern keeps its output).
+__global__ void __launch_bounds__(1024) k_mla_kv_split(const float * __restrict__ x, int64_t W, int64_t L, dweight w, float eps,
+                                                    float * __restrict__ cols, float * __restrict__ c,
+                                                    float * __restrict__ kr) {
+    pdl_enter();
+    const int64_t t = blockIdx.x;
+    const float * xr = x + t * W;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
+        const float d = xr[i];
+        ss += d * d;
+    }
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / float(L) + eps);
+    for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
+        const float v = xr[i];
+        cols[t * L + i] = v;
+        c[t * L + i] = v * inv * wload_or(w, i, 1.0f);
+    }
+    for (int64_t i = threadIdx.x; i < W - L; i += blockDim.x) kr[t * (W - L) + i] = xr[L + i];
+}
+
 } // namespace
 
 bool mla_v2_supported(const mla_shape & d) {
@@ -1097,6 +1122,15 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
     if (part) launch_k(k_mla_combine, unsigned(T * H), 128, 0, st, part, n_split, L, sel, olat, err);
     const int64_t warps = T * H * dv;
     launch_k(k_mla_out, grid_for(warps * 32, 256), 256, 0, st, olat, kv_b, T, H, dn, dv, L, o);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_mla_kv_split(const float * x, int64_t T, int64_t W, int64_t L, dweight w, float eps, float * cols, float * c,
+                                float * kr, cudaStream_t st) {
+    if (L <= 0 || L > W) return cudaErrorInvalidValue;
+    // k_norm<0>'s thread count for a row of L (norm.cu threads_for), so that the sums are the same
+    const int threads = L >= 4096 ? 1024 : L >= 256 ? 256 : int((L + 31) / 32 * 32);
+    if (T > 0) launch_k(k_mla_kv_split, unsigned(T), threads, 0, st, x, W, L, w, eps, cols, c, kr);
     return cudaGetLastError();
 }
 

@@ -18,6 +18,7 @@
 // ctx 1024, batch 1 and 64, v1 and v2 in the same run. The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/fuse-plan.h"
 #include "core/error.h"
 #include "harness.h"
 
@@ -343,6 +344,109 @@ TEST(cuda_mla, selected_given_and_controls) {
     }
 }
 
+// ---- 4b. the MLA kv_a split (cuda_options::fuse_mla_kv, fuse-plan.h rule 6): the model's pattern x [T, L + dr] ->
+// COLS(0, L) -> RMS_NORM -> c, COLS(L, dr) -> kr -> MLA_ATTN. The fold's outputs (the raw columns, the normed latent,
+// k_rope) and o vs the CPU, and bitwise equal to the unfused kernels (same sums); the plan folds exactly one split, none
+// when the option is off, none when the rope COLS is not the rest of the row (control) ----
+struct kv_case {
+    mla_case mc;
+    node_ref a, c, kr;
+};
+void build_kv(kv_case & kc, const geo & d, const std::vector<int> & lens, const std::vector<int> & pos0, int ps, uint32_t seed,
+              int64_t rope_c0 = -1) {
+    mla_case & mc = kc.mc;
+    int max_end = 0;
+    for (size_t s = 0; s < lens.size(); ++s) max_end = std::max(max_end, pos0[s] + lens[s]);
+    const int pages_per = (max_end + ps - 1) / ps + 1;
+    mc.b = make_batch(lens, pos0, ps, pages_per);
+    mc.T = mc.b->n_tokens();
+    const int T = mc.T, n_pages = int(lens.size()) * pages_per + 2;
+    const int64_t W = d.L + d.dr + (rope_c0 >= 0 ? 4 : 0);
+    rng r(seed);
+    builder bd(mc.b);
+    auto qv = r.vec(size_t(T) * d.H * (d.dn + d.dr)), xv = r.vec(size_t(T * W), -2.0f, 2.0f), nw = r.vec(size_t(d.L), 0.5f, 1.5f);
+    auto kvb = r.vec(size_t(d.H) * (d.dn + d.dv) * d.L, -0.08f, 0.08f);
+    auto cache0 = r.vec(size_t(n_pages) * ps * (d.L + d.dr), -0.5f, 0.5f);
+    mc.cache = &mc.a.f32({n_pages, ps, d.L + d.dr}, cache0);
+    for (auto & bt : mc.b->block_table) mc.touched.insert(bt.begin(), bt.end());
+    node_ref x = bd.name(bd.scale(bd.weight(mc.a.f32({T, W}, xv), "kv_a"), 1.0f), "mla_kv_a");
+    kc.a = bd.name(bd.cols(x, 0, d.L), "kv_cols");
+    kc.c = bd.name(bd.rms_norm(kc.a, bd.weight(mc.a.typed(dtype::BF16, {d.L}, nw), "kv_a_layernorm"), 1e-6f), "mla_latent");
+    kc.kr = bd.name(bd.cols(x, rope_c0 >= 0 ? rope_c0 : d.L, d.dr), "mla_k_rope");
+    const float scale = 1.5f / std::sqrt(float(d.dn + d.dr));
+    mc.o = bd.name(bd.mla_attn(bd.scale(bd.weight(mc.a.f32({T, d.H * (d.dn + d.dr)}, qv), "q"), 1.0f), kc.c, kc.kr,
+                               bd.weight(mc.a.typed(dtype::BF16, {d.H * (d.dn + d.dv), d.L}, kvb), "kv_b"),
+                               bd.state(*mc.cache, "mla_cache"), node_ref{}, {d.H, d.dn, d.dr, d.dv, d.L, scale}),
+                   "mla_attn");
+    mc.g = bd.finish(mc.o);
+}
+
+TEST(cuda_mla, kv_split_fold_vs_cpu) {
+    {   // the plan (host only: runs without a GPU)
+        kv_case kc;
+        build_kv(kc, k_real8, {1, 1}, {70, 3}, 64, 26000);
+        cuda_options on, off;
+        off.fuse_mla_kv = false;
+        const int n_on = cuda_fuse::plan_fusions(kc.mc.g, on).mla_kvs, n_off = cuda_fuse::plan_fusions(kc.mc.g, off).mla_kvs;
+        kv_case bad;
+        build_kv(bad, k_real8, {1, 1}, {70, 3}, 64, 26000, k_real8.L + 4);   // rope COLS not the rest of the row
+        const int n_bad = cuda_fuse::plan_fusions(bad.mc.g, on).mla_kvs;
+        std::printf("[mla-kv-split/plan] folds: on %d (must be 1), off %d (must be 0), control(rope cols at L + 4) %d (must be 0)\n",
+                    n_on, n_off, n_bad);
+        EXPECT_EQ(n_on, 1);
+        EXPECT_EQ(n_off, 0);
+        EXPECT_EQ(n_bad, 0);
+        tally(n_on == 1 && n_off == 0 && n_bad == 0);
+    }
+    NEED_GPU();
+    struct cs { geo d; std::vector<int> lens, pos0; int ps; };
+    const std::vector<cs> cases = {{k_real8, {1, 1}, {70, 3}, 64}, {geo{32, 128, 64, 128, 512}, {1}, {1024}, 64},
+                                   {k_real12, {5, 1}, {60, 130}, 16}, {k_small, {3}, {9}, 8}};
+    int ci = 0;
+    for (const cs & c : cases) {
+        kv_case kc;
+        build_kv(kc, c.d, c.lens, c.pos0, c.ps, 26100 + uint32_t(ci++));
+        mla_case & mc = kc.mc;
+        const std::string nm = fmt::format("mla-kv-split/H{}/L{}/T{}", c.d.H, c.d.L, mc.T);
+        const auto init = snapshot(*mc.cache);
+        auto cpu = backend_cpu_init();
+        cpu->run(mc.g);
+        const auto ra = read_f32(*cpu, kc.a), rc = read_f32(*cpu, kc.c), rk = read_f32(*cpu, kc.kr), ro = read_f32(*cpu, mc.o);
+        restore(*mc.cache, init);
+        std::vector<float> got[2][4];
+        for (int fold = 0; fold < 2; ++fold) {
+            cuda_options o = opts(3);
+            o.fuse_mla_kv = fold == 1;
+            auto gpu = backend_cuda_init(0, o);
+            gpu->check_supported(mc.g);
+            gpu->run(mc.g);
+            got[fold][0] = read_f32(*gpu, kc.a);
+            got[fold][1] = read_f32(*gpu, kc.c);
+            got[fold][2] = read_f32(*gpu, kc.kr);
+            got[fold][3] = read_f32(*gpu, mc.o);
+            restore(*mc.cache, init);
+        }
+        bool ok = true;
+        for (int fold = 0; fold < 2; ++fold) {
+            const std::string f = nm + (fold ? "/fold" : "/unfused");
+            ok &= check(f + "/cols", to_f64(ra), got[fold][0], metric::MAX_ABS, 0.0);
+            ok &= check(f + "/latent(nmse)", to_f64(rc), got[fold][1], metric::NMSE, k_tol_f32);
+            ok &= check(f + "/k_rope", to_f64(rk), got[fold][2], metric::MAX_ABS, 0.0);
+            ok &= check(f + "/o(max abs)", to_f64(ro), got[fold][3], metric::MAX_ABS, k_tol_mla_abs);
+            ok &= check(f + "/o(nmse)", to_f64(ro), got[fold][3], metric::NMSE, k_tol_f32);
+        }
+        for (int k = 0; k < 4; ++k) {
+            const bool same = got[0][k].size() == got[1][k].size() &&
+                              std::memcmp(got[0][k].data(), got[1][k].data(), got[0][k].size() * 4) == 0;
+            std::printf("[%s/fold bitwise unfused, output %d] %s (must be EQUAL)\n", nm.c_str(), k, same ? "EQUAL" : "DIFFERENT");
+            ok &= same;
+        }
+        EXPECT_TRUE(ok) << nm;
+        tally(ok);
+        if (ci == 1) controls(nm + "/fold latent", rc, got[1][1]);
+    }
+}
+
 // ---- 5. the switch's default ----
 TEST(cuda_mla, default_is_v3) {
     const cuda_options d;
@@ -350,6 +454,7 @@ TEST(cuda_mla, default_is_v3) {
                 int(d.mla_split));
     EXPECT_TRUE(d.mla_decode_v2);
     EXPECT_TRUE(d.mla_decode_v3);
+    EXPECT_TRUE(d.fuse_mla_kv);
 }
 
 // ---- 6. timing at the true geometries, ctx 1024 (printed, not asserted) ----
