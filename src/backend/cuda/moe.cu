@@ -1687,10 +1687,21 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(cons
     if (threadIdx.x < k_v5_rows) {
         const int64_t r = int64_t(blockIdx.x) * k_v5_rows + threadIdx.x;
         float a = 0.0f;
-        for (int64_t jj = 0; jj < k; ++jj) {   // k_moe_combine_g's sum (T == 1), in slot order
-            const int32_t ej = ids[jj];
-            const float v = (ej >= 0 && ej < E) ? __ldcg(ybuf + jj * Dout + r) : 0.0f;
-            a += w[jj] * v;
+        for (int64_t j0 = 0; j0 < k; j0 += 8) {   // k_moe_combine_g's sum (T == 1), in slot order; 8 loads in flight
+            float v[8], wv[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int64_t jj = j0 + i;
+                v[i] = wv[i] = 0.0f;
+                if (jj < k) {
+                    const int32_t ej = ids[jj];
+                    wv[i] = w[jj];
+                    v[i] = (ej >= 0 && ej < E) ? __ldcg(ybuf + jj * Dout + r) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (j0 + i < k) a += wv[i] * v[i];
         }
         y[r] = a;
     }
