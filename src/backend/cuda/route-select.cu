@@ -34,7 +34,7 @@ __device__ __forceinline__ unsigned order_key(float v) {
 __device__ void route_prologue(const float * __restrict__ lrow, const dweight & bias, const droute & c, float * score,
                                float * biased, bool own_bias = false, float bias_mine = 0.0f) {
     const int E = int(c.n_expert);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = lrow[e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) score[e] = __ldcg(lrow + e);   // L2: written by another block/kernel
     if (c.softmax) {   // serial, as the reference sums (fp32 exp, double sum)
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -209,20 +209,19 @@ __global__ void __launch_bounds__(k_ss_threads) k_moe_select_sort(const float * 
 // the k candidates. 33 counting barriers and 3 plain ones whatever E, instead of the sort's 55 (K3) / 36 (48B) stages
 // each touching all keys (session 4 ncu: k_moe_select_sort 19.8 us for K3, 8.9 us for the 48B). A token with a NaN
 // score takes the serial scan, as in the sort form.
-__global__ void __launch_bounds__(k_sw_max_e) k_moe_select_radix(const float * __restrict__ logits, dweight bias, droute c,
-                                                                 int32_t * __restrict__ ids, float * __restrict__ w) {
-    const float bias_mine = bias.data && int(threadIdx.x) < c.n_expert ? wload(bias, threadIdx.x) : 0.0f;   // a weight
-    pdl_enter();
+// The threshold selection of one token, by a block of one thread per expert (blockDim.x = E rounded up to a warp):
+// lrow [E] logits -> ids [t, k], w [t, k]. bias_mine: expert threadIdx.x's bias, loaded by the caller (0 without one).
+__device__ void select_radix_token(const float * __restrict__ lrow, const dweight & bias, const droute & c, int64_t t,
+                                   float bias_mine, int32_t * __restrict__ ids, float * __restrict__ w) {
     __shared__ float score[k_sw_max_e];
     __shared__ float biased[k_sw_max_e];
     __shared__ unsigned long long cand[64];
     __shared__ int32_t sel[64];
     __shared__ int eq_warp[32];
     __shared__ int n_cand;
-    const int64_t t = blockIdx.x;
     const int E = int(c.n_expert), k = int(c.topk);
     const int e = threadIdx.x, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    route_prologue(logits + t * c.n_expert, bias, c, score, biased, true, bias_mine);
+    route_prologue(lrow, bias, c, score, biased, true, bias_mine);
     const float v = e < E ? biased[e] : 0.0f;
     if (__syncthreads_or(e < E && v != v)) {   // the serial rule, as the reference scans
         if (threadIdx.x == 0) serial_pick(biased, E, k, sel);
@@ -258,6 +257,85 @@ __global__ void __launch_bounds__(k_sw_max_e) k_moe_select_radix(const float * _
     if (threadIdx.x < 32) route_write(score, sel, c, t, ids, w);
 }
 
+__device__ __forceinline__ float bias_of_thread(const dweight & bias, const droute & c) {
+    return bias.data && int(threadIdx.x) < c.n_expert ? wload(bias, threadIdx.x) : 0.0f;
+}
+
+// grid T, block E rounded up to a warp: token t = blockIdx.x.
+__global__ void __launch_bounds__(k_sw_max_e) k_moe_select_radix(const float * __restrict__ logits, dweight bias, droute c,
+                                                                 int32_t * __restrict__ ids, float * __restrict__ w) {
+    const float bias_mine = bias_of_thread(bias, c);   // a weight (never written by a kernel): before the PDL wait
+    pdl_enter();
+    select_radix_token(logits + int64_t(blockIdx.x) * c.n_expert, bias, c, blockIdx.x, bias_mine, ids, w);
+}
+
+// ---- One launch for T == 1 (cuda_options::moe_route_fused_radix): the router GEMV and the threshold selection. Block =
+// E rounded up to a warp (the selection's shape); the block's warps split into groups of S = min(4, warps) warps, each
+// group one logit row, each warp a contiguous quarter of the row's 16-byte units (bf16, D % (8 S) == 0) with all its
+// loads issued before the FMAs; the S partials summed in shared memory in warp order (deterministic). Grid: enough
+// blocks for E rows. The last block to finish (ticket from atomicInc on `counter`, which wraps it back to 0: the
+// counter must be 0 before the first launch and is 0 again after every complete launch) selects from the logits in L2.
+// Why: the two-launch route pays a second kernel's ramp and a dependent-launch wait per MoE layer (ncu session 4, 48B:
+// GEMV 6.4 us on 32 blocks + selection 8.9 us).
+constexpr int k_rf_units = 8;   // 16-byte units per lane held in registers at once
+
+__global__ void __launch_bounds__(k_sw_max_e) k_moe_route_radix_fused(const float * __restrict__ x, int64_t D, dweight gate,
+                                                                      dweight bias, droute c, float * __restrict__ logits,
+                                                                      unsigned * __restrict__ counter,
+                                                                      int32_t * __restrict__ ids, float * __restrict__ w) {
+    const float bias_mine = bias_of_thread(bias, c);
+    pdl_enter();
+    __shared__ float part[32];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int S = nw < 4 ? nw : 4, rows = nw / S;   // warps per row, rows per block
+    const int64_t row = int64_t(blockIdx.x) * rows + wid / S;
+    const int ks = wid % S;
+    float acc = 0.0f;
+    if (wid < rows * S && row < c.n_expert) {
+        const int64_t nu = D / 8 / S;   // units of this warp's slice
+        const uint4 * wr = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(gate.data) + row * D) + ks * nu;
+        const float4 * xr = reinterpret_cast<const float4 *>(x) + 2 * ks * nu;
+        for (int64_t u0 = 0; u0 < nu; u0 += 32 * k_rf_units) {
+            uint4 q[k_rf_units];
+#pragma unroll
+            for (int i = 0; i < k_rf_units; ++i) {
+                const int64_t u = u0 + lane + 32 * i;
+                q[i] = u < nu ? __ldg(wr + u) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int i = 0; i < k_rf_units; ++i) {
+                const int64_t u = u0 + lane + 32 * i;
+                if (u >= nu) break;
+                const float4 x0 = xr[2 * u], x1 = xr[2 * u + 1];
+                acc = fmaf(__uint_as_float(q[i].x << 16), x0.x, acc);
+                acc = fmaf(__uint_as_float(q[i].x & 0xFFFF0000u), x0.y, acc);
+                acc = fmaf(__uint_as_float(q[i].y << 16), x0.z, acc);
+                acc = fmaf(__uint_as_float(q[i].y & 0xFFFF0000u), x0.w, acc);
+                acc = fmaf(__uint_as_float(q[i].z << 16), x1.x, acc);
+                acc = fmaf(__uint_as_float(q[i].z & 0xFFFF0000u), x1.y, acc);
+                acc = fmaf(__uint_as_float(q[i].w << 16), x1.z, acc);
+                acc = fmaf(__uint_as_float(q[i].w & 0xFFFF0000u), x1.w, acc);
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part[wid] = acc;
+    __syncthreads();
+    if (ks == 0 && lane == 0 && wid < rows * S && row < c.n_expert) {
+        float y = part[wid];
+        for (int i = 1; i < S; ++i) y += part[wid + i];
+        logits[row] = y;
+    }
+    __threadfence();   // this block's logits are visible device-wide before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicInc(counter, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    select_radix_token(logits, bias, c, 0, bias_mine, ids, w);
+}
+
 } // namespace
 
 cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
@@ -272,6 +350,17 @@ cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias
     if (c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk > 64 || c.topk > c.n_expert) return cudaErrorInvalidValue;
     if (T > 0) return launch_k(k_moe_select_warp, unsigned(T), 32, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
+}
+
+cudaError_t launch_moe_route_radix_fused(const float * x, int64_t D, dweight gate, dweight bias, const droute & c,
+                                         float * logits, unsigned * counter, int32_t * ids, float * w, cudaStream_t st) {
+    if (c.n_expert < 1 || c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk < 1 || c.topk > 64 || c.topk > c.n_expert)
+        return cudaErrorInvalidValue;
+    const int threads = int((c.n_expert + 31) / 32 * 32), nw = threads / 32, S = nw < 4 ? nw : 4, rows = nw / S;
+    if (gate.type != wtype::BF16 || D <= 0 || D % (8 * S) != 0) return cudaErrorInvalidValue;
+    const int64_t blocks = (c.n_expert + rows - 1) / rows;
+    return launch_k(k_moe_route_radix_fused, unsigned(blocks), unsigned(threads), 0, st, x, D, gate, bias, c, logits, counter,
+                    ids, w);
 }
 
 cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,

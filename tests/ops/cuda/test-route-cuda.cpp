@@ -9,8 +9,12 @@
 //     weights agree to 1e-6.
 //  3. controls_fail: one swapped id and one weight moved by one ulp must each be reported; the host rule with ties to
 //     the HIGHER id must disagree with every kernel on tie-heavy logits (the tie rule is really exercised).
-//  4. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection) at the Kimi-Linear-48B and
-//     K3 geometries: CUDA graphs of back-to-back launches with PDL on, router weights rotated past the L2.
+//  4. fused_t1: the one-launch T == 1 route (GEMV + last block selects): logits vs the host in double, ids and weights bit
+//     for bit the block selection over its own logits, the counter back at 0 and a second launch identical; control: a
+//     counter that never yields the last ticket leaves the sentinels, which the comparison must report.
+//  5. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection; the fused route at T = 1) at
+//     the Kimi-Linear-48B and K3 geometries: CUDA graphs of back-to-back launches with PDL on, router weights rotated
+//     past the L2.
 // The cases skip (saying why) on a machine without a CUDA device.
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/prefill-ops.h"
@@ -292,6 +296,110 @@ TEST(route_select, controls_fail) {
         << "control: ties to the higher id must pick 255..248 on all-equal scores";
 }
 
+// The one-launch route at T == 1 (launch_moe_route_radix_fused): its logits against a double-precision host dot product,
+// its ids and weights bit for bit the block selection's over ITS OWN logits, a second launch with the counter it left
+// (0 again) identical; control: a counter not at 0 (0xFFFFFFFF: no block ever draws the last ticket) leaves the sentinel
+// outputs, which the comparison must report.
+struct fused_out {
+    std::vector<float> logits;
+    result r;
+    unsigned counter_after = 0;
+};
+
+fused_out run_fused(int E, int k, int64_t D, const std::vector<uint16_t> & gate, const std::vector<float> & x,
+                    const std::vector<float> & bias, unsigned counter0, cudaError_t * err = nullptr) {
+    void * dg = nullptr;
+    float *dx = nullptr, *db = nullptr, *dl = nullptr, *dw = nullptr;
+    int32_t * di = nullptr;
+    unsigned * dc = nullptr;
+    cudaMalloc(&dg, gate.size() * 2);
+    cudaMemcpy(dg, gate.data(), gate.size() * 2, cudaMemcpyHostToDevice);
+    cudaMalloc(reinterpret_cast<void **>(&dx), x.size() * 4);
+    cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice);
+    cudaMalloc(reinterpret_cast<void **>(&db), bias.size() * 4);
+    cudaMemcpy(db, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice);
+    cudaMalloc(reinterpret_cast<void **>(&dl), size_t(E) * 4);
+    cudaMalloc(reinterpret_cast<void **>(&di), size_t(k) * 4);
+    cudaMalloc(reinterpret_cast<void **>(&dw), size_t(k) * 4);
+    cudaMalloc(reinterpret_cast<void **>(&dc), 4);
+    cudaMemcpy(dc, &counter0, 4, cudaMemcpyHostToDevice);
+    cudaMemset(di, 0xff, size_t(k) * 4);
+    cudaMemset(dw, 0xff, size_t(k) * 4);
+    const droute r{E, k, 1, 1, true, 2.5f, 0};
+    cudaStream_t st;
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    const cudaError_t e = launch_moe_route_radix_fused(dx, D, {dg, wtype::BF16}, {db, wtype::F32}, r, dl, dc, di, dw, st);
+    if (err) *err = e;
+    else EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+    EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    cudaStreamDestroy(st);
+    fused_out o{std::vector<float>(size_t(E)), result{std::vector<int32_t>(size_t(k)), std::vector<float>(size_t(k))}, 0};
+    cudaMemcpy(o.logits.data(), dl, size_t(E) * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.r.ids.data(), di, size_t(k) * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.r.w.data(), dw, size_t(k) * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(&o.counter_after, dc, 4, cudaMemcpyDeviceToHost);
+    for (void * p : {dg, static_cast<void *>(dx), static_cast<void *>(db), static_cast<void *>(dl), static_cast<void *>(di),
+                     static_cast<void *>(dw), static_cast<void *>(dc)})
+        cudaFree(p);
+    return o;
+}
+
+TEST(route_select, fused_t1) {
+    NEED_GPU();
+    struct fcase { int E, k; int64_t D; };
+    int n = 0;
+    for (const fcase & f : {fcase{256, 8, 2304}, fcase{896, 16, 7168}, fcase{64, 6, 256}, fcase{100, 8, 512}, fcase{8, 2, 64},
+                            fcase{1024, 64, 1024}, fcase{200, 8, 96}}) {
+        std::mt19937 rng(uint32_t(f.E * 31 + f.k));
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        std::vector<uint16_t> gate(size_t(f.E) * size_t(f.D));
+        for (auto & g : gate) {
+            const float v = nd(rng) * 0.05f;
+            uint32_t u;
+            std::memcpy(&u, &v, 4);
+            g = uint16_t(u >> 16);
+        }
+        std::vector<float> x(size_t(f.D)), bias(size_t(f.E));
+        for (auto & v : x) v = nd(rng);
+        for (auto & b : bias) b = nd(rng) * 0.01f;
+        const std::string what = "E " + std::to_string(f.E) + " k " + std::to_string(f.k) + " D " + std::to_string(f.D);
+        const fused_out a = run_fused(f.E, f.k, f.D, gate, x, bias, 0u);
+        int shifted_fail = 0;
+        for (int e = 0; e < f.E; ++e) {   // fp32 sums vs the host in double: |err| <= D eps sum |w x| (fp32 sum bound)
+            double ref = 0.0, mag = 0.0;
+            for (int64_t i = 0; i < f.D; ++i) {
+                uint32_t u = uint32_t(gate[size_t(e * f.D + i)]) << 16;
+                float wv;
+                std::memcpy(&wv, &u, 4);
+                ref += double(wv) * x[size_t(i)];
+                mag += std::fabs(double(wv) * x[size_t(i)]);
+            }
+            ASSERT_LE(std::fabs(a.logits[size_t(e)] - ref), double(f.D) * 6e-8 * mag + 1e-30) << what << ": logit " << e;
+            // control: the next row's logit held to this row's reference must mostly fail the same bound
+            shifted_fail += std::fabs(a.logits[size_t((e + 1) % f.E)] - ref) > double(f.D) * 6e-8 * mag + 1e-30;
+        }
+        EXPECT_GT(shifted_fail, f.E / 2) << what << " control: logits of the wrong rows passed the logit bound";
+        const rcase c{f.E, f.k, 1, 1, 1, true, false, true, 0};
+        const result blk = run_select(kind::block, c, a.logits, bias);
+        EXPECT_EQ(diff_bitwise(a.r, blk), "") << "fused vs the block selection over its logits: " << what;
+        EXPECT_EQ(a.counter_after, 0u) << what << ": the counter must wrap back to 0";
+        const fused_out b = run_fused(f.E, f.k, f.D, gate, x, bias, a.counter_after);
+        EXPECT_EQ(diff_bitwise(b.r, a.r), "") << what << ": a second launch on the counter the first left";
+        EXPECT_EQ(b.logits, a.logits) << what << ": logits not deterministic";
+        // control: a counter that never yields the last ticket leaves the sentinels; the comparison must see it
+        const fused_out bad = run_fused(f.E, f.k, f.D, gate, x, bias, 0xFFFFFFFFu);
+        EXPECT_NE(diff_bitwise(bad.r, blk), "") << what << " control: no block selected, yet the outputs compare equal";
+        ++n;
+    }
+    // shapes the kernel must refuse (not compute wrongly)
+    cudaError_t e = cudaSuccess;
+    std::vector<uint16_t> g(size_t(256) * 100, 0x3f80);
+    std::vector<float> x(100, 1.0f), bias(256, 0.0f);
+    (void)run_fused(256, 8, 100, g, x, bias, 0u, &e);   // D = 100: not a multiple of 32
+    EXPECT_EQ(e, cudaErrorInvalidValue) << "D 100 must be refused";
+    std::printf("[route_select] fused T=1 route: logits within the fp32 bound, selection == block bit for bit on %d shapes\n", n);
+}
+
 // ---- timing ----
 struct gpu_timer {
     cudaStream_t st{};
@@ -382,6 +490,17 @@ TEST(route_select, timing) {
             for (const auto & sv : sels)
                 std::printf(" | %s %.2f", sv.first,
                             tm.us([&](int) { EXPECT_EQ(sv.second(lg, T, bw, r, ids, w, st), cudaSuccess); }, nl));
+            if (T == 1) {
+                unsigned * ctr;
+                cudaMalloc(reinterpret_cast<void **>(&ctr), 4);
+                cudaMemset(ctr, 0, 4);
+                std::printf(" | fused %.2f", tm.us([&](int i) {
+                                EXPECT_EQ(launch_moe_route_radix_fused(x, g.D, dweight{wc[size_t(i % copies)], wtype::BF16}, bw, r, lg,
+                                                                       ctr, ids, w, st),
+                                          cudaSuccess);
+                            }, nl));
+                cudaFree(ctr);
+            }
             std::printf("\n[timing] %s route T=%d, GEMV + selection:", g.name, T);
             for (const auto & gv : gemvs)
                 for (const auto & sv : sels)
