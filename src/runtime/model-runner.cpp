@@ -37,7 +37,11 @@ model_runner::model_runner(const std::string & dir, const runner_options & opt) 
         for (tensor * t : {&ls.conv_q, &ls.conv_k, &ls.conv_v, &ls.recurrent})
             if (!t->empty()) slot_pools_.push_back(t);
 #ifdef PERIGEE_HAVE_CUDA
-    if (cuda) be_ = backend_cuda_init(opt.device);
+    if (cuda) {
+        cuda_options co;
+        co.graph_decode = opt.graph_decode;
+        be_ = backend_cuda_init(opt.device, co);
+    }
 #endif
     if (!be_) be_ = backend_cpu_init();
 }

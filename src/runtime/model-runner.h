@@ -22,6 +22,7 @@ struct runner_options {
                                        //  engine_options.prefix_snapshots, resolved: 4 * max_num_seqs when that is 0)
     std::string backend = "cpu";   // "cpu", or "cuda" in a build with the CUDA backend (PERIGEE_HAVE_CUDA)
     int device = 0;                 // cuda: the device index
+    bool graph_decode = true;       // cuda: decode steps as replayed CUDA graphs (cuda_options::graph_decode)
 };
 
 // The backends this build can run ("cpu" or "cpu, cuda"), for option help and errors.

@@ -332,20 +332,32 @@ struct opts {
 
 // --set: the cuda_options switches a run can pin by name (ints; bools as 0/1). An unknown name is an error naming it.
 void apply_sets(cuda_options & co, const opts & o) {
+    // The bench times run() as the eager step and its own capture()/replay() as the graph step; the engine's graph replay
+    // inside run() (graph_decode) would turn the eager column into replays, so it is off unless --set graph_decode=1 (then
+    // "eager ms" is what the engine's decode step costs).
+    co.graph_decode = false;
     for (const auto & [k, v] : o.sets) {
         if (k == "gemv_unroll") co.gemv_unroll = v;
         else if (k == "gemv_v2_min_in") co.gemv_v2_min_in = v;
+        else if (k == "gemv_v3") co.gemv_v3 = v;
+        else if (k == "gemv_v3_max_in") co.gemv_v3_max_in = v;
         else if (k == "pdl") co.pdl = v != 0;
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
+        else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
         else if (k == "moe_select_sort") co.moe_select_sort = v != 0;
+        else if (k == "moe_select_radix") co.moe_select_radix = v != 0;
+        else if (k == "moe_route_gemv_v2") co.moe_route_gemv_v2 = v != 0;
+        else if (k == "moe_route_fused_radix") co.moe_route_fused_radix = v != 0;
         else if (k == "attn_res_chunk") co.attn_res_chunk = v;
         else if (k == "attn_res_split") co.attn_res_split = v != 0;
         else if (k == "linear_group") co.linear_group = v != 0;
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
-        else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
+        else if (k == "mla_decode_v3") co.mla_decode_v3 = v != 0;
+        else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
+        else if (k == "graph_decode") co.graph_decode = v != 0;
         else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = v != 0;
         else PG_FAIL("--set: unknown cuda_options name '{}'", k);
     }
@@ -709,6 +721,8 @@ void dry_fusions(const graph & g) {
                     p.launches_saved() - base);
         if (ps.conv) std::printf("  %-24s L2_NORMs folded into their SHORT_CONV: %d\n", "", p.conv_l2s);
         if (ps.sig) std::printf("  %-24s SIGMOIDs folded into their GEMV's epilogue: %d\n", "", p.sigmoids);
+        if (ps.conv && ps.sig)   // fuse_mla_kv is at its default (on) in every pass: 2 launches fewer per fold everywhere
+            std::printf("  %-24s MLA kv_a splits folded (fuse_mla_kv, on in every pass): %d\n", "", p.mla_kvs);
         if (ps.norm)   // foldable norms the planner keeps (fuse-plan.h): x' past the 47 KiB stage, weights past the limit
             std::printf("  %-24s norms kept: %d (stage), %d (LINEAR weights > %lld MiB)\n", "", p.norms_kept_stage,
                         p.norms_kept_big, (long long)(co.fuse_norm_max_weight_bytes >> 20));

@@ -3,11 +3,17 @@
 //   gemm:  cuBLASLt bf16 x bf16 -> f32, 8192^3 -> the bf16 matrix ceiling
 //   gemv:  the backend's LINEAR GEMV kernels (bf16 weights, T = 1 and 8) on K3's dense shapes, each cuda_options::gemv_unroll
 //          variant side by side (weights rotated over > 3x the L2; graphs of back-to-back launches)
+//   gemv48: the same at the Kimi-Linear-48B geometry, T = 1: the kernels the step runs now vs v3 (gemv_cfg::v3); the
+//          argument "gemv48" runs only the copy ceiling and these lines
 //   moe:   MOE_EXPERTS decode, MXFP4 experts at K3's latent-MoE widths, 16 of 64 experts selected
 //   kda:   KDA recurrent decode step at K3 widths (H 96, K = V = 128), state rotated over 16 slots
+//   route: MOE_ROUTE decode (T = 1 and 8): the router GEMV (u0 / u4) then each selection (block, sort, radix), and the
+//          one-launch route at T = 1, at the Kimi-Linear-48B and K3 router geometries; the argument "route" runs only
+//          the copy ceiling and these lines
 // Every figure: median of 20 timed launches after 3 warm-ups, cudaEvent timing, inputs random (never zeros).
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/fuse-ops.h"
+#include "backend/cuda/prefill-ops.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -68,7 +74,172 @@ static void * dev_random(size_t bytes, uint32_t seed, bool as_bf16 = false) {
     return d;
 }
 
-int main() {
+// route: MOE_ROUTE at decode: the router GEMV (u0 = the first kernels, u4 = v2 with the row split) then a selection
+// (block = moe.cu k_moe_select, sort = moe_select_sort, radix = moe_select_radix), at the Kimi-Linear-48B (256 x 2304,
+// top-8) and K3 (896 x 7168, top-16) routers, sigmoid + bias, renormalized. Each figure: a CUDA graph of 64 back-to-back
+// launches (or GEMV + selection pairs) with PDL on, router weights rotated over >= 160 MB, median of 7 replays / 64.
+static void bench_route() {
+    pdl_scope pdl(true);
+    struct geo { const char * name; int E, k; int64_t D; };
+    for (const geo & g : {geo{"48B", 256, 8, 2304}, geo{"K3", 896, 16, 7168}}) {
+        const size_t wbytes = size_t(g.E) * size_t(g.D) * 2;
+        const int copies = int((size_t(160) << 20) / wbytes + 1), nl = 64;
+        std::vector<void *> wc{dev_random(wbytes, 21, true)};
+        for (int i = 1; i < copies; ++i) {
+            void * d;
+            CK(cudaMalloc(&d, wbytes));
+            CK(cudaMemcpy(d, wc[0], wbytes, cudaMemcpyDeviceToDevice));
+            wc.push_back(d);
+        }
+        float *x, *lg, *w, *bias;
+        int32_t * ids;
+        CK(cudaMalloc(reinterpret_cast<void **>(&x), size_t(8 * g.D) * 4));
+        CK(cudaMemset(x, 0x3c, size_t(8 * g.D) * 4));   // ~0.0115: logits = row sums of random bf16, all distinct
+        CK(cudaMalloc(reinterpret_cast<void **>(&bias), size_t(g.E) * 4));
+        CK(cudaMemset(bias, 0x3c, size_t(g.E) * 4));
+        CK(cudaMalloc(reinterpret_cast<void **>(&lg), size_t(8 * g.E) * 4));
+        CK(cudaMalloc(reinterpret_cast<void **>(&ids), size_t(8 * g.k) * 4));
+        CK(cudaMalloc(reinterpret_cast<void **>(&w), size_t(8 * g.k) * 4));
+        const droute r{g.E, g.k, 1, 1, true, 2.5f, 0};
+        using sel_fn = cudaError_t (*)(const float *, int64_t, dweight, const droute &, int32_t *, float *, cudaStream_t);
+        const std::pair<const char *, sel_fn> sels[] = {
+            {"block", launch_moe_select}, {"sort", launch_moe_select_sort}, {"radix", launch_moe_select_radix}};
+        const std::pair<const char *, gemv_cfg> gemvs[] = {{"u0", gemv_cfg{0, 0}}, {"u4", gemv_cfg{4, 0}}};
+        auto graph_us = [&](const std::function<void(int)> & f) {
+            f(0);   // eager once: outside any capture (one-time function attributes)
+            CK(cudaStreamSynchronize(st));
+            cudaGraph_t gr;
+            cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+            for (int i = 0; i < nl; ++i) f(i);
+            CK(cudaStreamEndCapture(st, &gr));
+            CK(cudaGraphInstantiate(&ge, gr, 0));
+            const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
+            CK(cudaGraphExecDestroy(ge));
+            CK(cudaGraphDestroy(gr));
+            return ms * 1e3;
+        };
+        for (int T : {1, 8}) {
+            auto gemv = [&](int i, const gemv_cfg & cfg) {
+                CK(launch_linear_gemv(x, T, g.D, dweight{wc[size_t(i % copies)], wtype::BF16}, g.E, lg, st, cfg));
+            };
+            std::printf("route  %-3s [%3d x %4lld] top-%-2d T=%d us:", g.name, g.E, (long long)g.D, g.k, T);
+            for (const auto & gv : gemvs) std::printf(" gemv %s %.2f |", gv.first, graph_us([&](int i) { gemv(i, gv.second); }));
+            for (const auto & sv : sels)
+                std::printf(" %s %.2f |", sv.first, graph_us([&](int) { CK(sv.second(lg, T, {bias, wtype::F32}, r, ids, w, st)); }));
+            for (const auto & gv : gemvs)
+                for (const auto & sv : sels)
+                    std::printf(" %s+%s %.2f", gv.first, sv.first, graph_us([&](int i) {
+                                    gemv(i, gv.second);
+                                    CK(sv.second(lg, T, {bias, wtype::F32}, r, ids, w, st));
+                                }));
+            if (T == 1) {   // one launch (moe_route_fused_radix); its counter starts at 0 and every launch leaves it at 0
+                unsigned * ctr;
+                CK(cudaMalloc(reinterpret_cast<void **>(&ctr), 4));
+                CK(cudaMemset(ctr, 0, 4));
+                std::printf(" | fused %.2f", graph_us([&](int i) {
+                                CK(launch_moe_route_radix_fused(x, g.D, dweight{wc[size_t(i % copies)], wtype::BF16},
+                                                                {bias, wtype::F32}, r, lg, ctr, ids, w, st));
+                            }));
+                CK(cudaFree(ctr));
+            }
+            std::printf("\n");
+        }
+        for (void * p : wc) CK(cudaFree(p));
+        for (void * p : {static_cast<void *>(x), static_cast<void *>(lg), static_cast<void *>(w), static_cast<void *>(bias),
+                         static_cast<void *>(ids)})
+            CK(cudaFree(p));
+    }
+}
+
+// mla: MLA_ATTN absorbed decode (mla.cu; cuda_options::mla_decode_v2 / mla_decode_v3) at the Kimi-Linear-48B (32 heads)
+// and K3 (96 heads) widths (kv_lora 512, rope 64, nope 128, v 128, bf16 kv_b), context 1024 (page size 64), T = 1 and 8
+// (one token per sequence). Each figure: a CUDA graph of 64 back-to-back MLA launches with PDL on (as in the decode
+// step's graph), each over its own latent cache (24 caches rotated: > the 50 MB L2 at T = 1), median of 7 replays / 64:
+// us per MLA layer. The argument "mla" runs only the copy ceiling and these lines.
+static void bench_mla() {
+    pdl_scope pdl(true);
+    struct geo { const char * name; int64_t H; };
+    for (const geo & g : {geo{"48B", 32}, geo{"K3", 96}}) {
+        const mla_shape d{g.H, 128, 64, 128, 512};
+        const int64_t L = d.kv_lora_rank, dr = d.head_dim_rope, W = L + dr, ctx = 1024, ps = 64;
+        for (int T : {1, 8}) {
+            const int64_t pages = (ctx + 1 + ps - 1) / ps, n_pages = pages * T;
+            const int nc = 24, nl = 64;
+            std::vector<float *> caches;
+            for (int i = 0; i < nc; ++i) {   // 0x3c3c3c3c ~ 0.0115 everywhere: a flat softmax (timing only, finite)
+                float * cc;
+                CK(cudaMalloc(reinterpret_cast<void **>(&cc), size_t(n_pages * ps * W) * 4));
+                CK(cudaMemset(cc, 0x3c, size_t(n_pages * ps * W) * 4));
+                caches.push_back(cc);
+            }
+            float *q, *c, *kr, *o, *scr;
+            int *err;
+            const size_t qn = size_t(T * d.n_head * (d.head_dim_nope + dr));
+            std::vector<float> hq(qn), hc(size_t(T * L)), hk(size_t(T * dr));
+            std::mt19937 rg(7);
+            std::uniform_real_distribution<float> u(-0.05f, 0.05f);
+            for (auto & v : hq) v = u(rg);
+            for (auto & v : hc) v = u(rg);
+            for (auto & v : hk) v = u(rg);
+            CK(cudaMalloc(reinterpret_cast<void **>(&q), qn * 4));
+            CK(cudaMemcpy(q, hq.data(), qn * 4, cudaMemcpyHostToDevice));
+            CK(cudaMalloc(reinterpret_cast<void **>(&c), hc.size() * 4));
+            CK(cudaMemcpy(c, hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
+            CK(cudaMalloc(reinterpret_cast<void **>(&kr), hk.size() * 4));
+            CK(cudaMemcpy(kr, hk.data(), hk.size() * 4, cudaMemcpyHostToDevice));
+            CK(cudaMalloc(reinterpret_cast<void **>(&o), size_t(T * d.n_head * d.head_dim_v) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&err), 64));
+            CK(cudaMemset(err, 0, 64));
+            void * kvb = dev_random(size_t(d.n_head * (d.head_dim_nope + d.head_dim_v) * L) * 2, 9, true);
+            // batch: T sequences, sequence s at position ctx, pages s * pages .. (s + 1) * pages - 1
+            std::vector<int32_t> hb;
+            for (int s = 0; s <= T; ++s) hb.push_back(s);                       // seq_start [T + 1]
+            for (int s = 0; s < T; ++s) hb.push_back(int32_t(ctx));             // pos0 [T]
+            for (int s = 0; s < T; ++s) hb.push_back(s);                        // slot [T]
+            for (int s = 0; s < T; ++s) hb.push_back(s);                        // tok_seq [T]
+            for (int64_t i = 0; i < n_pages; ++i) hb.push_back(int32_t(i));    // block_table [T, pages]
+            int32_t * db;
+            CK(cudaMalloc(reinterpret_cast<void **>(&db), hb.size() * 4));
+            CK(cudaMemcpy(db, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
+            dbatch b;
+            b.n_seq = T; b.n_tok = T; b.page_size = int(ps); b.max_pages = int(pages);
+            b.seq_start = db; b.pos0 = db + T + 1; b.slot = db + 2 * T + 1; b.tok_seq = db + 3 * T + 1;
+            b.block_table = db + 4 * T + 1; b.max_pos = int(ctx + 1);
+            std::printf("mla    %-3s H=%lld ctx %lld T=%d us/layer:", g.name, (long long)g.H, (long long)ctx, T);
+            for (int ver : {2, 3}) {
+                const int ns = mla_split_for(T, d, true, true);
+                CK(cudaMalloc(reinterpret_cast<void **>(&scr), size_t(mla_scratch_floats(T, d, ns)) * 4));
+                auto launch = [&](int i) {
+                    CK(launch_mla_attn(q, c, kr, dweight{kvb, wtype::BF16}, d, 0.07f, caches[size_t(i % nc)], nullptr, 0, b, ns,
+                                       scr, o, err, st, true, ver == 3));
+                };
+                launch(0);   // eager once: outside any capture (one-time function attributes)
+                CK(cudaStreamSynchronize(st));
+                cudaGraph_t gr;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int i = 0; i < nl; ++i) launch(i);
+                CK(cudaStreamEndCapture(st, &gr));
+                CK(cudaGraphInstantiate(&ge, gr, 0));
+                const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(gr));
+                std::printf(" | v%d %.2f (split %d)", ver, ms * 1e3, ns);
+                CK(cudaFree(scr));
+            }
+            std::printf("\n");
+            for (float * cc : caches) CK(cudaFree(cc));
+            for (void * pp : {static_cast<void *>(q), static_cast<void *>(c), static_cast<void *>(kr), static_cast<void *>(o),
+                              static_cast<void *>(err), kvb, static_cast<void *>(db)})
+                CK(cudaFree(pp));
+        }
+    }
+}
+
+int main(int argc, char ** argv) {
+    // "bench-cuda-kernels gemv48": the copy ceiling and the gemv48 lines only
+    const bool all = !(argc > 1 && std::strcmp(argv[1], "gemv48") == 0);
     CK(cudaSetDevice(0));
     cudaDeviceProp p{};
     CK(cudaGetDeviceProperties(&p, 0));
@@ -84,9 +255,17 @@ int main() {
     std::printf("copy   2 GiB D2D: %.3f ms, %.0f GB/s (read + write)  <- bandwidth ceiling\n", ms_copy, bw);
     CK(cudaFree(dst));
     CK(cudaFree(src));
+    if (argc > 1 && std::strcmp(argv[1], "mla") == 0) {   // "bench-cuda-kernels mla": the copy ceiling and mla only
+        bench_mla();
+        return 0;
+    }
+    if (argc > 1 && std::strcmp(argv[1], "route") == 0) {   // "bench-cuda-kernels route": the copy ceiling and route only
+        bench_route();
+        return 0;
+    }
 
     // gemm ceiling: bf16 8192^3 via cuBLASLt, f32 out (what LINEAR does for prefill)
-    {
+    if (all) {
         const int64_t M = 8192, N = 8192, K = 8192;
         void * A = dev_random(size_t(M * K) * 2, 2, true);
         void * B = dev_random(size_t(N * K) * 2, 3, true);
@@ -128,7 +307,7 @@ int main() {
     // kernels (what the step pays). The last line weights each case by its count in one k3-layers-4 step (the launches of
     // the ncu profile of 2026-11-30: the KDA group of 6172 blocks carries the beta SIGMOID epilogue, one KDA o_proj of
     // three has no ADD; here every KDA group is plain and every o_proj has its ADD).
-    {
+    if (all) {
         struct gcase {
             const char * name;
             std::vector<int64_t> outs;
@@ -255,8 +434,120 @@ int main() {
         std::printf("\n");
     }
 
-    // MoE decode, MXFP4 experts: latent width 3584 -> 3072 -> 3584 (k3-layers-4 geometry), 16 of 64 experts
+    // GEMV at the Kimi-Linear-48B geometry (hidden 2304, KDA 32 x 128, MLA, dense 9216, shared expert 1024), T = 1:
+    // the kernels the step runs now ("cur": v1 below 3072 columns, v2 u4 from there: cuda_options::gemv_v2_min_in) vs
+    // v3 (gemv_cfg::v3; "v3-1": first loads after the PDL wait, "v3-2": before it; "v3s1": one warp per row; "v3u3": U = 3,
+    // three rounds of a 2304-wide row). Same method as the K3 lines above (graphs of back-to-back launches over weight
+    // copies rotated past the L2). Per case: us per launch and GB/s (weight + x + y bytes); the last line weights each
+    // case by its launches in one 27-layer step (20 KDA + 7 MLA layers; layer 1 dense, 26 MoE).
     {
+        struct gcase {
+            const char * name;
+            std::vector<int64_t> outs;
+            int64_t in;
+            int kind;    // 0 plain / grouped, 1 RMSNorm folded (staged), 2 ADD epilogue
+            int count;   // launches per 27-layer step
+        };
+        const std::vector<gcase> cases = {
+            {"kda q/k/v/f_a/b/g_a + norm (staged)", {4096, 4096, 4096, 128, 32, 128}, 2304, 1, 20},
+            {"mla q/kv_a + norm (staged)", {6144, 576}, 2304, 1, 7},
+            {"dense gate/up + norm (staged)", {9216, 9216}, 2304, 1, 1},
+            {"shared gate/up + norm (staged)", {1024, 1024}, 2304, 1, 26},
+            {"o_proj + ADD", {2304}, 4096, 2, 27},
+            {"dense down + ADD", {2304}, 9216, 2, 1},
+            {"shared down + ADD", {2304}, 1024, 2, 26},
+            {"kda f_b / g_b", {4096}, 128, 0, 40},
+            {"moe router gate", {256}, 2304, 0, 26},
+            {"lm_head", {163840}, 2304, 0, 1},
+        };
+        auto cur = [](int64_t in) { return gemv_cfg{in >= 3072 ? 4 : 0, 0}; };
+        const std::vector<std::pair<const char *, gemv_cfg>> vars = {
+            {"cur", {}}, {"u4", {4, 0}}, {"v3-1", {0, 0, 1, 0}}, {"v3-2", {0, 0, 2, 0}}, {"v3s1", {0, 1, 2, 0}}, {"v3u3", {0, 0, 2, 3}}};
+        std::vector<double> step_us(vars.size(), 0.0);
+        double step_bytes = 0.0;
+        for (const auto & c : cases) {
+            const int n = int(c.outs.size());
+            int64_t rows = 0;
+            for (auto o : c.outs) rows += o;
+            const size_t wbytes = size_t(rows * c.in) * 2;
+            const int copies = int(std::max<size_t>(1, (size_t(160) << 20) / wbytes + 1));
+            const int nl = int(std::min<size_t>(200, std::max<size_t>(2, (size_t(512) << 20) / wbytes)));
+            const size_t blk = std::min(wbytes, size_t(64) << 20);
+            void * wr = dev_random(blk, 5, true);
+            std::vector<void *> wc;
+            for (int i = 0; i < copies; ++i) {
+                void * d;
+                CK(cudaMalloc(&d, wbytes));
+                for (size_t o = 0; o < wbytes; o += blk)
+                    CK(cudaMemcpy(static_cast<char *>(d) + o, wr, std::min(blk, wbytes - o), cudaMemcpyDeviceToDevice));
+                wc.push_back(d);
+            }
+            CK(cudaFree(wr));
+            float *x, *nw, *yn, *res, *y, *z;
+            CK(cudaMalloc(reinterpret_cast<void **>(&x), size_t(c.in) * 4));
+            CK(cudaMemset(x, 0x3c, size_t(c.in) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&nw), size_t(c.in) * 4));
+            CK(cudaMemset(nw, 0x3f, size_t(c.in) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&yn), size_t(c.in) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&res), size_t(rows) * 4));
+            CK(cudaMemset(res, 0, size_t(rows) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&y), size_t(rows) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&z), size_t(rows) * 4));
+            auto launch = [&](int copy, const gemv_cfg & cfg) {
+                const char * base = static_cast<const char *>(wc[size_t(copy)]);
+                const void * wp[k_gemv_group_max];
+                float * ys[k_gemv_group_max];
+                gemv_fused_seg segs[k_gemv_group_max];
+                int64_t off = 0;
+                for (int s = 0; s < n; ++s) {
+                    wp[s] = base + off * c.in * 2;
+                    ys[s] = y + off;
+                    segs[s].w = wp[s], segs[s].y = ys[s], segs[s].out = c.outs[size_t(s)];
+                    if (c.kind == 2) segs[s].res[0] = res + off, segs[s].z[0] = z + off;
+                    off += c.outs[size_t(s)];
+                }
+                if (c.kind == 0 && n == 1) CK(launch_linear_gemv(x, 1, c.in, {wp[0], wtype::BF16}, c.outs[0], ys[0], st, cfg));
+                else if (c.kind == 0) CK(launch_linear_gemv_group(x, 1, c.in, wtype::BF16, wp, ys, c.outs.data(), n, st, cfg));
+                else {
+                    gemv_norm nm;
+                    if (c.kind == 1) nm.on = true, nm.staged = true, nm.w = nw, nm.eps = 1e-5f, nm.y = yn;
+                    CK(launch_linear_gemv_fused(x, 1, c.in, wtype::BF16, segs, n, nm, st, nullptr, cfg));
+                }
+            };
+            const double bytes = double(wbytes) + double(c.in + rows) * 4;
+            std::printf("gemv48 %-38s [%6lld x %4lld] %6.1f MB x%-2d:", c.name, (long long)rows, (long long)c.in, double(wbytes) / 1e6,
+                        c.count);
+            std::vector<double> case_us(vars.size());
+            for (size_t v = 0; v < vars.size(); ++v) {
+                const gemv_cfg cfg = v == 0 ? cur(c.in) : vars[v].second;
+                launch(0, cfg);   // eager once: outside any capture (one-time function attributes)
+                CK(cudaStreamSynchronize(st));
+                cudaGraph_t gr;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int i = 0; i < nl; ++i) launch(i % copies, cfg);
+                CK(cudaStreamEndCapture(st, &gr));
+                CK(cudaGraphInstantiate(&ge, gr, 0));
+                const double us = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl * 1e3;
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(gr));
+                case_us[v] = us;
+                std::printf(" | %s %6.2f us %4.0f GB/s", vars[v].first, us, bytes / (us * 1e-6) / 1e9);
+                step_us[v] += us * c.count;
+            }
+            std::printf(" | cur/v3-2 %.2fx\n", case_us[0] / case_us[3]);
+            step_bytes += bytes * c.count;
+            for (void * p : wc) CK(cudaFree(p));
+            CK(cudaFree(x)); CK(cudaFree(nw)); CK(cudaFree(yn)); CK(cudaFree(res)); CK(cudaFree(y)); CK(cudaFree(z));
+        }
+        std::printf("gemv48 27-layer step, these LINEARs at T=1 (%.2f GB):", step_bytes / 1e9);
+        for (size_t v = 0; v < vars.size(); ++v)
+            std::printf(" | %s %.3f ms %3.0f%%", vars[v].first, step_us[v] * 1e-3, 100.0 * step_bytes / (step_us[v] * 1e-6) / 1e9 / bw);
+        std::printf("\n");
+    }
+
+    // MoE decode, MXFP4 experts: latent width 3584 -> 3072 -> 3584 (k3-layers-4 geometry), 16 of 64 experts
+    if (all) {
         const int64_t E = 64, k = 16, D = 3584, F = 3072;
         std::vector<dexpert> h(static_cast<size_t>(E));
         std::vector<void *> bufs;
@@ -292,10 +583,23 @@ int main() {
         const double bytes = double(k) * 3 * double(F * D) * (0.5 + 1.0 / 32);
         std::printf("moe    mxfp4 16 experts [3 x %lld x %lld] T=1: %.4f ms, %.0f GB/s = %.0f%% of copy\n", (long long)F, (long long)D, ms,
                     bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / bw);
+        {   // the grouped path at T == 1 (the backend's): decode v5 (3 launches) vs v6 (2; moe.cu "Decode v6"), same experts
+            int32_t * gw;
+            CK(cudaMalloc(reinterpret_cast<void **>(&gw), size_t(moe_group_ints(1, k, E)) * 4));
+            for (int v6 = 0; v6 < 2; ++v6) {
+                dmoe_opts o;
+                o.dec_v4 = o.dec_v5 = true;
+                o.v5_cfg = v6 ? 1000 : 0;
+                const double mg = median_ms([&] { CK(launch_moe_experts_grouped(2, x, 1, D, dids, dw, k, dex, E, c, scr, gw, y, err, st, o)); });
+                std::printf("moe    mxfp4 16 experts [3 x %lld x %lld] T=1 grouped %s: %.4f ms, %.0f GB/s = %.0f%% of copy\n", (long long)F,
+                            (long long)D, v6 ? "v6" : "v5", mg, bytes / (mg * 1e-3) / 1e9, 100.0 * bytes / (mg * 1e-3) / 1e9 / bw);
+            }
+            CK(cudaFree(gw));
+        }
     }
 
     // KDA recurrent decode step at K3 widths; state rotated over 16 slots (100 MB > L2)
-    {
+    if (all) {
         const int64_t H = 96, K = 128, V = 128, S = 16;
         float * state = static_cast<float *>(dev_random(size_t(S * H * K * V) * 4, 7));
         CK(cudaMemset(state, 0, size_t(S * H * K * V) * 4));
@@ -319,5 +623,7 @@ int main() {
         std::printf("kda    recurrent decode H=%lld K=V=%lld: %.4f ms, %.0f GB/s state R+W = %.0f%% of copy (incl. a 20 B H2D copy)\n",
                     (long long)H, (long long)K, ms, bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / bw);
     }
+    if (all) bench_route();
+    if (all) bench_mla();
     return 0;
 }

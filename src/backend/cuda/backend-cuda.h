@@ -34,6 +34,14 @@ struct cuda_options {
     // per k3-layers-4 step) but loses on K=128 (KDA f_b: 3.2 -> 5.7 us) and the Kimi-Linear-48B geometry's step was
     // 0.14 ms slower with v2 everywhere (rows of 2304 and less). 3072 by that evidence; the final run checks 2048.
     int gemv_v2_min_in = 3072;
+    // GEMV v3 (linear.cu k_linear_gemv_v3, cuda::gemv_cfg::v3) for the one-token chunks of 16-bit weights with in % 8 ==
+    // 0 and in <= gemv_v3_max_in (other chunks keep the kernels above): U loads in flight per lane chosen to cover a row
+    // slice in whole rounds (9 for 2304-wide rows), each register refilled with the next row's load as soon as it is
+    // summed, the first loads issued before the staged-norm prologue. 0 = off, 1 = on, 2 = on with the first loads issued
+    // before the PDL wait (weights are never written by a kernel of the step). Off until its H200 run (bench-cuda-kernels
+    // "gemv48" lines); predicted: Kimi-Linear-48B step 3.26 -> ~2.9 ms.
+    int gemv_v3 = 0;
+    int gemv_v3_max_in = 1 << 20;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
@@ -63,6 +71,25 @@ struct cuda_options {
     // ~13 us per layer; measured (session 3, same run) k3 step 2.772 -> 2.752 ms (~7 us per layer), 48B 3.278 -> 3.261 ms:
     // on (never slower), the selection was a smaller part of MOE_ROUTE than predicted.
     bool moe_select_sort = true;
+    // ... by a threshold search (route-select.cu threshold form): one thread per expert, the k-th largest (score, id) key
+    // built bit by bit with one __syncthreads_count per bit, then the k picks ranked among themselves (33 counting
+    // barriers instead of the sort's 55 / 36 stages over all keys; the bias loaded before the PDL wait; a token with a NaN
+    // score takes the serial scan). Takes precedence over moe_select_sort / moe_select_warp. Bit for bit the block
+    // selection (test-route-cuda). On by prediction pending its H200 run (session 4: ncu k_moe_select_sort 19.8 us K3,
+    // 8.9 us 48B; predicted ~4 us both, isolated).
+    bool moe_select_radix = true;
+    // The decode router's GEMV (MOE_ROUTE, GEMV path with moe_route_fast) on the v2 kernels with the row split whatever
+    // gemv_v2_min_in says (gemv_unroll 0 still means the first kernels): the 48B router (256 rows of 2304) ran 32 blocks
+    // on the first kernels (ncu session 4: 6.4 us for 1.2 MB). false: gemv_v2_min_in decides, as for any LINEAR. gemv_v3
+    // (when on and in range) still applies: it only replaces the v1 choice of gemv_v2_min_in.
+    bool moe_route_gemv_v2 = true;
+    // MOE_ROUTE with one token (decode, moe_route_fast), BF16 router gate with D % 32 == 0: the GEMV and the threshold
+    // selection in ONE launch (route-select.cu: blocks of E threads rounded up to a warp, 4 warps per logit row, the last
+    // block to finish selects; a per-backend counter that each launch leaves at 0, no memset). Takes precedence over the
+    // two-launch paths (moe_route_fused, the older one-launch kernel, is checked first). Off until its H200 run
+    // (bench-cuda-decode --set moe_route_fused_radix=1):
+    // predicted ~1-2 us per MoE layer under the GEMV v2 + radix pair (one kernel ramp and one dependent-launch wait less).
+    bool moe_route_fused_radix = false;
     // MLA_ATTN decode: several blocks per (token, head) over key ranges, then a combine kernel (flash-decoding).
     // false: one block per (token, head) serial over all keys (the first kernel; compare mode).
     bool mla_split = true;
@@ -72,6 +99,15 @@ struct cuda_options {
     // layer at ctx 1024: 48B 0.078 -> ~0.028 ms at batch 1, 1.06 -> ~0.15 ms at batch 64; k3 0.125 -> ~0.035 ms at
     // batch 1, 2.71 -> ~0.42 ms at batch 64.
     bool mla_decode_v2 = true;
+    // MLA_ATTN decode v3 (mla.cu "Decode v3"; only with mla_decode_v2): 3 launches instead of 5 (the cache write inside
+    // q_absorb's launch, the key-split combine inside the output projection), the attention's key tile / batch arrays /
+    // q_rope and the projections' weights loaded before the PDL wait, key ranges of whole 32-key tiles. false: v2.
+    // Predicted (before any run), 48B MLA layer B=1 ctx 1024 isolated ~44 -> ~20 us; graph step 48B -0.10 ms, k3 -0.02 ms.
+    bool mla_decode_v3 = true;
+    // MLA kv_a split (fuse-plan.h rule 6): COLS -> RMS_NORM (the latent) and COLS (k_rope) of one kv_a output in one
+    // launch (mla.cu k_mla_kv_split; the norm bitwise the unfused kernel's): 3 -> 1 launch per MLA layer. Predicted 48B
+    // step -0.02 ms (7 layers x 2 launches x ~1.5 us under PDL), k3 ~-0.003 ms.
+    bool fuse_mla_kv = true;
     // MOE_EXPERTS grouped MXFP4 (decode, T == 1): raw 16-byte loads of every unit of a lane issued before any
     // dequant/math, several rows per warp for short rows. false: the first grouped kernel (compare mode).
     bool moe_fp4_v2 = true;
@@ -93,6 +129,11 @@ struct cuda_options {
     // value; x as fp16 hi + lo scaled by a power of two), 3 launches (gate/up, down, combine). Takes precedence over
     // moe_decode_v4. On by prediction (issue 7, K3 expert node ~0.23 -> ~0.11 ms per layer); the H200 run decides.
     bool moe_decode_v5 = true;
+    // With moe_decode_v5, Din / d_ff / d_out multiples of 128 (K3): the v6 kernels (moe.cu "Decode v6"): v5's arithmetic
+    // (y bit for bit v5's) on a loop without per-load bounds or 64-bit address math (~25% fewer SASS instructions per
+    // gate/up step), the weight stream loaded L1::no_allocate, and the combine folded into the down kernel (2 launches).
+    // Off until its H200 run (test-moe-cuda decode_v6_t1, bench_decode_k3_experts "v6").
+    bool moe_decode_v6 = false;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).
@@ -218,6 +259,12 @@ struct cuda_options {
     // captured graphs get programmatic edges. Same results bit for bit (test-pdl-cuda). false: ordinary launches (compare
     // mode; bench-cuda-decode --pdl 0|1).
     bool pdl = true;
+    // run() of a decode step (one token per sequence, no node callback, no guard, no profile): the step is replayed as a
+    // CUDA graph captured for its layout (batch size, logits rows, a position capacity: cuda-backend.cpp "decode steps
+    // as replayed CUDA graphs"); the first step of a layout runs eagerly, the second captures and replays, the later
+    // ones replay (only the batch's device array is rewritten). Up to 8 layouts kept. Same kernels as the eager run;
+    // the position capacity may change MLA's key-range split (another summation order). false: every step eager.
+    bool graph_decode = true;
 };
 
 class backend_cuda : public backend {
@@ -262,6 +309,12 @@ public:
     virtual void replay(int n) = 0;
     // With cuda_options::profile_nodes: GPU milliseconds of each node (graph order) in the last eager run; else empty.
     virtual std::vector<float> node_ms() const = 0;
+    // cuda_options::graph_decode: decode-step graphs captured and replays run so far.
+    virtual int graph_captures() const = 0;
+    virtual int graph_replays() const = 0;
+    // Test hook for the graph_decode control: the next replay skips the batch upload (the graph then reads the previous
+    // step's positions, slots and ids), so that a comparison against the eager path must fail.
+    virtual void graph_skip_upload_next() = 0;
 };
 
 std::unique_ptr<backend_cuda> backend_cuda_init(int device, const cuda_options & opt = {});

@@ -190,6 +190,7 @@ public:
         PG_CHECK(opt.gemv_unroll == 0 || opt.gemv_unroll == 1 || opt.gemv_unroll == 2 || opt.gemv_unroll == 4 ||
                      opt.gemv_unroll == 8,
                  "cuda_options::gemv_unroll {} is not one of 0, 1, 2, 4, 8", opt.gemv_unroll);
+        PG_CHECK(opt.gemv_v3 >= 0 && opt.gemv_v3 <= 2, "cuda_options::gemv_v3 {} is not one of 0, 1, 2", opt.gemv_v3);
         int n = 0;
         PG_CUDA_CHECK(cudaGetDeviceCount(&n));
         PG_CHECK(device >= 0 && device < n, "cuda device {} does not exist ({} devices)", device, n);
@@ -206,6 +207,8 @@ public:
         PG_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr));
         PG_CUBLAS_CHECK(cublasLtCreate(&lt_));
         PG_CUDA_CHECK(cudaMalloc(&lt_ws_, k_lt_ws));
+        PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&route_ctr_), 4));   // fused route counter
+        PG_CUDA_CHECK(cudaMemset(route_ctr_, 0, 4));
     }
     ~cuda_backend() override {
         cudaSetDevice(dev_);
@@ -216,9 +219,11 @@ public:
         for (auto & [k, v] : expert_tables_) cudaFree(v);
         for (auto & [k, v] : norm_w32_) cudaFree(v);
         drop_graph();
+        drop_graph_entries();
         for (cudaEvent_t ev : events_) cudaEventDestroy(ev);
         if (arena_) cudaFree(arena_);
         if (lt_ws_) cudaFree(lt_ws_);
+        if (route_ctr_) cudaFree(route_ctr_);
         if (lt_) cublasLtDestroy(lt_);
         if (st_) cudaStreamDestroy(st_);
     }
@@ -235,6 +240,19 @@ public:
         PG_CUDA_CHECK(cudaSetDevice(dev_));
         const cuda::pdl_scope pdl(opt_.pdl);   // launch_k's PDL attribute for this backend's launches (cuda-ops.h)
         drop_graph();
+        uint64_t key = 0;
+        if (graph_decode_eligible(g, cb)) {
+            key = graph_key(g);
+            if (graph_entry * e = find_entry(key)) {
+                replay_entry(*e, g);
+                return;
+            }
+            const auto seen = seen_bytes_.find(key);
+            if (seen != seen_bytes_.end()) {   // second step of this layout: capture it (no execution), then replay it
+                replay_entry(capture_entry(g, key, seen->second), g);
+                return;
+            }
+        }
         free_outputs();
         arena_on_ = false;
         run_bytes_ = 0;
@@ -272,7 +290,15 @@ public:
         }
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
         check_flags(g, n_err);
+        if (key != 0) {   // an eligible layout seen for the first time: remember what its step allocates
+            if (seen_bytes_.size() >= 64) seen_bytes_.clear();
+            seen_bytes_[key] = run_bytes_;
+        }
     }
+
+    void graph_skip_upload_next() override { skip_upload_next_ = true; }
+    int graph_captures() const override { return n_graph_captures_; }
+    int graph_replays() const override { return n_graph_replays_; }
 
     int linear_grouped() const override { return n_grouped_; }
     int fused_norms() const override { return n_fused_norms_; }
@@ -284,7 +310,14 @@ public:
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
         const cuda::pdl_scope pdl(opt_.pdl);   // PDL launches are captured as programmatic edges
-        run(g, {});   // uploads weights and states, creates the cuBLASLt plans, sizes the arena
+        in_capture_ = true;   // this run is eager whatever graph_decode says (it sizes the arena below)
+        try {
+            run(g, {});   // uploads weights and states, creates the cuBLASLt plans, sizes the arena
+        } catch (...) {
+            in_capture_ = false;
+            throw;
+        }
+        in_capture_ = false;
         const size_t need = run_bytes_;
         free_outputs();
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
@@ -387,6 +420,224 @@ private:
         err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
         return n_err;
     }
+    // ---- decode steps as replayed CUDA graphs (cuda_options::graph_decode) ----
+    // run() of a decode step (every sequence one token, no node callback, no guard, no per-node profile) looks its
+    // layout up: the graph's structure (ops, names, sources, output shapes and types, the leaves' host tensors and
+    // bytes), the sequence and token counts, the logits rows and a position capacity. The first step of a layout runs
+    // eagerly (the real step; it binds every leaf and measures the bytes the step allocates); the second captures the
+    // step into a CUDA graph whose intermediates live in an arena of its own (capture records, it executes nothing)
+    // and replays it; later ones only upload the batch (positions, slots, block tables, ids: the same array layout,
+    // into the same device address) and replay. Host-side values that a kernel takes as an argument are fixed per
+    // layout: the block-table width and max_pos are the capacity (pos_cap_for), never the step's own, and the kernels
+    // bound each sequence by its own positions read from the device (mla.cu, indexer.cu). A new capacity or batch
+    // size is a new layout. At most k_graph_entries graphs are kept (least recently used goes).
+    struct graph_entry {
+        uint64_t key = 0;
+        cudaGraphExec_t exec = nullptr;
+        void * arena = nullptr;
+        std::vector<std::vector<dtensor>> outs;   // the step's outputs, in the arena
+        std::vector<int> err_slot;
+        int * err = nullptr;
+        int n_err = 0;
+        cuda::dbatch db;
+        int32_t * batch_dev = nullptr;   // the batch array the graph reads (in the arena)
+        size_t batch_ints = 0;
+        const int32_t * ids_dev = nullptr;
+        int pages_cap = 0, pos_cap = 0;
+        uint64_t last_use = 0;
+    };
+    static constexpr size_t k_graph_entries = 8;
+
+    static int pos_cap_for(int max_pos) {
+        int gran = 1024;   // at most 1024 positions of slack below 8192; above, at most 1/8 of the position
+        while (gran * 8 < max_pos) gran *= 2;
+        return (std::max(max_pos, 1) + gran - 1) / gran * gran;
+    }
+    static int pages_cap_for(const batch & b, int pos_cap) {
+        int pages = (pos_cap + b.page_size - 1) / std::max(1, b.page_size);
+        for (const auto & bt : b.block_table) pages = std::max(pages, int(bt.size()));
+        return pages;
+    }
+    static int batch_max_pos(const batch & b) {
+        int m = 0;
+        for (int s = 0; s < b.n_seq(); ++s) m = std::max(m, b.pos0[size_t(s)] + b.seq_len(s));
+        return m;
+    }
+
+    bool graph_decode_eligible(const graph & g, const node_callback & cb) const {
+        if (!opt_.graph_decode || cb || opt_.guard || opt_.profile_nodes || in_capture_ || !g.b) return false;
+        const batch & b = *g.b;
+        if (b.n_seq() < 1 || b.n_tokens() != b.n_seq() || b.page_size <= 0) return false;
+        for (int s = 0; s < b.n_seq(); ++s)
+            if (b.seq_len(s) != 1) return false;
+        return true;
+    }
+
+    // FNV-1a over everything a captured step depends on besides the batch's contents.
+    uint64_t graph_key(const graph & g) const {
+        uint64_t h = 1469598103934665603ull;
+        auto mix = [&h](const void * p, size_t n) {
+            const auto * c = static_cast<const unsigned char *>(p);
+            for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 1099511628211ull;
+        };
+        auto mix_v = [&mix](auto v) { mix(&v, sizeof v); };
+        const batch & b = *g.b;
+        const int pos_cap = pos_cap_for(batch_max_pos(b));
+        mix_v(b.n_seq());
+        mix_v(b.page_size);
+        mix_v(pos_cap);
+        mix_v(pages_cap_for(b, pos_cap));
+        mix_v(b.logits_rows.size());
+        mix(b.logits_rows.data(), b.logits_rows.size() * sizeof(int32_t));
+        mix_v(g.nodes.size());
+        mix_v(g.logits.node);
+        for (const node & n : g.nodes) {
+            mix_v(int(n.op));
+            mix(n.name.data(), n.name.size());
+            for (const node_ref & r : n.src) {
+                mix_v(r.node);
+                mix_v(r.out);
+            }
+            for (const node_output & o : n.outs) {
+                mix_v(int(o.type));
+                mix(o.shape.data(), o.shape.size() * sizeof(int64_t));
+            }
+            mix_v(static_cast<const void *>(n.leaf));
+            if (n.leaf) mix_v(static_cast<const void *>(n.leaf->data));
+        }
+        return h == 0 ? 1 : h;
+    }
+
+    graph_entry * find_entry(uint64_t key) {
+        for (auto & e : graph_entries_)
+            if (e.key == key) return &e;
+        return nullptr;
+    }
+    void free_entry(graph_entry & e) {
+        if (e.exec) cudaGraphExecDestroy(e.exec);
+        if (e.arena) cudaFree(e.arena);
+        e = {};
+    }
+    void drop_graph_entries() {
+        cudaStreamSynchronize(st_);
+        for (auto & e : graph_entries_) free_entry(e);
+        graph_entries_.clear();
+        seen_bytes_.clear();
+    }
+
+    // Captures the decode step g (its layout seen before, which allocated `bytes`) into a new entry; executes nothing.
+    graph_entry & capture_entry(const graph & g, uint64_t key, size_t bytes) {
+        if (graph_entries_.size() >= k_graph_entries) {   // the least recently used goes
+            auto lru = std::min_element(graph_entries_.begin(), graph_entries_.end(),
+                                        [](const graph_entry & a, const graph_entry & b) { return a.last_use < b.last_use; });
+            PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+            free_entry(*lru);
+            graph_entries_.erase(lru);
+        }
+        free_outputs();
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        graph_entry e;
+        e.key = key;
+        e.pos_cap = pos_cap_for(batch_max_pos(*g.b));
+        e.pages_cap = pages_cap_for(*g.b, e.pos_cap);
+        // the eager run's bytes plus the capacity's larger block table and scratch (indexer: T x max_pos floats)
+        const size_t need = bytes + size_t(g.b->n_seq()) * size_t(e.pages_cap) * 4 +
+                            size_t(g.b->n_tokens()) * size_t(e.pos_cap) * 4 + (size_t(64) << 10);
+        PG_CUDA_CHECK(cudaMalloc(&e.arena, need));
+        void * saved_arena = arena_;
+        const size_t saved_size = arena_size_;
+        arena_ = e.arena;
+        arena_size_ = need;
+        arena_off_ = 0;
+        arena_on_ = true;
+        in_capture_ = true;
+        try {
+            e.n_err = prepare(g);
+            upload_batch(*g.b, e.pages_cap, e.pos_cap);
+            e.batch_dev = const_cast<int32_t *>(db_.seq_start);
+            e.batch_ints = host_batch_.size();
+            PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+            PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
+            try {
+                PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, e.n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
+                for (int id = 0; id < int(g.nodes.size()); ++id) {
+                    try {
+                        run_node(g, id);
+                    } catch (const error & ex) {
+                        const node & n = g.nodes[size_t(id)];
+                        throw error(ex.func(), ex.file(), ex.line(),
+                                    fmt::format("graph_decode capture: node {} '{}' ({}): {}", id, n.name, op_name(n.op), ex.what()));
+                    }
+                }
+            } catch (...) {
+                cudaGraph_t junk = nullptr;
+                cudaStreamEndCapture(st_, &junk);
+                if (junk) cudaGraphDestroy(junk);
+                cudaGetLastError();
+                throw;
+            }
+            cudaGraph_t cg = nullptr;
+            PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
+            const cudaError_t ie = cudaGraphInstantiate(&e.exec, cg, 0);
+            cudaGraphDestroy(cg);
+            PG_CHECK(ie == cudaSuccess, "graph_decode: cudaGraphInstantiate failed: {}", cudaGetErrorString(ie));
+        } catch (...) {
+            arena_ = saved_arena;
+            arena_size_ = saved_size;
+            arena_on_ = false;
+            in_capture_ = false;
+            free_entry(e);
+            throw;
+        }
+        arena_ = saved_arena;
+        arena_size_ = saved_size;
+        arena_on_ = false;
+        in_capture_ = false;
+        e.outs = outs_;
+        e.err_slot = err_slot_;
+        e.err = err_;
+        e.db = db_;
+        e.ids_dev = ids_dev_;
+        ++n_graph_captures_;
+        graph_entries_.push_back(std::move(e));
+        return graph_entries_.back();
+    }
+
+    // One decode step by the captured graph of its layout: the batch checks of the eager path, the batch into the
+    // graph's device array, one launch, the error flags.
+    void replay_entry(graph_entry & e, const graph & g) {
+        free_outputs();
+        for (const node & n : g.nodes) {   // what run_node checks on the host about the batch
+            switch (n.op) {
+                case op_type::SHORT_CONV: slots_check(*g.b, state_host(g, n, 2).shape.at(0), "short_conv"); break;
+                case op_type::KDA_SCAN: slots_check(*g.b, state_host(g, n, 5).shape.at(0), "kda_scan"); break;
+                case op_type::MLA_ATTN: paging_check(*g.b, state_host(g, n, 4).shape.at(0), "mla_attn"); break;
+                case op_type::INDEXER_TOPK: paging_check(*g.b, state_host(g, n, 3).shape.at(0), "indexer_topk"); break;
+                case op_type::IDS:
+                    PG_CHECK(int64_t(g.b->ids.size()) == shape_numel(n.outs.at(0).shape), "batch has {} ids, node wants {}",
+                             g.b->ids.size(), shape_numel(n.outs.at(0).shape));
+                    break;
+                default: break;
+            }
+        }
+        if (skip_upload_next_) {   // test control only: the graph reads the previous step's batch
+            skip_upload_next_ = false;
+        } else {
+            upload_batch(*g.b, e.pages_cap, e.pos_cap, e.batch_dev, e.batch_ints);
+        }
+        PG_CHECK(db_.seq_start == e.db.seq_start && db_.max_pages == e.db.max_pages && db_.max_pos == e.db.max_pos &&
+                     db_.n_seq == e.db.n_seq && db_.n_tok == e.db.n_tok,
+                 "graph_decode: the batch layout differs from the captured one");
+        outs_ = e.outs;
+        err_slot_ = e.err_slot;
+        err_ = e.err;
+        ids_dev_ = e.ids_dev;
+        e.last_use = ++graph_clock_;
+        PG_CUDA_CHECK(cudaGraphLaunch(e.exec, st_));
+        PG_CUDA_CHECK(cudaStreamSynchronize(st_));
+        ++n_graph_replays_;
+        check_flags(g, e.n_err);
+    }
     void drop_graph() {
         if (exec_) cudaGraphExecDestroy(exec_);
         exec_ = nullptr;
@@ -425,6 +676,7 @@ public:
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
         free_outputs();   // leaves may point into the states
         outs_.clear();
+        drop_graph_entries();   // the captured graphs hold the old states' device addresses
         for (auto & [k, v] : states_) cudaFree(v);
         states_.clear();
     }
@@ -561,10 +813,18 @@ private:
         return static_cast<float *>(p);
     }
 
-    void upload_batch(const batch & b) {
+    // The batch's device copy (one int32 array: seq_start, pos0, slot, block_table [n_seq, max_pages], tok_seq, ids) and
+    // db_. pages_cap / pos_cap > 0 (graph_decode): the block table is padded to pages_cap columns and db_.max_pos says
+    // pos_cap, so that every step of a replayed graph has the layout and the scalars the graph was captured with (the
+    // kernels bound each sequence by its own pos0 / seq_start, read from the device; max_pos is only a stride and an
+    // upper bound). dst != nullptr: copy into that device array (a replay: same size as at its capture) instead of a new one.
+    void upload_batch(const batch & b, int pages_cap = 0, int pos_cap = 0, int32_t * dst = nullptr, size_t dst_ints = 0) {
         const int n_seq = b.n_seq(), T = b.n_tokens();
         int max_pages = 0, max_pos = 0;
         for (const auto & bt : b.block_table) max_pages = std::max(max_pages, int(bt.size()));
+        PG_CHECK(pages_cap == 0 || max_pages <= pages_cap, "batch: a block table of {} pages for a graph of {}", max_pages,
+                 pages_cap);
+        if (pages_cap > 0) max_pages = pages_cap;
         std::vector<int32_t> tok_seq(size_t(T), 0);
         PG_CHECK(int(b.seq_start.size()) == n_seq + 1 || n_seq == 0, "batch: seq_start has {} entries", b.seq_start.size());
         PG_CHECK(b.pos0.size() >= size_t(n_seq) && b.slot.size() >= size_t(n_seq), "batch: pos0/slot shorter than {} sequences",
@@ -593,7 +853,10 @@ private:
         }
         const size_t o_ts = put(tok_seq.data(), tok_seq.size());
         const size_t o_ids = put(b.ids.data(), b.ids.size());
-        auto * d = static_cast<int32_t *>(alloc(std::max<size_t>(h.size(), 1) * 4));
+        PG_CHECK(pos_cap == 0 || max_pos <= pos_cap, "batch: position {} for a graph of {}", max_pos, pos_cap);
+        if (pos_cap > 0) max_pos = pos_cap;
+        PG_CHECK(!dst || h.size() == dst_ints, "batch layout of {} ints for a graph captured with {}", h.size(), dst_ints);
+        auto * d = dst ? dst : static_cast<int32_t *>(alloc(std::max<size_t>(h.size(), 1) * 4));
         PG_CUDA_CHECK(cudaMemcpyAsync(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice, st_));
         host_batch_ = std::move(h);   // the async copy reads it: keep it alive until the next run
         db_ = {};
@@ -673,6 +936,10 @@ private:
         }
         if (!fplan_.conv_l2.empty() && fplan_.conv_l2[size_t(id)] >= 0) {   // SHORT_CONV + its L2_NORM (fuse_conv_l2)
             run_conv_l2(g, id);
+            return;
+        }
+        if (!fplan_.mla_kv_norm.empty() && fplan_.mla_kv_norm[size_t(id)] >= 0) {   // the MLA kv_a split (fuse_mla_kv)
+            run_mla_kv_split(g, id);
             return;
         }
         float * y = static_cast<float *>(out.at(0).p);
@@ -823,7 +1090,7 @@ private:
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
                                                     state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
                                                     has_sel ? in(n, 5).shape.at(1) : 0, db_, ns, scratch, y, err, st_,
-                                                    opt_.mla_decode_v2));
+                                                    opt_.mla_decode_v2, opt_.mla_decode_v3));
                 break;
             }
             case op_type::INDEXER_TOPK: {
@@ -879,11 +1146,21 @@ private:
                                                                st_));
                     break;
                 }
-                if (opt_.moe_route_fast && (opt_.moe_select_sort || opt_.moe_select_warp)) {   // bandwidth GEMV, then the selection
+                if (opt_.moe_route_fast && opt_.moe_route_fused_radix && x.shape.at(0) == 1 && w_in(n, 1).type == wtype::BF16 &&
+                    x.shape.at(1) % 32 == 0) {   // one launch: GEMV, the last block selects
+                    float * logits = static_cast<float *>(alloc(size_t(E) * 4));
+                    PG_CUDA_CHECK(cuda::launch_moe_route_radix_fused(f32_in(n, 0), x.shape.at(1), w_in(n, 1), bias, c, logits,
+                                                                     route_ctr_, static_cast<int32_t *>(out[0].p),
+                                                                     static_cast<float *>(out[1].p), st_));
+                    break;
+                }
+                if (opt_.moe_route_fast &&
+                    (opt_.moe_select_radix || opt_.moe_select_sort || opt_.moe_select_warp)) {   // GEMV, then the selection
                     const int64_t T = x.shape.at(0);
                     float * logits = static_cast<float *>(alloc(size_t(T * E) * 4));
-                    PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_,
-                                                           gemv_cfg_for(x.shape.at(1))));
+                    cuda::gemv_cfg rc = gemv_cfg_for(x.shape.at(1));
+                    if (opt_.moe_route_gemv_v2) rc.unroll = opt_.gemv_unroll;   // v2 (row split) whatever the width
+                    PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_, rc));
                     PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
                                               st_));
                     break;
@@ -920,7 +1197,8 @@ private:
                                                                                    opt_.moe_decode_v4, opt_.moe_small_v4,
                                                                                    opt_.moe_mma_large_step,
                                                                                    opt_.moe_mma_large_tokens,
-                                                                                   opt_.moe_decode_v5}));
+                                                                                   opt_.moe_decode_v5,
+                                                                                   opt_.moe_decode_v6 ? 1000 : 0}));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,
@@ -960,17 +1238,19 @@ private:
         }
     }
 
-    // MOE_ROUTE's selection kernel from the logits: sort (moe_select_sort), warp (moe_select_warp) or the block kernel.
+    // MOE_ROUTE's selection kernel from the logits: threshold (moe_select_radix), sort (moe_select_sort), warp
+    // (moe_select_warp) or the block kernel.
     using select_launcher = cudaError_t (*)(const float *, int64_t, cuda::dweight, const cuda::droute &, int32_t *, float *,
                                             cudaStream_t);
     select_launcher select_fn() const {
+        if (opt_.moe_select_radix) return cuda::launch_moe_select_radix;
         return opt_.moe_select_sort ? cuda::launch_moe_select_sort
                                     : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;
     }
 
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
-        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0};
+        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
@@ -1155,6 +1435,28 @@ private:
         ++n_conv_l2_;
     }
 
+    // COLS node `id` (outputs allocated), the RMS_NORM over it and the rope COLS the plan folds into it: one launch.
+    void run_mla_kv_split(const graph & g, int id) {
+        const node & n = g.nodes[size_t(id)];
+        const int rn = fplan_.mla_kv_norm[size_t(id)], rc = fplan_.mla_kv_rope[size_t(id)];
+        const dtensor & x = in(n, 0);
+        const int64_t W = x.shape.at(1), L = n.p.n;
+        PG_CHECK(L > 0 && L < W && fplan_.mla_kv_rope[size_t(id)] >= 0, "{}: kv_a split of {} columns from {}", n.name, L, W);
+        for (int j : {rn, rc}) {
+            auto & mo = outs_[size_t(j)];
+            PG_CHECK(mo.empty(), "fused node '{}' already has outputs", g.nodes[size_t(j)].name);
+            for (const auto & oo : g.nodes[size_t(j)].outs) mo.push_back(new_out(oo.type, oo.shape));
+        }
+        const node & nm = g.nodes[size_t(rn)];
+        const bool has_w = nm.src.size() > 1 && nm.src[1].valid();
+        if (has_w && outs_[size_t(nm.src[1].node)].empty()) run_node(g, nm.src[1].node);   // bound on demand
+        const dweight w = has_w ? w_in(nm, 1) : dweight{};
+        PG_CUDA_CHECK(cuda::launch_mla_kv_split(f32_in(n, 0), x.shape.at(0), W, L, w, nm.p.eps,
+                                                static_cast<float *>(outs_[size_t(id)].at(0).p),
+                                                static_cast<float *>(outs_[size_t(rn)].at(0).p),
+                                                static_cast<float *>(outs_[size_t(rc)].at(0).p), st_));
+    }
+
     void run_linear(const node & n, float * y) {
         const dtensor & x = in(n, 0);
         const dtensor & w = in(n, 1);
@@ -1293,6 +1595,7 @@ private:
     cudaStream_t st_ = nullptr;
     cublasLtHandle_t lt_ = nullptr;
     void * lt_ws_ = nullptr;
+    unsigned * route_ctr_ = nullptr;   // the fused T == 1 route's last-block counter (route-select.cu; self-resetting)
     std::map<std::tuple<int64_t, int64_t, int64_t, int>, plan> plans_;
     std::unordered_map<const void *, void *> weights_;          // host data pointer -> device copy
     std::unordered_map<tensor *, void *> states_;               // host STATE tensor -> device-resident copy
@@ -1321,6 +1624,13 @@ private:
     cuda::dbatch db_;
     const int32_t * ids_dev_ = nullptr;
     std::pair<int, int> corrupt_{-1, -1};
+    // graph_decode: captured decode steps, and the layouts seen once (key -> bytes their eager step allocated)
+    std::vector<graph_entry> graph_entries_;
+    std::unordered_map<uint64_t, size_t> seen_bytes_;
+    uint64_t graph_clock_ = 0;
+    bool in_capture_ = false;   // capture() / capture_entry(): run() and run_node() must not start another capture
+    int n_graph_captures_ = 0, n_graph_replays_ = 0;
+    bool skip_upload_next_ = false;
 };
 
 } // namespace

@@ -474,7 +474,9 @@ void greedy_lp(const float * row, int64_t V, result & r) {
 }
 
 // The runner without the engine: slot 0, pages 0.., the prompt in one step, then n - 1 greedy decode steps.
-result manual_run(model_runner & r, const std::vector<int32_t> & prompt, int n, bool rows_only, bool sync_every_node) {
+// skip_upload_at = i (graph_decode control): step i's graph replay skips its batch upload (backend_cuda hook).
+result manual_run(model_runner & r, const std::vector<int32_t> & prompt, int n, bool rows_only, bool sync_every_node,
+                  int skip_upload_at = -1) {
     result out;
     r.zero_slot(0);
     const int ps = r.state().page_size;
@@ -493,6 +495,7 @@ result manual_run(model_runner & r, const std::vector<int32_t> & prompt, int n, 
         b->page_size = ps;
         b->block_table = {pages};
         tensor lg;
+        if (i == skip_upload_at) dynamic_cast<backend_cuda &>(r.be()).graph_skip_upload_next();
         if (rows_only) {
             b->logits_rows = {int32_t(feed.size()) - 1};
             lg = r.step_rows(b);
@@ -513,6 +516,47 @@ int first_lp_difference(const result & ref, const result & x, double tol) {
     for (size_t j = 0; j < n; ++j)
         if (ref.tokens[j] != x.tokens[j] || std::fabs(double(ref.logprob[j]) - double(x.logprob[j])) > tol) return int(j);
     return ref.tokens.size() == x.tokens.size() ? -1 : int(n);
+}
+
+// cuda_options::graph_decode (runner_options::graph_decode): decode steps replayed as captured CUDA graphs give the eager
+// path's tokens and logprobs, for one sequence decoded by hand (one layout: captured once, replayed every later step)
+// and for the engine's continuous batching (batch sizes 1..3 change from step to step: several layouts, slots and pages
+// recycled); the backend counts its captures and replays. Control: a replay that skips its batch upload (the graph
+// reads the previous step's positions, slots and ids) must change the output from that step on, and not before.
+TEST(runtime_cuda, graph_decode_matches_eager) {
+    NEED_GPU();
+    const std::string dir = k_root + "/models/default";
+    const auto prompts = prompts_for(dir);
+    const int N = 24, L = 192;
+    runner_options on = ropts("cuda", 3, L), off = on;
+    off.graph_decode = false;
+    model_runner re(dir, off), rr(dir, on);
+    auto & be_e = dynamic_cast<backend_cuda &>(re.be());
+    auto & be_r = dynamic_cast<backend_cuda &>(rr.be());
+    const result a = manual_run(re, prompts[4], N, true, false);
+    const result b = manual_run(rr, prompts[4], N, true, false);
+    EXPECT_EQ(be_e.graph_replays(), 0) << "graph_decode off must never replay";
+    EXPECT_EQ(be_r.graph_captures(), 1) << "one sequence, one layout: one capture";
+    EXPECT_EQ(be_r.graph_replays(), N - 2) << "step 0 is the prompt, step 1 the layout's eager step, the rest replays";
+    EXPECT_EQ(first_lp_difference(a, b, 1e-3), -1) << "graph replay differs from the eager steps";
+    // the engine: continuous batching over 3 slots, chunked prefills beside decodes
+    const int rep0 = be_r.graph_replays();
+    const engine_run ge = run_engine(re, eopts(3, L, 48), prompts, N, false);
+    const engine_run gr = run_engine(rr, eopts(3, L, 48), prompts, N, false);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        EXPECT_EQ(first_lp_difference(ge.res[i], gr.res[i], 1e-3), -1) << "engine request " << i;
+        EXPECT_EQ(ge.res[i].tokens, gr.res[i].tokens) << "engine request " << i;
+    }
+    std::printf("[measure] graph_decode: manual %d steps: %d capture(s), %d replays; engine %zu requests x %d tokens: %d "
+                "captures in all, %d replays of %llu steps\n",
+                N, 1, N - 2, prompts.size(), N, be_r.graph_captures(), be_r.graph_replays() - rep0,
+                (unsigned long long)gr.st.steps);
+    EXPECT_GT(be_r.graph_replays() - rep0, int(gr.st.steps) / 4) << "the engine's decode steps were not replayed";
+    // control: step 9 replays without its batch upload
+    model_runner rc(dir, on);
+    const result c = manual_run(rc, prompts[4], N, true, false, 9);
+    const int first = first_lp_difference(a, c, 1e-3);
+    EXPECT_EQ(first, 9) << "control: a replay reading the previous step's batch went unnoticed (or changed an earlier step)";
 }
 
 TEST(runtime_cuda, serve_chat_replay_matches_cpu) {
