@@ -35,13 +35,17 @@ struct cuda_options {
     // 0.14 ms slower with v2 everywhere (rows of 2304 and less). 3072 by that evidence; the final run checks 2048.
     int gemv_v2_min_in = 3072;
     // GEMV v3 (linear.cu k_linear_gemv_v3, cuda::gemv_cfg::v3) for the one-token chunks of 16-bit weights with in % 8 ==
-    // 0 and in <= gemv_v3_max_in (other chunks keep the kernels above): U loads in flight per lane chosen to cover a row
-    // slice in whole rounds (9 for 2304-wide rows), each register refilled with the next row's load as soon as it is
-    // summed, the first loads issued before the staged-norm prologue. 0 = off, 1 = on, 2 = on with the first loads issued
-    // before the PDL wait (weights are never written by a kernel of the step). Off until its H200 run (bench-cuda-kernels
-    // "gemv48" lines); predicted: Kimi-Linear-48B step 3.26 -> ~2.9 ms.
-    int gemv_v3 = 0;
-    int gemv_v3_max_in = 1 << 20;
+    // 0 and gemv_v3_min_in <= in <= gemv_v3_max_in (other chunks keep the kernels above): U loads in flight per lane
+    // chosen to cover a row slice in whole rounds (9 for 2304-wide rows), each register refilled with the next row's load
+    // as soon as it is summed, the first loads issued before the staged-norm prologue. 0 = off, 1 = on, 2 = on with the
+    // first loads issued before the PDL wait (weights are never written by a kernel of the step). Predicted 48B step 3.26
+    // -> ~2.9 ms. Measured (session 4 call F, bench-cuda-kernels gemv48, H200): faster on every 2304-wide row (the KDA
+    // q/k/v group 22.0 -> 19.5 us, the MLA group 17.6 -> 14.6, dense gate/up 28.7 -> 26.5, lm_head 182 -> 181) but slower
+    // on 4096 (o_proj 7.6 -> 9.6), 9216 (dense down 14.0 -> 16.2), 1024 (shared down 3.5 -> 4.3) and 128 (f_b 1.9 -> 2.7),
+    // and v3 everywhere made the k3-layers-4 step slower (2.712 -> 2.871 ms: 7168-wide rows). Hence 2 on [2048, 2304].
+    int gemv_v3 = 2;
+    int gemv_v3_min_in = 2048;
+    int gemv_v3_max_in = 2304;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
@@ -132,8 +136,10 @@ struct cuda_options {
     // With moe_decode_v5, Din / d_ff / d_out multiples of 128 (K3): the v6 kernels (moe.cu "Decode v6"): v5's arithmetic
     // (y bit for bit v5's) on a loop without per-load bounds or 64-bit address math (~25% fewer SASS instructions per
     // gate/up step), the weight stream loaded L1::no_allocate, and the combine folded into the down kernel (2 launches).
-    // Off until its H200 run (test-moe-cuda decode_v6_t1, bench_decode_k3_experts "v6").
-    bool moe_decode_v6 = false;
+    // Predicted node ~159 -> 100-110 us. Measured (session 4 call F, H200): test-moe-cuda decode_v6_t1 y bit for bit v5's,
+    // CPU parity, invalid ids flagged; bench_decode_k3_experts node 159.4 -> 132.3 us (41% -> 50% of copy: gate/up 94.9 ->
+    // 83.9, down+combine 65.1 -> 46.2); k3-layers-4 B=1 graph step 2.712 -> 2.653 ms. On.
+    bool moe_decode_v6 = true;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).

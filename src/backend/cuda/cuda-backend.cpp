@@ -1250,7 +1250,7 @@ private:
 
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
-        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0};
+        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?

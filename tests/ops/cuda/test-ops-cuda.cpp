@@ -882,6 +882,8 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
                 cuda_options o{true, 8};
                 o.gemv_unroll = unroll;
                 o.gemv_v3 = var == 2 ? 2 : 0;
+                o.gemv_v3_min_in = 0;          // v3 on every width here (the default keeps it to the 48B's 2304-wide rows)
+                o.gemv_v3_max_in = 1 << 20;
                 o.linear_group = on != 0;
                 o.fuse_norm_linear = o.fuse_add = o.fuse_conv_l2 = o.fuse_sigmoid = on != 0;
                 o.fuse_norm_staged = true;
