@@ -763,6 +763,85 @@ TEST(cuda_ops, attn_res_mix) {
     }
 }
 
+// The one-launch ATTN_RES_MIX (cuda_options::attn_res_cluster: a thread-block cluster of column blocks per row, the chunk
+// partials shared through distributed shared memory). Per case: parity with the CPU reference at the f32 tolerance;
+// bit for bit the chunked form (two launches) at the same chunk where D needs <= 8 blocks; with attn_res_chunk 0 (the
+// cluster runs at chunk 1024) bitwise the chunked form at 1024 while the split form (what the dispatch falls back to)
+// differs somewhere on K3 rows: proof that the cluster kernel ran. Controls on the K3 decode row (n 9, D 7168): a
+// perturbed output and the CPU reference with the last candidate dropped must both FAIL.
+TEST(cuda_ops, attn_res_mix_cluster) {
+    NEED_GPU();
+    struct arcase { int n, T, D; };
+    // K3 decode rows (D 7168: 7 blocks of 1024), 3 rows per launch, 8 blocks exactly (8192), a D that needs the chunk
+    // grown (9216 -> 1152 x 8), the 17-candidate (N 32) and 1-candidate buckets, narrow rows
+    for (const arcase cs : {arcase{9, 1, 7168}, arcase{9, 3, 7168}, arcase{5, 1, 8192}, arcase{6, 2, 9216}, arcase{17, 1, 7168},
+                            arcase{1, 1, 7168}, arcase{3, 5, 80}, arcase{8, 1, 4}}) {
+        const int n = cs.n, T = cs.T, D = cs.D;
+        const std::string nm = "attn_res_cluster/n" + std::to_string(n) + "/T" + std::to_string(T) + "/D" + std::to_string(D);
+        arena a;
+        auto make = [&](int nc) {   // the first nc of the case's candidates (same values for any nc)
+            rng rr(6200 + uint32_t(n * 7 + T * 131 + D));
+            builder bd(batch_simple(T));
+            std::vector<node_ref> c;
+            for (int i = 0; i < n; ++i) {
+                auto v = rr.vec(size_t(T * D), -2, 2);
+                if (i < nc) c.push_back(bd.scale(bd.weight(a.f32({T, D}, v), "cand" + std::to_string(i)), 1.0f));
+            }
+            auto nw = rr.vec(size_t(D), 0.5f, 1.5f), pw = rr.vec(size_t(D), -1, 1);
+            const node_ref y = bd.name(bd.attn_res_mix(c, bd.weight(a.bf16({D}, nw), "nw"), bd.weight(a.f32({1, D}, pw), "pw"),
+                                                       1e-6f),
+                                       "attn_res");
+            return std::make_pair(bd.finish(y), y);
+        };
+        auto [g, y] = make(n);
+        auto run_gpu = [&](const cuda_options & o) {
+            auto gpu = backend_cuda_init(0, o);
+            gpu->run(g);
+            return read_f32(*gpu, y);
+        };
+        for (int chunk : {0, 64, 1024}) {
+            cuda_options cl{true, 8};
+            cl.attn_res_cluster = true;
+            cl.attn_res_chunk = chunk;
+            EXPECT_TRUE(parity(nm + "/chunk" + std::to_string(chunk), g, {{y, metric::NMSE, k_tol_f32}}, {}, cl));
+            const int ch = chunk > 0 ? chunk : 1024;   // what the cluster kernel runs at (if D needs <= 8 blocks)
+            if ((D + ch - 1) / ch > 8) continue;
+            cuda_options two{true, 8};
+            two.attn_res_chunk = ch;
+            const auto yc = run_gpu(cl), y2 = run_gpu(two);
+            const bool same = check_bitwise(nm + "/chunk" + std::to_string(chunk) + "/vs-chunked" + std::to_string(ch), yc.data(),
+                                            y2.data(), yc.size() * 4);
+            EXPECT_TRUE(same);
+            tally(same);
+            if (chunk == 0 && D == 7168) {   // the dispatch: with chunk 0 and the switch off, the split form runs
+                cuda_options split{true, 8};
+                split.attn_res_chunk = 0;
+                const auto ys = run_gpu(split);
+                const bool differs = std::memcmp(ys.data(), yc.data(), ys.size() * 4) != 0;
+                std::printf("[%s/dispatch] split form %s the cluster output (must differ: the cluster kernel ran)\n", nm.c_str(),
+                            differs ? "differs from" : "EQUALS");
+                EXPECT_TRUE(differs);
+                tally(differs);
+            }
+        }
+        if (n == 9 && T == 1) {   // controls on the K3 decode row
+            cuda_options cl{true, 8};
+            cl.attn_res_cluster = true;
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const auto yc = run_gpu(cl);
+            controls(nm, read_f32(*cpu, y), yc, metric::NMSE, k_tol_f32);
+            auto [g8, y8] = make(n - 1);   // the reference without the last candidate
+            auto cpu8 = backend_cpu_init();
+            cpu8->run(g8);
+            const bool dropped = check(nm + "/control(dropped candidate)", to_f64(read_f32(*cpu8, y8)), yc, metric::NMSE, k_tol_f32);
+            std::printf("[%s/control] dropped candidate %s (must FAIL)\n", nm.c_str(), dropped ? "PASSED" : "FAILED");
+            EXPECT_FALSE(dropped);
+            tally(!dropped);
+        }
+    }
+}
+
 // Wide rows (N >= 4096: 1024 threads per row) for the norms at decode widths.
 TEST(cuda_ops, norms_wide_rows) {
     NEED_GPU();
