@@ -1,7 +1,8 @@
 // CUDA MoE kernels vs the CPU reference (issue 7): tensor-core prefill experts with bf16 hi + lo activations, the MXFP4
 // decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch decode router,
 // decode v4, and decode v5 (MXFP4 expert GEMVs on fp16 tensor cores) with a microbenchmark of K3's expert node
-// (bench_decode_k3_experts: us per node, GB/s, % of the copy rate for v2 / v4 / v5 forms; prints, asserts only a clean run).
+// (bench_decode_k3_experts: us per node, GB/s, % of the copy rate for v2 / v4 / v5 forms; prints, asserts only a clean run),
+// and the BF16 decode pair (moe-bf16-decode.cu: decode_bf16_t1, decode_bf16_direct, bench_decode_48b_experts).
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend (fp32, fp64 reductions) is the
 // reference; the CUDA backend runs in guard mode (outputs poisoned with NaN, sentinel words checked after each node);
@@ -574,8 +575,11 @@ TEST(cuda_moe, decode_v5_t1) {
 // 2048 x 1056 (v5 runs: equal trivially). Checks: ids exact and y at the f32 tolerance vs the CPU; y bitwise v5's; three
 // graph replays bitwise the eager run (the combine counters are re-zeroed by every gate/up launch). Controls that must FAIL: the bitwise comparator on v6's y with one element's lowest bit flipped; two
 // experts' weights swapped vs the CPU at the f32 tolerance; the comparator family (10x perturbation, negative threshold).
-TEST(cuda_moe, decode_v6_t1) {
-    NEED_GPU();
+// v7 (decode_v7_t1, cuda_options::moe_decode_v7): the same checks with v7 in v6's place and v6 as the bitwise reference
+// (v7 is v6's arithmetic with the weights staged through a cp.async ring: y must be v6's bit for bit).
+void decode_v67_t1(bool v7) {
+    const char * ver = v7 ? "v7" : "v6";
+    const char * ref_ver = v7 ? "v6" : "v5";
     struct shape { int D, F, E, k, act, s_lo, s_hi; float xscale; bool v6; };
     const shape shapes[] = {{3584, 3072, 18, 16, 1, 118, 121, 1.0f, true}, {1024, 2560, 8, 5, 1, 116, 122, 3e-5f, true},
                             {640, 512, 12, 4, 0, 100, 140, 4e3f, true},      {1024, 1024, 6, 1, 0, 116, 122, 1.0f, true},
@@ -587,17 +591,19 @@ TEST(cuda_moe, decode_v6_t1) {
         const uint32_t seed = 16000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k);
         auto mc = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale);
         graph & g = mc->g;
-        const std::string nm = fmt::format("moe-v6/D{}/F{}/k{}/x{}{}", sh.D, sh.F, sh.k, sh.xscale, sh.v6 ? "" : "/v5-fallback");
+        const std::string nm = fmt::format("moe-{}/D{}/F{}/k{}/x{}{}", ver, sh.D, sh.F, sh.k, sh.xscale, sh.v6 ? "" : "/v5-fallback");
         const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
         cuda_options v6{true, 8};
         v6.moe_decode_v5 = true;
         v6.moe_decode_v6 = true;
+        v6.moe_decode_v7 = v7;
         EXPECT_TRUE(parity(nm, g, oc, v6)) << nm;
-        cuda_options v5 = v6;
-        v5.moe_decode_v6 = false;
+        cuda_options v5 = v6;   // the bitwise reference: v5 for v6, v6 for v7
+        if (v7) v5.moe_decode_v7 = false;
+        else v5.moe_decode_v6 = false;
         const auto got6 = run_cuda(g, mc->y, v6), got5 = run_cuda(g, mc->y, v5);
         const bool same = bitwise(got6, got5);
-        std::printf("[%s/v6-vs-v5] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        std::printf("[%s/%s-vs-%s] %s\n", nm.c_str(), ver, ref_ver, same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
         EXPECT_TRUE(same) << nm;
         tally(same);
         {   // control: the bitwise comparator must see a one-ulp change
@@ -641,10 +647,25 @@ TEST(cuda_moe, decode_v6_t1) {
     }
 }
 
+TEST(cuda_moe, decode_v6_t1) {
+    NEED_GPU();
+    decode_v67_t1(false);
+}
+
+TEST(cuda_moe, decode_v7_t1) {
+    NEED_GPU();
+    decode_v67_t1(true);
+}
+
 // Decode v6 with invalid expert ids (-1 and E) among the slots, straight through launch_moe_experts_grouped (the router
 // never emits them; the kernels must still finish, flag ERR_EXPERT_ID and give the invalid slots 0): v6's fused combine
 // counts the invalid slots' blocks too. y must be v5's (3 launches, k_moe_combine_g) bit for bit, on 3 repeated launches
 // (counters re-zeroed each time). Control that must FAIL: the same comparator against y with all ids valid.
+// v7 (v5_cfg 2xyz, cuda_options::moe_decode_v7): every ring form (gate/up rings 3 / 2 / 4 and v6's; down rings 4 / 3 / 5
+// and v6's) with the invalid ids, bitwise v5's and flagged; and v7's fallback for scale rows that are not 4-byte aligned
+// (synchronous byte loads instead of the 4-byte cp.async): a second expert table with the same values, every scale array
+// one byte past an aligned address, must give the same y bit for bit. Its control that must FAIL: that misaligned table
+// with expert 3's gate scales from another seed (the fallback must read the scales it is given).
 TEST(cuda_moe, decode_v6_invalid_ids) {
     NEED_GPU();
     const int64_t D = 1024, F = 1024, E = 8, k = 4;
@@ -657,12 +678,12 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
         allocs.push_back(p);
         return p;
     };
-    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed, int sc_off = 0, uint64_t sc_seed = 0) {
         cuda::dexpert_matrix m;
         auto * p = static_cast<uint8_t *>(dalloc(size_t(out * in / 2)));
-        auto * sc = static_cast<uint8_t *>(dalloc(size_t(out * in / 32)));
+        auto * sc = static_cast<uint8_t *>(dalloc(size_t(out * in / 32) + 4)) + sc_off;   // sc_off 1: misaligned rows
         EXPECT_EQ(cuda::launch_fill_random(p, out * in / 2, 3, seed, 0.0f, 255.0f, st), cudaSuccess);
-        EXPECT_EQ(cuda::launch_fill_random(sc, out * in / 32, 3, seed + 1, 118.0f, 121.0f, st), cudaSuccess);
+        EXPECT_EQ(cuda::launch_fill_random(sc, out * in / 32, 3, sc_seed ? sc_seed : seed + 1, 118.0f, 121.0f, st), cudaSuccess);
         m.packed = p;
         m.scale = sc;
         m.fmt = 1;
@@ -673,6 +694,18 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 500 + 10 * e), mat(F, D, 503 + 10 * e), mat(D, F, 506 + 10 * e)};
     auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
+    // The same experts with every scale array one byte off alignment (v7's byte fallback), and that table with expert 3's
+    // gate scales from another seed (the control).
+    std::vector<cuda::dexpert> hex_u(static_cast<size_t>(E)), hex_ub;
+    for (int64_t e = 0; e < E; ++e)
+        hex_u[size_t(e)] = {mat(F, D, 500 + 10 * e, 1), mat(F, D, 503 + 10 * e, 1), mat(D, F, 506 + 10 * e, 1)};
+    hex_ub = hex_u;
+    hex_ub[3].gate = mat(F, D, 530, 1, 9999);
+    auto * dex_u = static_cast<cuda::dexpert *>(dalloc(hex_u.size() * sizeof(cuda::dexpert)));
+    auto * dex_ub = static_cast<cuda::dexpert *>(dalloc(hex_ub.size() * sizeof(cuda::dexpert)));
+    ASSERT_EQ(cudaMemcpyAsync(dex_u, hex_u.data(), hex_u.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dex_ub, hex_ub.data(), hex_ub.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st),
+              cudaSuccess);
     auto * dids = static_cast<int32_t *>(dalloc(size_t(k) * 4));
     const std::vector<float> hw{0.4f, 0.3f, 0.2f, 0.1f};
     auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
@@ -686,7 +719,7 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 11, -1.0f, 1.0f, st), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(gw, 0x7f, size_t(cuda::moe_group_ints(1, k, E)) * 4, st), cudaSuccess);   // garbage counters
     const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
-    auto run = [&](const std::vector<int32_t> & ids, int v5cfg, int & flag) {
+    auto run = [&](const std::vector<int32_t> & ids, int v5cfg, int & flag, const cuda::dexpert * table = nullptr) {
         cuda::dmoe_opts o;
         o.dec_v4 = o.dec_v5 = true;
         o.v5_cfg = v5cfg;
@@ -694,7 +727,8 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
         EXPECT_EQ(cudaMemcpyAsync(dids, ids.data(), size_t(k) * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(y, 0xff, size_t(D) * 4, st), cudaSuccess);   // NaN: an unwritten row shows
-        EXPECT_EQ(cuda::launch_moe_experts_grouped(2, dx, 1, D, dids, dw, k, dex, E, cfg, scratch, gw, y, err, st, o), cudaSuccess);
+        EXPECT_EQ(cuda::launch_moe_experts_grouped(2, dx, 1, D, dids, dw, k, table ? table : dex, E, cfg, scratch, gw, y, err, st, o),
+                  cudaSuccess);
         EXPECT_EQ(cudaMemcpyAsync(out.data(), y, out.size() * 4, cudaMemcpyDeviceToHost, st), cudaSuccess);
         int herr[16] = {};
         EXPECT_EQ(cudaMemcpyAsync(herr, err, sizeof(herr), cudaMemcpyDeviceToHost, st), cudaSuccess);
@@ -728,6 +762,29 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     EXPECT_FALSE(wrong);
     EXPECT_EQ(fg, 0) << "valid ids flagged";
     tally(!wrong);
+    for (int v7cfg : {2000, 2200, 2300, 2900, 2020, 2030, 2090, 2990}) {
+        int f7 = 0;
+        const auto y7 = run(bad_ids, v7cfg, f7);
+        const bool same = bitwise(y5, y7);
+        std::printf("[moe-v7/invalid-ids/cfg%d] flag %d, y %s\n", v7cfg, f7, same ? "bitwise v5's: PASS" : "DIFFERS from v5: FAIL");
+        EXPECT_NE(f7, 0) << "v7 cfg " << v7cfg << " did not flag the invalid ids";
+        EXPECT_TRUE(same) << "v7 cfg " << v7cfg;
+        tally(same && f7 != 0);
+    }
+    {   // misaligned scale rows: v7's byte fallback, same values -> same y as the aligned table
+        int fu = 0, fa = 0, fb = 0;
+        const auto ya = run(good_ids, 2000, fa), yu = run(good_ids, 2000, fu, dex_u), yb = run(good_ids, 2000, fb, dex_ub);
+        const auto y6 = run(good_ids, 1000, fa);
+        const bool same = bitwise(ya, yu) && bitwise(ya, y6) && fu == 0;
+        std::printf("[moe-v7/misaligned-scales] y %s\n", same ? "bitwise the aligned table's and v6's: PASS" : "DIFFERS: FAIL");
+        EXPECT_TRUE(same);
+        tally(same);
+        const bool caught = !bitwise(ya, yb);
+        std::printf("[moe-v7/misaligned-scales/control(expert 3's gate scales reseeded vs bitwise)] %s\n",
+                    caught ? "differs as required: PASS" : "NOT caught: FAIL");
+        EXPECT_TRUE(caught);
+        tally(caught);
+    }
     for (void * p : allocs) cudaFree(p);
     cudaStreamDestroy(st);
 }
@@ -737,7 +794,7 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
 // 16, so a set's 0.28 GB was last read 3 launches = 0.85 GB earlier: weights come from HBM, not the 50 MB L2). Per variant:
 // us per node, GB/s of the expert bytes read (packed + E8M0 scales) and % of the D2D copy rate measured here (bytes read +
 // written, as bench-cuda-decode). Variants: v2, v4 (the default before), v5 and its forms (moe.cu launch_v5_one cfg),
-// and v5's stages alone (gate/up; down + combine) for attribution. MOE_BENCH_ITERS sets the launches per variant (200).
+// and v5's stages alone (gate/up; down + combine) for attribution; v6 and v7 (the cp.async ring, v5_cfg 2xyz) forms. MOE_BENCH_ITERS sets the launches per variant (200).
 TEST(cuda_moe, bench_decode_k3_experts) {
     NEED_GPU();
     const int64_t D = 3584, F = 3072, k = 16, E = 64;
@@ -826,7 +883,13 @@ TEST(cuda_moe, bench_decode_k3_experts) {
                             {"v6", mk(false, true, 1000), all},       {"v6 gu2(PD2,2blk)", mk(false, true, 1200), all},
                             {"v6 dn2(PD3,2blk)", mk(false, true, 1020), all}, {"v6 dn4(PD2,3blk)", mk(false, true, 1040), all},
                             {"v6 gate/up only", mk(false, true, 1001), bytes_gu},
-                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn}};
+                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn},
+                            {"v7", mk(false, true, 2000), all},       {"v7 gu2(ring2,3blk)", mk(false, true, 2200), all},
+                            {"v7 gu3(ring4,2blk)", mk(false, true, 2300), all}, {"v7 dn2(ring3,4blk)", mk(false, true, 2020), all},
+                            {"v7 dn3(ring5,3blk)", mk(false, true, 2030), all}, {"v7 gu=v6,dn=ring4", mk(false, true, 2900), all},
+                            {"v7 gu=ring3,dn=v6", mk(false, true, 2090), all},
+                            {"v7 gate/up only", mk(false, true, 2001), bytes_gu},
+                            {"v7 down+combine only", mk(false, true, 2002), bytes_dn}};
     std::vector<float> y_v4;   // set 0's output by v4: every full variant must match it at the f32 tolerance
     for (const variant & v : vars) {
         auto launch = [&](int i) {
@@ -855,6 +918,282 @@ TEST(cuda_moe, bench_decode_k3_experts) {
         const bool ok = check(std::string("bench-k3-experts/") + v.name + "/vs-v4", to_f64(y_v4), yv, metric::NMSE, k_tol_f32);
         EXPECT_TRUE(ok) << v.name;
         tally(ok);
+    }
+    int herr[16] = {};
+    ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(herr[cuda::ERR_EXPERT_ID], 0) << "expert id error flagged during the benchmark";
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    for (void * p : allocs) cudaFree(p);
+    cudaStreamDestroy(st);
+}
+
+// ---- Decode BF16 pair (cuda_options::moe_decode_bf16, moe-bf16-decode.cu) ----
+// Graph level, T == 1, BF16 experts: the 48B geometry (D 2304, F 1024, top-8: gate/up 9 units per lane, down R 3),
+// D 1024 / F 2048 top-12 (gate/up 4 units, down 8 units with 2 slots per warp), D 2048 / F 1024 top-6 (gate/up 8 units,
+// d_out 2048 not a multiple of 3: the R 2 form), D 2304 / F 1024 top-16 of 32 (2 slots per warp). Each shape must be one
+// the pair takes (moe_bf16_decode_supported; otherwise v4 would run and the test would prove nothing). Checks: ids exact
+// and y at the f32 tolerance vs the CPU; y bit for bit v4's (same summation order); graph replay bit for bit eager.
+// Controls that must FAIL: router scale 1.01 vs the f32 tolerance; the comparator family (perturbed 10x, negative threshold).
+TEST(cuda_moe, decode_bf16_t1) {
+    NEED_GPU();
+    struct shape { int D, F, E, k, act; };
+    const shape shapes[] = {{2304, 1024, 24, 8, 0}, {1024, 2048, 16, 12, 1}, {2048, 1024, 8, 6, 1}, {2304, 1024, 32, 16, 1}};
+    for (const shape & sh : shapes) {
+        const cuda::dexperts_cfg cfg{sh.act, 1.0f, 0.0f, sh.F, sh.D};
+        ASSERT_TRUE(cuda::moe_bf16_decode_supported(sh.D, sh.k, cfg)) << "shape D" << sh.D << " F" << sh.F << " k" << sh.k
+                                                                      << " would fall back to v4";
+        const uint32_t seed = 17000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k);
+        auto mc = moe_graph(0, 1, sh.D, sh.F, sh.E, sh.k, sh.act, 0, 0, seed);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-bf16d/D{}/F{}/k{}", sh.D, sh.F, sh.k);
+        const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+        cuda_options nb{true, 8};
+        nb.moe_decode_bf16 = true;
+        EXPECT_TRUE(parity(nm, g, oc, nb)) << nm;
+        cuda_options v4{true, 8};
+        v4.moe_decode_bf16 = false;
+        v4.moe_decode_v4 = true;
+        const auto got = run_cuda(g, mc->y, nb), got4 = run_cuda(g, mc->y, v4);
+        const bool same = got.size() == got4.size() && std::memcmp(got.data(), got4.data(), got.size() * 4) == 0;
+        std::printf("[%s/vs-v4] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        EXPECT_TRUE(same) << nm;
+        tally(same);
+        {
+            cuda_options cap = nb;
+            cap.guard = false;
+            auto gpu = backend_cuda_init(0, cap);
+            gpu->run(g);
+            const auto eager = read_f32(*gpu, mc->y);
+            gpu->capture(g);
+            gpu->replay(2);
+            const auto rep = read_f32(*gpu, mc->y);
+            const bool bit = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
+            std::printf("[%s/graph-replay] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(bit) << nm;
+            tally(bit);
+        }
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        auto mw = moe_graph(0, 1, sh.D, sh.F, sh.E, sh.k, sh.act, 0, 0, seed, 1.01f);
+        const bool wrong = check(nm + "/control(router scale 1.01 vs f32 tolerance)", to_f64(ref), run_cuda(mw->g, mw->y, nb),
+                                 metric::NMSE, k_tol_f32);
+        EXPECT_FALSE(wrong) << nm;
+        tally(!wrong);
+        controls(nm, ref, got, metric::NMSE, k_tol_f32);
+    }
+}
+
+// BF16 experts filled on the device, straight through launch_moe_experts_grouped (48B geometry, E 32, top-8): the pair
+// (cfg 0: down R 3; cfg 10: down R 2) bit for bit v4 on valid ids; with invalid ids (-1, E) the error flag is set, y is
+// finite and bit for bit v4's with the same ids; each stage checked alone is not needed (cfg 1 / 2 write only hbuf / y).
+// Controls that must FAIL: a swapped expert (slot 0's id replaced by an unselected expert) vs v4's y at the f32
+// tolerance; bitwise equality of the all-valid output with the invalid-id output.
+TEST(cuda_moe, decode_bf16_direct) {
+    NEED_GPU();
+    const int64_t D = 2304, F = 1024, E = 32, k = 8;
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<void *> allocs;
+    auto dalloc = [&](size_t n) {
+        void * p = nullptr;
+        EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess) << "cudaMalloc " << n;
+        allocs.push_back(p);
+        return p;
+    };
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
+        cuda::dexpert_matrix m;
+        void * p = dalloc(size_t(out * in * 2));
+        EXPECT_EQ(cuda::launch_fill_random(p, out * in, 1, seed, -0.2f, 0.2f, st), cudaSuccess);
+        m.w = p;
+        m.type = cuda::wtype::BF16;
+        m.out = out;
+        m.in = in;
+        return m;
+    };
+    std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 700 + 10 * e), mat(F, D, 703 + 10 * e), mat(D, F, 706 + 10 * e)};
+    auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
+    auto * dids = static_cast<int32_t *>(dalloc(size_t(k) * 4));
+    const std::vector<float> hw{0.3f, 0.2f, 0.15f, 0.1f, 0.1f, 0.08f, 0.04f, 0.03f};
+    auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
+    auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * err = static_cast<int *>(dalloc(64));
+    ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 13, -1.0f, 1.0f, st), cudaSuccess);
+    const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
+    ASSERT_TRUE(cuda::moe_bf16_decode_supported(D, k, cfg, 0) && cuda::moe_bf16_decode_supported(D, k, cfg, 10));
+    auto run = [&](const std::vector<int32_t> & ids, bool bf16, int bcfg, int & flag) {
+        cuda::dmoe_opts o;
+        o.dec_v4 = true;
+        o.dec_bf16 = bf16;
+        o.bf16_cfg = bcfg;
+        std::vector<float> out(static_cast<size_t>(D));
+        EXPECT_EQ(cudaMemcpyAsync(dids, ids.data(), size_t(k) * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(y, 0xff, size_t(D) * 4, st), cudaSuccess);   // NaN: an unwritten row shows
+        EXPECT_EQ(cudaMemsetAsync(scratch, 0xff, size_t(k * (F + D)) * 4, st), cudaSuccess);
+        EXPECT_EQ(cuda::launch_moe_experts_grouped(1, dx, 1, D, dids, dw, k, dex, E, cfg, scratch, gw, y, err, st, o), cudaSuccess);
+        EXPECT_EQ(cudaMemcpyAsync(out.data(), y, out.size() * 4, cudaMemcpyDeviceToHost, st), cudaSuccess);
+        int herr[16] = {};
+        EXPECT_EQ(cudaMemcpyAsync(herr, err, sizeof(herr), cudaMemcpyDeviceToHost, st), cudaSuccess);
+        EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        flag = herr[cuda::ERR_EXPERT_ID];
+        return out;
+    };
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    const std::vector<int32_t> good{5, 17, 2, 30, 11, 8, 23, 0}, swapped{6, 17, 2, 30, 11, 8, 23, 0},
+        bad{5, -1, 2, 30, int32_t(E), 8, 23, 0};
+    int f = 0;
+    const auto y4 = run(good, false, 0, f);
+    EXPECT_EQ(f, 0);
+    for (int bcfg : {0, 10}) {
+        const auto yb = run(good, true, bcfg, f);
+        const bool same = bitwise(y4, yb);
+        std::printf("[moe-bf16d/direct/cfg%d] %s\n", bcfg, same ? "bitwise v4's: PASS" : "DIFFERS from v4: FAIL");
+        EXPECT_TRUE(same);
+        EXPECT_EQ(f, 0) << "valid ids flagged";
+        tally(same && f == 0);
+        const bool sw = check(fmt::format("moe-bf16d/direct/cfg{}/control(swapped expert vs v4)", bcfg), to_f64(y4),
+                              run(swapped, true, bcfg, f), metric::NMSE, k_tol_f32);
+        EXPECT_FALSE(sw);
+        tally(!sw);
+    }
+    int f4 = 0, fb = 0;
+    const auto y4b = run(bad, false, 0, f4), ybb = run(bad, true, 0, fb);
+    bool finite = true;
+    for (float v : ybb) finite = finite && std::isfinite(v);
+    const bool same_bad = bitwise(y4b, ybb);
+    std::printf("[moe-bf16d/direct/invalid-ids] flag %d (v4 %d), y finite %d, %s\n", fb, f4, int(finite),
+                same_bad ? "bitwise v4's: PASS" : "DIFFERS from v4: FAIL");
+    EXPECT_NE(fb, 0) << "the bf16 pair did not flag the invalid ids";
+    EXPECT_TRUE(finite && same_bad);
+    tally(fb != 0 && finite && same_bad);
+    const bool wrong = bitwise(y4, ybb);
+    std::printf("[moe-bf16d/direct/invalid-ids/control(all ids valid vs bitwise)] %s\n",
+                wrong ? "NOT caught: FAIL" : "differs as required: PASS");
+    EXPECT_FALSE(wrong);
+    tally(!wrong);
+    for (void * p : allocs) cudaFree(p);
+    cudaStreamDestroy(st);
+}
+
+// Microbenchmark (prints; asserts a clean run and each full variant's y bit for bit v4's): Kimi-Linear-48B's BF16 expert
+// node at T == 1 (D 2304, F 1024, top-8, SiLU) through launch_moe_experts_grouped, 128 experts on the device (1.81 GB;
+// each launch takes the next of 16 sets of 8 distinct experts, so a set's 113 MB was last read 15 launches earlier:
+// weights come from HBM, not the 50 MB L2). Per variant: us per node, GB/s of the expert bytes read and % of the D2D copy
+// rate measured here (bytes read + written). Variants: v4 (the default), the bf16 pair (down R 3 / R 2) and each stage
+// alone for attribution (gate/up; down + combine). MOE_BENCH_ITERS sets the launches per variant (200).
+TEST(cuda_moe, bench_decode_48b_experts) {
+    NEED_GPU();
+    const int64_t D = 2304, F = 1024, k = 8, E = 128;
+    const int iters = std::getenv("MOE_BENCH_ITERS") ? std::atoi(std::getenv("MOE_BENCH_ITERS")) : 200;
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<void *> allocs;
+    auto dalloc = [&](size_t n) {
+        void * p = nullptr;
+        EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess) << "cudaMalloc " << n;
+        allocs.push_back(p);
+        return p;
+    };
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
+        cuda::dexpert_matrix m;
+        void * p = dalloc(size_t(out * in * 2));
+        EXPECT_EQ(cuda::launch_fill_random(p, out * in, 1, seed, -0.2f, 0.2f, st), cudaSuccess);
+        m.w = p;
+        m.type = cuda::wtype::BF16;
+        m.out = out;
+        m.in = in;
+        return m;
+    };
+    std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 900 + 10 * e), mat(F, D, 903 + 10 * e), mat(D, F, 906 + 10 * e)};
+    auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
+    const int nsets = int(E / k);
+    std::vector<int32_t> hids(static_cast<size_t>(E));
+    for (int64_t i = 0; i < E; ++i) hids[size_t(i)] = int32_t((i * 37) % E);   // sets of 8 distinct experts
+    auto * dids = static_cast<int32_t *>(dalloc(hids.size() * 4));
+    std::vector<float> hw(size_t(k), 1.0f / float(k));
+    auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
+    auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * err = static_cast<int *>(dalloc(64));
+    ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dids, hids.data(), hids.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 7, -1.0f, 1.0f, st), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    const size_t cb = size_t(1) << 30;
+    void * ca = dalloc(cb);
+    void * cbuf = dalloc(cb);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice, st);
+    cudaEventRecord(e0, st);
+    for (int i = 0; i < 5; ++i) cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice, st);
+    cudaEventRecord(e1, st);
+    cudaEventSynchronize(e1);
+    float cms = 0.0f;
+    cudaEventElapsedTime(&cms, e0, e1);
+    const double copy_gbs = 5.0 * 2.0 * double(cb) / (double(cms) * 1e-3) / 1e9;
+    const double bytes_gu = double(k) * 2.0 * double(F) * double(D) * 2.0;
+    const double bytes_dn = double(k) * double(D) * double(F) * 2.0;
+    std::printf("[bench-48b-experts] copy rate %.0f GB/s; node reads %.1f MB (gate/up %.1f, down %.1f); floor %.1f us\n",
+                copy_gbs, (bytes_gu + bytes_dn) / 1e6, bytes_gu / 1e6, bytes_dn / 1e6, (bytes_gu + bytes_dn) / copy_gbs / 1e3);
+    const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
+    ASSERT_TRUE(cuda::moe_bf16_decode_supported(D, k, cfg));
+    struct variant { const char * name; bool bf16; int bcfg; double bytes; };
+    const double all = bytes_gu + bytes_dn;
+    const variant vars[] = {{"v4", false, 0, all},
+                            {"bf16d (down R3)", true, 0, all},
+                            {"bf16d (down R2)", true, 10, all},
+                            {"bf16d gate/up only", true, 1, bytes_gu},
+                            {"bf16d down+comb R3 only", true, 2, bytes_dn},
+                            {"bf16d down+comb R2 only", true, 12, bytes_dn}};
+    std::vector<float> y_v4;
+    for (const variant & v : vars) {
+        cuda::dmoe_opts o;
+        o.dec_v4 = true;
+        o.dec_bf16 = v.bf16;
+        o.bf16_cfg = v.bcfg;
+        auto launch = [&](int i) {
+            const int32_t * ids = dids + (i % nsets) * k;
+            return cuda::launch_moe_experts_grouped(1, dx, 1, D, ids, dw, k, dex, E, cfg, scratch, gw, y, err, st, o);
+        };
+        for (int i = 0; i < 8; ++i) ASSERT_EQ(launch(i), cudaSuccess) << v.name;
+        cudaEventRecord(e0, st);
+        for (int i = 0; i < iters; ++i) launch(i);
+        cudaEventRecord(e1, st);
+        ASSERT_EQ(cudaEventSynchronize(e1), cudaSuccess) << v.name;
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double us = double(ms) * 1e3 / iters, gbs = v.bytes / (us * 1e-6) / 1e9;
+        std::printf("[bench-48b-experts] %-24s %8.2f us/node  %7.0f GB/s  %5.1f%% of copy\n", v.name, us, gbs, 100.0 * gbs / copy_gbs);
+        if (v.bcfg % 10 != 0) continue;   // one stage alone: y is not this variant's
+        ASSERT_EQ(launch(0), cudaSuccess) << v.name;
+        std::vector<float> yv(static_cast<size_t>(D));
+        ASSERT_EQ(cudaMemcpyAsync(yv.data(), y, yv.size() * 4, cudaMemcpyDeviceToHost, st), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        if (y_v4.empty()) {
+            y_v4 = yv;
+            continue;
+        }
+        const bool same = std::memcmp(y_v4.data(), yv.data(), yv.size() * 4) == 0;
+        std::printf("[bench-48b-experts] %s vs v4: %s\n", v.name, same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        EXPECT_TRUE(same) << v.name;
+        tally(same);
     }
     int herr[16] = {};
     ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);

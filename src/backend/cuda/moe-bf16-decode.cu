@@ -1,0 +1,220 @@
+// MOE_EXPERTS grouped, T == 1, BF16 experts: the decode pair behind cuda_options::moe_decode_bf16 (Kimi-Linear-48B's
+// routed experts: 256 experts, top-8, hidden 2304, moe_intermediate 1024). Dispatched by moe.cu's
+// launch_moe_experts_grouped before the v4 kernels, where launch_moe_bf16_decode's shape conditions hold.
+//
+// Why (session 4 profile, H200, in isolation): v4's gate/up (k_moe_gate_up_v4<1,2,3>, 512 blocks of 8 warps) moves 75.6 MB
+// in 24.9 us (3.0 TB/s) and its down + combine (k_moe_down_comb_v4<1,2,4,1>, 1152 blocks) 37.8 MB in 14.6 us (2.6 TB/s)
+// against a 4.2 TB/s copy. What the v4 shapes cost on the 48B geometry:
+//   - gate/up: each warp walks its 2 rows x 2 matrices in 3 dependent passes of 96 units (load 3 units per lane -> wait ->
+//     math -> next); between passes the warp has nothing in flight, and every load carries the per-unit bounds and 64-bit
+//     address math of the general loop.
+//   - down + combine: 1152 blocks at 2 per SM are 4.36 waves of 264: the 5th wave runs 36% full (~13% of the kernel).
+// This pair:
+//   - gate/up: one warp per (slot, row): the lane's NU units of the gate row AND of the up row (nu = 32 NU units of 8
+//     columns, 48B: NU = 9, 18 x 16 bytes per lane, 9.2 KB per warp) are all issued before any math, in one pass, with
+//     compile-time offsets from one base (no bounds: the shapes are exact). Blocks of 4 warps, 4 per SM by the launch
+//     bound: 2048 blocks for 48B = 3.88 "waves" of 528, with up to ~147 KB of weights in flight per SM.
+//   - down + combine: v4's structure (the k slots on the 8 warps of a block, the combine summed in shared memory in slot
+//     order) with R = 3 output rows per block where d_out % 3 == 0 (48B: 768 blocks = 2.91 waves of 264) and the same
+//     lean loads; R = 2 with 3 blocks per SM otherwise (1152 blocks = 2.91 waves of 396 for 48B; bench cfg 1).
+//   - weights loaded ld.global.nc.L1::no_allocate (streamed once: they must not evict x / h from L1).
+// Arithmetic: exactly v4's (fp32; per lane the units lane + 32 i in increasing i, each unit an fma chain over its 8 columns
+// from 0 added to the lane's sum; warp_sum; the activation; down's partial rows summed over slots in slot order), so y is
+// bit for bit v4's (test-moe-cuda decode_bf16_t1 checks it).
+#include "backend/cuda/common.cuh"
+
+namespace perigee::cuda {
+
+namespace {
+
+constexpr int k_bgu_warps = 4;   // gate/up: warps (rows) per block
+constexpr int k_bdn_warps = 8;   // down: warps per block (slots j = warp + 8 s)
+
+__device__ __forceinline__ uint4 ld_stream_bf(const uint4 * p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+// One unit (8 BF16 columns, column i at bits 16 (i % 2) of word i / 2) dotted with 8 floats: v4's fma chain from 0.
+__device__ __forceinline__ float dot8_bf(const uint4 & q, const float4 & x0, const float4 & x1) {
+    float a = 0.0f;
+    a = fmaf(__uint_as_float(q.x << 16), x0.x, a);
+    a = fmaf(__uint_as_float(q.x & 0xFFFF0000u), x0.y, a);
+    a = fmaf(__uint_as_float(q.y << 16), x0.z, a);
+    a = fmaf(__uint_as_float(q.y & 0xFFFF0000u), x0.w, a);
+    a = fmaf(__uint_as_float(q.z << 16), x1.x, a);
+    a = fmaf(__uint_as_float(q.z & 0xFFFF0000u), x1.y, a);
+    a = fmaf(__uint_as_float(q.w << 16), x1.z, a);
+    a = fmaf(__uint_as_float(q.w & 0xFFFF0000u), x1.w, a);
+    return a;
+}
+
+// hbuf [k, F]: hbuf[j, row] = act(gate_e . x, up_e . x), e = ids[j]; grid (F / 4, k), block 4 warps, warp = row.
+// Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks).
+template <int NU>
+__global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(const float * __restrict__ x,
+                                                                         const int32_t * __restrict__ ids,
+                                                                         const dexpert * __restrict__ ex, int64_t E,
+                                                                         dexperts_cfg c, float * __restrict__ hbuf,
+                                                                         int * err) {
+    pdl_enter();
+    const int j = blockIdx.y;
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    const int row = int(blockIdx.x) * k_bgu_warps + int(threadIdx.x >> 5);
+    const uint4 * gp = static_cast<const uint4 *>(ex[e].gate.w) + (row * (32 * NU) + lane);
+    const uint4 * up = static_cast<const uint4 *>(ex[e].up.w) + (row * (32 * NU) + lane);
+    uint4 qg[NU], qu[NU];
+#pragma unroll
+    for (int i = 0; i < NU; ++i) {
+        qg[i] = ld_stream_bf(gp + 32 * i);
+        qu[i] = ld_stream_bf(up + 32 * i);
+    }
+    const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
+    float ag = 0.0f, au = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NU; ++i) {
+        const float4 x0 = __ldg(xv + 64 * i), x1 = __ldg(xv + 64 * i + 1);
+        ag += dot8_bf(qg[i], x0, x1);
+        au += dot8_bf(qu[i], x0, x1);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0)
+        hbuf[int64_t(j) * c.d_ff + row] = c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+}
+
+// y [Dout] = sum_j w[j] down_{ids[j]} h_j in slot order (an invalid id contributes 0); grid Dout / R, block of 8 warps:
+// warp wd takes slots wd + 8 s (s < NS, k <= 8 NS) and R rows of each, every unit in flight together; the partial rows
+// meet in shared memory and R threads sum them in slot order. Rows of nu = 32 NU units (F = 256 NU), Dout % R == 0.
+template <int NU, int R, int NS, int MINB>
+__global__ void __launch_bounds__(k_bdn_warps * 32, MINB) k_moe_bf16_down_d1(const float * __restrict__ hbuf,
+                                                                        const int32_t * __restrict__ ids,
+                                                                        const float * __restrict__ w, int k,
+                                                                        const dexpert * __restrict__ ex, int64_t E,
+                                                                        dexperts_cfg c, float * __restrict__ y) {
+    pdl_enter();
+    __shared__ float part[k_bdn_warps * NS][R];
+    const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r0 = int(blockIdx.x) * R;
+    const uint4 * base[NS];
+    bool ok[NS];
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+        const int jj = wd + k_bdn_warps * s;
+        const int32_t e = jj < k ? ids[jj] : -1;
+        ok[s] = e >= 0 && e < E;
+        base[s] = ok[s] ? static_cast<const uint4 *>(ex[e].down.w) + (r0 * (32 * NU) + lane) : nullptr;
+    }
+    uint4 q[NS][R][NU];
+#pragma unroll
+    for (int s = 0; s < NS; ++s)
+        if (ok[s]) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i));
+        }
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        if (ok[s]) {
+            const float4 * hv = reinterpret_cast<const float4 *>(hbuf + int64_t(wd + k_bdn_warps * s) * c.d_ff) + 2 * lane;
+#pragma unroll
+            for (int i = 0; i < NU; ++i) {
+                const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[s][r][i], x0, x1);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) part[wd + k_bdn_warps * s][r] = acc[r];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        float o = 0.0f;
+        for (int jj = 0; jj < k; ++jj) {
+            const int32_t e = ids[jj];
+            const float v = (e >= 0 && e < E) ? part[jj][threadIdx.x] : 0.0f;
+            o += w[jj] * v;
+        }
+        y[r0 + int(threadIdx.x)] = o;
+    }
+}
+
+template <int NU>
+void launch_bf16_gate_up(const float * x, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E, const dexperts_cfg & c,
+                         float * hbuf, int * err, cudaStream_t st) {
+    launch_k(k_moe_bf16_gate_up_d1<NU>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(k)), k_bgu_warps * 32, 0, st, x, ids, ex,
+             E, c, hbuf, err);
+}
+
+template <int NU, int R, int NS, int MINB>
+void launch_bf16_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
+                      const dexperts_cfg & c, float * y, cudaStream_t st) {
+    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB>, unsigned(c.d_out / R), k_bdn_warps * 32, 0, st, hbuf, ids, w, int(k), ex, E,
+             c, y);
+}
+
+// Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
+// (k <= 8), 3 = R 2 / NS 2 / 1 block per SM (k <= 16); 0: none.
+int down_form(int64_t k, int64_t d_out, int cfg) {
+    if (k <= k_bdn_warps) return (cfg == 0 && d_out % 3 == 0) ? 1 : d_out % 2 == 0 ? 2 : 0;
+    if (k <= 2 * k_bdn_warps) return d_out % 2 == 0 ? 3 : 0;
+    return 0;
+}
+
+template <int NU>
+void launch_bf16_down_nu(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
+                         const dexperts_cfg & c, float * y, cudaStream_t st, int form) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2>(hbuf, ids, w, k, ex, E, c, y, st);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3>(hbuf, ids, w, k, ex, E, c, y, st);
+    else launch_bf16_down<NU, 2, 2, 1>(hbuf, ids, w, k, ex, E, c, y, st);
+}
+
+} // namespace
+
+bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, int cfg) {
+    if (k < 1 || Din % 256 != 0 || c.d_ff % 256 != 0 || c.d_ff % k_bgu_warps != 0) return false;
+    const int64_t nu_gu = Din / 256, nu_dn = c.d_ff / 256;
+    if (nu_gu != 4 && nu_gu != 8 && nu_gu != 9) return false;
+    if (nu_dn != 4 && nu_dn != 8) return false;
+    // 32-bit offsets: rows * units of the largest matrix
+    if (c.d_ff * (Din / 8) >= (int64_t(1) << 31) || c.d_out * (c.d_ff / 8) >= (int64_t(1) << 31)) return false;
+    return down_form(k, c.d_out, cfg % 100 / 10) != 0;
+}
+
+bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+                            const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
+                            cudaStream_t st, int cfg) {
+    if (!moe_bf16_decode_supported(Din, k, c, cfg)) return false;
+    const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
+    if (stage != 2) {
+        switch (Din / 256) {
+            case 4: launch_bf16_gate_up<4>(x, ids, k, experts, E, c, hbuf, err, st); break;
+            case 8: launch_bf16_gate_up<8>(x, ids, k, experts, E, c, hbuf, err, st); break;
+            default: launch_bf16_gate_up<9>(x, ids, k, experts, E, c, hbuf, err, st); break;
+        }
+    }
+    if (stage != 1) {
+        const int form = down_form(k, c.d_out, cfg % 100 / 10);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4>(hbuf, ids, w, k, experts, E, c, y, st, form);
+        else launch_bf16_down_nu<8>(hbuf, ids, w, k, experts, E, c, y, st, form);
+    }
+    return true;
+}
+
+} // namespace perigee::cuda
