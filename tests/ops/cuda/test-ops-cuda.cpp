@@ -813,7 +813,8 @@ TEST(cuda_ops, attn_res_mix_cluster) {
                                             y2.data(), yc.size() * 4);
             EXPECT_TRUE(same);
             tally(same);
-            if (chunk == 0 && D == 7168) {   // the dispatch: with chunk 0 and the switch off, the split form runs
+            if (chunk == 0 && D == 7168 && n >= 9) {   // the dispatch: with chunk 0 and the switch off, the split form runs
+                // (its scores sum in another order: with 9+ candidates some output bit differs; with 1 the mix is the copy)
                 cuda_options split{true, 8};
                 split.attn_res_chunk = 0;
                 const auto ys = run_gpu(split);
