@@ -78,8 +78,8 @@ std::vector<std::vector<token_event>> run_alone(model_runner & r, const std::vec
     o.max_num_seqs = 1;
     o.max_model_len = 64;
     o.max_num_batched_tokens = 64;
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     std::vector<std::vector<token_event>> out;
     for (const auto & p : prompts) {
         const uint64_t id = e.submit(req(p, n, 0), c.cb());
@@ -101,8 +101,8 @@ TEST(engine, continuous_batching_gives_each_request_its_solo_tokens) {
     o.max_num_seqs = 4;
     o.max_model_len = 64;
     o.max_num_batched_tokens = 12;   // long prompts are chunked next to the decodes
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     std::vector<uint64_t> ids;
     for (const auto & p : prompts) ids.push_back(e.submit(req(p, 6, 0), c.cb()));
     expect_pools_free(e);
@@ -127,8 +127,8 @@ TEST(engine, preemption_by_recompute_gives_the_same_tokens) {
     o.max_model_len = 48;   // 3 pages of 16 per sequence
     o.n_pages = 5;          // three sequences need up to 9: someone must be preempted
     o.max_num_batched_tokens = 64;
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     std::vector<uint64_t> ids;
     for (const auto & p : prompts) ids.push_back(e.submit(req(p, 20, 0), c.cb()));
     expect_pools_free(e);
@@ -147,8 +147,8 @@ TEST(engine, concurrent_submits_from_several_threads) {
     o.max_num_seqs = 4;
     o.max_model_len = 64;
     o.max_num_batched_tokens = 32;
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     std::mutex idm;
     std::vector<std::pair<int, uint64_t>> ids;   // (prompt kind, id)
     std::vector<std::thread> th;
@@ -184,8 +184,8 @@ TEST(engine, cancel_while_queued_prefilling_decoding_frees_everything) {
     o.max_num_seqs = 2;
     o.max_model_len = 64;
     o.max_num_batched_tokens = 8;   // P's 40-token prompt takes 5+ steps
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     std::atomic<uint64_t> d_id{0}, p_id{0}, q_id{0};
     std::atomic<int> running_at_cancel{-1};
     std::atomic<size_t> p_events_at_cancel{99};
@@ -234,8 +234,8 @@ TEST(engine, nan_in_one_sequence_fails_only_that_request) {
     engine_options o;
     o.max_num_seqs = 2;
     o.max_model_len = 64;
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     std::atomic<int> poisoned{0};
     // Poison B's row (slot 1) on its third sampled token.
     r.logits_hook = [&](const batch & b, tensor & rows) {
@@ -309,8 +309,8 @@ TEST(engine, submit_validates_and_names_the_field) {
     o.max_num_seqs = 1;
     o.max_model_len = 32;
     o.max_queue = 1;
+    collector c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    collector c;
     auto msg = [&](request q) {
         try {
             e.submit(std::move(q), c.cb());

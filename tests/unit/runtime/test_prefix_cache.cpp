@@ -653,8 +653,8 @@ TEST_P(prefix_model, engine_hit_gives_the_cold_tokens_and_logprobs) {
     std::vector<int32_t> cold_tok, nocache_tok;
     std::vector<float> cold_lp;
     {
+        events c;   // before the engine: destroyed after it (an engine still stopping may call back)
         engine e(r, o);   // caching off
-        events c;
         const uint64_t id = e.submit(greedy(b, 5), c.cb());
         ASSERT_TRUE(e.wait_idle(300));
         nocache_tok = c.tokens(id);
@@ -664,8 +664,8 @@ TEST_P(prefix_model, engine_hit_gives_the_cold_tokens_and_logprobs) {
     o.prefix_snapshots = 4;
     o.prefix_snapshot_interval = 2;   // the cold run of b is then chunked 32 | 16 | 4, like the hit (32 +) 16 | 4
     {
+        events c;   // before the engine: destroyed after it (an engine still stopping may call back)
         engine e(r, o);   // caching on, cold
-        events c;
         const uint64_t id = e.submit(greedy(b, 5), c.cb());
         ASSERT_TRUE(e.wait_idle(300));
         cold_tok = c.tokens(id);
@@ -673,8 +673,8 @@ TEST_P(prefix_model, engine_hit_gives_the_cold_tokens_and_logprobs) {
         EXPECT_EQ(e.stats().prefix_hits, 0u);
     }
     EXPECT_EQ(cold_tok, nocache_tok);
+    events c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    events c;
     (void)e.submit(greedy(a, 3), c.cb());
     ASSERT_TRUE(e.wait_idle(300));
     const uint64_t id = e.submit(greedy(b, 5), c.cb());
@@ -710,8 +710,8 @@ TEST_P(prefix_model, engine_random_events_return_to_baseline) {
     o.n_pages = 6;   // three sequences of up to 4 pages: preemption happens
     std::map<size_t, std::vector<int32_t>> ref;
     {
+        events c;   // before the engine: destroyed after it (an engine still stopping may call back)
         engine e(r, o);   // references, caching off, one at a time
-        events c;
         for (size_t i = 0; i < prompts.size(); ++i) {
             const uint64_t id = e.submit(greedy(prompts[i], 4), c.cb());
             ASSERT_TRUE(e.wait_idle(300));
@@ -720,8 +720,8 @@ TEST_P(prefix_model, engine_random_events_return_to_baseline) {
     }
     o.enable_prefix_caching = true;
     o.prefix_snapshots = 3;
+    events c;   // before the engine: destroyed after it (an engine still stopping may call back)
     engine e(r, o);
-    events c;
     std::vector<std::pair<uint64_t, size_t>> ids;
     const int n_events = GetParam() == "kimi-linear-tiny" ? 1000 : 300;   // k3-tiny steps cost ~5x more
     for (int ev = 0; ev < n_events; ++ev) {

@@ -193,10 +193,10 @@ TEST(sample_rows, engine_backend_sampling_branch_equals_host_sampler) {
         engine_options eo;
         eo.max_num_seqs = 4;
         eo.max_model_len = 64;
-        engine e(r, eo);
-        std::mutex mu;
+        std::mutex mu;   // declared before the engine: destroyed after it (an engine still stopping may call back)
         std::map<uint64_t, std::vector<int32_t>> got;
         std::vector<uint64_t> ids;
+        engine e(r, eo);
         for (int q = 0; q < 4; ++q) {
             request rq;
             rq.prompt = {1, 5, 9, int32_t(20 + q)};
