@@ -206,7 +206,18 @@ struct dmoe_opts {
     int mma_large_tokens = 0;      //   (the tensor-core threshold of prefill-sized steps)
     bool dec_v5 = false;    // T == 1, MXFP4: the v5 kernels (fp16 tensor cores; precedes dec_v4)
     int v5_cfg = 0;         // benchmarks: v5 kernel forms and stages (moe.cu launch_v5_one); 0 = the defaults
+    bool dec_bf16 = false;  // T == 1, BF16, shapes of moe_bf16_decode_supported: moe-bf16-decode.cu (precedes dec_v4)
+    int bf16_cfg = 0;       // benchmarks: launch_moe_bf16_decode's cfg; 0 = the defaults
 };
+// moe-bf16-decode.cu: the BF16 decode pair (T == 1; gate/up one warp per (slot, row); down + combine, y bit for bit v4's).
+// Shapes: Din and d_ff 256 NU with NU in {4, 8, 9} (gate/up) / {4, 8} (down), k <= 16, d_out a multiple of 2 (or of 3,
+// k <= 8). cfg: ones digit 1 = gate/up alone, 2 = down + combine alone (benchmarks); tens digit 1 = down R 2 at 3 blocks
+// per SM instead of R 3 at 2.
+bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, int cfg = 0);
+// False (nothing launched) when the shape is not supported. hbuf: k * d_ff floats.
+bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+                            const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
+                            cudaStream_t st, int cfg = 0);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,
@@ -230,6 +241,12 @@ cudaError_t launch_attn_res_mix(const cand_ptrs & cands, int64_t n, int64_t R, i
 int64_t attn_res_chunk_parts(int64_t n, int64_t R, int64_t D, int64_t chunk);
 cudaError_t launch_attn_res_mix_chunked(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
                                         dweight proj_w, float eps, int64_t chunk, float * part, float * y, cudaStream_t st);
+// The one-launch form (cuda_options::attn_res_cluster): grid (ceil(D / chunk) <= 8 column blocks, R), a thread-block
+// cluster per row; scores from the cluster's chunk partials through distributed shared memory (bit for bit the chunked
+// form's at the same chunk; chunk grows to ceil(D / 8) rounded up to 4 where D needs more than 8 blocks). D % 4 == 0,
+// candidates and y 16-byte aligned; no scratch.
+cudaError_t launch_attn_res_mix_cluster(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
+                                        dweight proj_w, float eps, int64_t chunk, float * y, cudaStream_t st);
 
 // ---- guard.cu (debug sentinels) ----
 cudaError_t launch_fill_u32(uint32_t * p, int64_t n, uint32_t v, cudaStream_t st);

@@ -1934,6 +1934,8 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
             launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
         return cudaGetLastError();
     }
+    if (one && o.dec_bf16 && vfmt == 1 && launch_moe_bf16_decode(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg))
+        return cudaGetLastError();   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below
     if (one && o.dec_v4 && (vfmt == 1 || vfmt == 2) && k <= 32) {   // 2 launches (v4: gate/up per slot, down + combine)
         if (vfmt == 1) launch_v4_one<1>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
         else launch_v4_one<2>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
