@@ -345,7 +345,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "pdl") co.pdl = v != 0;
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;
-        else if (k == "moe_decode_v7") co.moe_decode_v7 = v != 0;
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
@@ -355,7 +354,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_route_fused_radix") co.moe_route_fused_radix = v != 0;
         else if (k == "attn_res_chunk") co.attn_res_chunk = v;
         else if (k == "attn_res_split") co.attn_res_split = v != 0;
-        else if (k == "attn_res_cluster") co.attn_res_cluster = v != 0;
         else if (k == "linear_group") co.linear_group = v != 0;
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
         else if (k == "mla_decode_v3") co.mla_decode_v3 = v != 0;

@@ -140,17 +140,14 @@ struct cuda_options {
     // CPU parity, invalid ids flagged; bench_decode_k3_experts node 159.4 -> 132.3 us (41% -> 50% of copy: gate/up 94.9 ->
     // 83.9, down+combine 65.1 -> 46.2); k3-layers-4 B=1 graph step 2.712 -> 2.653 ms. On.
     bool moe_decode_v6 = true;
-    // With moe_decode_v6 (same shapes): the v7 kernels (moe.cu "Decode v7"): v6 with each warp's weight units and scale
-    // words in a shared-memory ring filled by cp.async instead of registers (gate/up 3 stages at 3 blocks/SM: 2 steps in
-    // flight per warp instead of 1; down 4 stages at 4), y bit for bit v6's. Off until its H200 run (predicted K3 expert
-    // node 132 -> ~105 us).
-    bool moe_decode_v7 = false;
     // MOE_EXPERTS grouped, T == 1, BF16 experts (Kimi-Linear-48B) in the shapes of cuda::moe_bf16_decode_supported: the
     // moe-bf16-decode.cu pair (gate/up: one warp per (slot, row), all of the lane's units of both rows in flight in one
     // pass, no bounds, L1::no_allocate; down + combine: v4's slots-on-warps block with 3 rows per block, 2.91 waves
-    // instead of 4.36), y bit for bit v4's. Precedes moe_decode_v4. Off until its H200 run (prediction, 48B geometry in
-    // isolation: gate/up 24.9 -> ~20 us, down + combine 14.6 -> ~11.5 us; 48B step ~-0.15 ms).
-    bool moe_decode_bf16 = false;
+    // instead of 4.36), y bit for bit v4's. Precedes moe_decode_v4. Predicted (48B geometry, isolated): gate/up 24.9 ->
+    // ~20 us, down + combine 14.6 -> ~11.5 us; 48B step ~-0.15 ms. Measured (session 4 call H, H200): decode_bf16_t1 /
+    // _direct y bitwise v4's, CPU parity, graph replay = eager, memcheck 0 / racecheck 0; node 38.8 -> 31.3 us (68% -> 84%
+    // of copy; gate/up alone 19.8 us = 89%, down + combine 11.8 us); 48B B=1 graph step 2.890 -> 2.789 ms. On.
+    bool moe_decode_bf16 = true;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).
@@ -267,12 +264,6 @@ struct cuda_options {
     // (row, candidate) walking all D columns: ~24 us per mix at K3's D = 7168 with 2 blocks, Nsight Compute 2026-11-30).
     // 1024 by prediction (k3 ATTN_RES_MIX x8 0.20 -> ~0.06 ms per step); the H200 run decides.
     int attn_res_chunk = 1024;
-    // ATTN_RES_MIX below attn_res_prefill_tokens (decode), D % 4 == 0 and 16-byte aligned: ONE launch per mix
-    // (attn-res.cu k_attn_res_mix_cluster: a thread-block cluster of the row's ceil(D / attn_res_chunk) <= 8 column
-    // blocks; chunk partials shared through distributed shared memory, then each block mixes its own columns), bit for
-    // bit the chunked form at the same chunk. false: the chunked form (two launches). Off until its H200 run (prediction:
-    // k3 ATTN_RES_MIX ~13.6 -> ~4 us per mix, k3-layers-4 step -0.07 ms).
-    bool attn_res_cluster = false;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

@@ -1198,7 +1198,7 @@ private:
                                                                                    opt_.moe_mma_large_step,
                                                                                    opt_.moe_mma_large_tokens,
                                                                                    opt_.moe_decode_v5,
-                                                                                   opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 : 1000) : 0,
+                                                                                   opt_.moe_decode_v6 ? 1000 : 0,
                                                                                    opt_.moe_decode_bf16}));
                     break;
                 }
@@ -1221,11 +1221,6 @@ private:
                     float * scr = static_cast<float *>(alloc(size_t(D + xn / D * int64_t(nc)) * 4));
                     PG_CUDA_CHECK(cuda::launch_attn_res_mix_prefill(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps,
                                                                     scr, y, st_));
-                    break;
-                }
-                if (opt_.attn_res_cluster && ar_aligned) {   // decode, one launch: a cluster of column blocks per row
-                    PG_CUDA_CHECK(cuda::launch_attn_res_mix_cluster(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps,
-                                                                    opt_.attn_res_chunk, y, st_));
                     break;
                 }
                 if (opt_.attn_res_chunk > 0 && ar_aligned) {   // decode: scores from column-chunk partials

@@ -1595,97 +1595,6 @@ __device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uin
         }
 }
 
-// ---- Decode v7 (v5_cfg 1000s digit 2, cuda_options::moe_decode_v7): v6's kernels with the weight stream in a shared-memory
-// ring filled by cp.async instead of registers. Why: v6's gate/up runs one wave of 3 blocks/SM (80 registers) with ONE step
-// (2 KB per warp) in flight ahead of the one computed: 48 KB per SM, DRAM 41%, the top stall a long scoreboard (v5 profile,
-// session 4: 55% of the cycles). More steps in registers cost registers and hence blocks (v6 gu2: PD 2 at 2 blocks/SM is
-// 1.45 waves, 143.7 us). cp.async (LDGSTS) puts the bytes in flight without holding registers: each lane copies its own
-// four 16-byte units and four scale words of a step into its own slots of its warp's ring (S stages), waits for its oldest
-// group and reads the step back with conflict-free 16-byte shared loads (lane-contiguous). No lane reads another lane's
-// slots, so no barrier is needed beyond cp.async.wait_group. Gate/up: S = 3 at 3 blocks/SM (2 steps = 96 KB per SM in
-// flight; 75.8 KB shared per block); down: S = 4 at 4 blocks/SM (3 steps in flight; 53.3 KB per block). The scale bytes
-// arrive with their step (a 4-byte word of units 4s..4s+3 of the row, cp.async.ca; the lane takes byte t), off the
-// critical path. The arithmetic (v6_group on the same values, the same step order) is v6's: y is v6's (= v5's) bit for bit.
-// Scale rows not 4-byte aligned (nu % 4 == 0 holds; the base pointer is checked per block): synchronous byte loads into the
-// same slots.
-__device__ __forceinline__ uint32_t v7_sa(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void v7_cp16(uint32_t dst, const void * src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void v7_cp4(uint32_t dst, const void * src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void v7_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void v7_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Bytes of one ring stage per warp: NM x 2 rows x 32 lanes x (16 weight bytes + 4 scale bytes).
-template <int NM> constexpr int v7_stage_bytes() { return NM * 2 * 32 * 20; }
-// Dynamic shared memory of a v7 block: x staging (v5_smem(K), a multiple of 16 for K % 128 == 0) + 8 warps' rings.
-template <int NM, int S> size_t v7_smem(int64_t K) { return v5_smem(K) + size_t(k_v5_warps) * S * v7_stage_bytes<NM>(); }
-
-// v6_rows with the steps staged through the warp's ring (ring: this warp's S stages). Same acc, same order.
-template <int NM, int S, typename STAGE>
-__device__ __forceinline__ void v7_rows(const v6_lane<NM> & p, bool sc_al, int ns, const uint32_t * xl, unsigned char * ring,
-                                        STAGE stage, float (&acc)[NM][2]) {
-    static_assert(S >= 2, "v7 ring needs 2 stages at least");
-    constexpr int SB = v7_stage_bytes<NM>();
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bool act = (g >> 1) == t;
-    uint4 xb = make_uint4(0, 0, 0, 0);
-    unsigned char * qp = ring + lane * 16;                // + slot SB + (2 m + h) 512
-    unsigned char * sp = ring + NM * 1024 + lane * 4;     // + slot SB + (2 m + h) 128
-    const uint32_t qa = v7_sa(qp), sa = v7_sa(sp);
-    auto issue = [&](int slot, int s) {
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int o = slot * SB + (2 * m + h) * 512, os = slot * SB + (2 * m + h) * 128;
-                v7_cp16(qa + o, p.q[m] + (h ? p.rs : 0) + 4 * s);
-                const uint8_t * b = p.sc[m] + (h ? p.rs : 0) + 4 * s;   // byte t of the word at b - t
-                if (sc_al) v7_cp4(sa + os, b - t);
-                else *reinterpret_cast<uint32_t *>(sp + os) = uint32_t(__ldg(b)) << (8 * t);
-            }
-    };
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) {
-        if (i < ns) issue(i, i);
-        v7_commit();
-    }
-    const int e = stage();
-#pragma unroll
-    for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.0f;
-    for (int s0 = 0; s0 < ns; s0 += S) {
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-            const int s = s0 + i;
-            if (s + S - 1 < ns) issue((i + S - 1) % S, s + S - 1);
-            v7_commit();          // empty groups past the end keep the count uniform
-            v7_wait<S - 1>();     // step s's group (this lane's copies) has landed
-            if (s < ns) {
-                v5_buf<NM, 1> b;
-#pragma unroll
-                for (int m = 0; m < NM; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        b.q[m][h][0] = *reinterpret_cast<const uint4 *>(qp + i * SB + (2 * m + h) * 512);
-                        b.sc[m][h][0] = (*reinterpret_cast<const uint32_t *>(sp + i * SB + (2 * m + h) * 128) >> (8 * t)) & 0xffu;
-                    }
-                v6_group<NM>(b, xl + 64 * s, act, xb, acc);
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float v = acc[m][h];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            acc[m][h] = ldexpf(v, -e);
-        }
-}
-
 // The lane's streams for rows row_g, row_g + 8 of NM matrices with nu units per row, and its B pointer into xs.
 template <int NM>
 __device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint8_t * const * base, const uint8_t * const * scl,
@@ -1701,8 +1610,8 @@ __device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint
 }
 
 // hbuf [k, F] for T == 1: grid (F / 128, k), F and Din multiples of 128; dynamic shared v5_smem(Din). Block (0, 0) zeroes
-// the n_cnt combine counters of the down kernel that follows. RING > 0: v7 (a ring of RING stages after x, v7_smem<2, RING>).
-template <int PD, int MINB, int RING = 0>
+// the n_cnt combine counters of the down kernel that follows.
+template <int PD, int MINB>
 __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const float * __restrict__ x, int64_t Din,
                                                                       const int32_t * __restrict__ ids,
                                                                       const dexpert * __restrict__ ex, int64_t E,
@@ -1726,15 +1635,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const 
     v6_lane<2> p;
     const uint32_t * xl = v6_setup<2>(p, base, scl, row_g, Din / 32, xs_hi, xs_lo);
     float acc[2][2];
-    if constexpr (RING > 0) {
-        unsigned char * ring = reinterpret_cast<unsigned char *>(xs_v5) + (Din + k_v5_lo_pad) * 4 +   // after x: v5_smem(Din)
-                               
-                               size_t(threadIdx.x >> 5) * RING * v7_stage_bytes<2>();
-        const bool al = ((reinterpret_cast<uintptr_t>(scl[0]) | reinterpret_cast<uintptr_t>(scl[1])) & 3) == 0;
-        v7_rows<2, RING>(p, al, int(Din / 128), xl, ring, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
-    } else {
-        v6_rows<2, PD>(p, int(Din / 128), xl, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
-    }
+    v6_rows<2, PD>(p, int(Din / 128), xl, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -1748,8 +1649,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const 
 // ybuf [k, Dout] = down_{ids[j]} h_j (unweighted), then y = sum_j w_j ybuf_j by the last block of each 128-row tile:
 // grid (Dout / 128, k), Dout and F multiples of 128; dynamic shared v5_smem(F); cnt [Dout / 128] zeroed by the gate/up
 // kernel. A slot with an invalid id writes nothing and contributes 0 (as k_moe_combine_g), but its block still counts.
-// RING > 0: v7 (a ring of RING stages after x, v7_smem<1, RING>).
-template <int PD, int MINB, int RING = 0>
+template <int PD, int MINB>
 __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(const float * __restrict__ hbuf,
                                                                         const int32_t * __restrict__ ids,
                                                                         const dexpert * __restrict__ ex, int64_t E,
@@ -1772,15 +1672,7 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(cons
         v6_lane<1> p;
         const uint32_t * xl = v6_setup<1>(p, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
         float acc[1][2];
-        if constexpr (RING > 0) {
-            unsigned char * ring = reinterpret_cast<unsigned char *>(xs_v5) + (c.d_ff + k_v5_lo_pad) * 4 +   // v5_smem(d_ff)
-                                   
-                                   size_t(threadIdx.x >> 5) * RING * v7_stage_bytes<1>();
-            const bool al = (reinterpret_cast<uintptr_t>(scl[0]) & 3) == 0;
-            v7_rows<1, RING>(p, al, int(c.d_ff / 128), xl, ring, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); }, acc);
-        } else {
-            v6_rows<1, PD>(p, int(c.d_ff / 128), xl, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); }, acc);
-        }
+        v6_rows<1, PD>(p, int(c.d_ff / 128), xl, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); }, acc);
         if ((threadIdx.x & 3) == 0) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) ybuf[int64_t(j) * Dout + row_g + 8 * hh] = acc[0][hh];
@@ -1815,44 +1707,9 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(cons
     }
 }
 
-// v7's kernels use more than the default 48 KB of dynamic shared memory: opt in once per instantiation (up to 227 KB, the
-// sm_90 maximum; the launch's own bytes decide the occupancy) and prefer the largest shared carveout (3 blocks x 75.8 KB).
-template <typename KERN>
-void v7_opt_in(KERN k, bool & done) {
-    if (done) return;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
-    cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-    done = true;
-}
-template <int PD, int MINB, int RING>
-void launch_gate_up_v67(dim3 grid, const float * x, int64_t Din, const int32_t * ids, const dexpert * experts, int64_t E,
-                        const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
-    size_t smem = v5_smem(Din);
-    if constexpr (RING > 0) {
-        static bool done = false;
-        v7_opt_in(k_moe_gate_up_v6<PD, MINB, RING>, done);
-        smem = v7_smem<2, RING>(Din);
-    }
-    launch_k(k_moe_gate_up_v6<PD, MINB, RING>, grid, k_v5_warps * 32, smem, st, x, Din, ids, experts, E, c, hbuf, err, cnt,
-             n_cnt);
-}
-template <int PD, int MINB, int RING>
-void launch_down_v67(dim3 grid, const float * hb, const int32_t * ids, const dexpert * experts, int64_t E, const dexperts_cfg & c,
-                     float * ybuf, const float * w, int64_t k, int * cnt, float * y, cudaStream_t st) {
-    size_t smem = v5_smem(c.d_ff);
-    if constexpr (RING > 0) {
-        static bool done = false;
-        v7_opt_in(k_moe_down_comb_v6<PD, MINB, RING>, done);
-        smem = v7_smem<1, RING>(c.d_ff);
-    }
-    launch_k(k_moe_down_comb_v6<PD, MINB, RING>, grid, k_v5_warps * 32, smem, st, hb, ids, experts, E, c, ybuf, w, k, cnt, y);
-}
-
 // v6 when every bound holds (else v5): Din, d_ff, d_out multiples of 128, the Dout / 128 counters fit in gw (n_gw ints).
 // Forms (cfg / 100 % 10, cfg / 10 % 10 as v5's digits): gate/up 0/1 = PD 1 at 3 blocks/SM, 2 = PD 2 at 2; down 0/1 = PD 2
 // at 4, 2 = PD 3 at 2, 4 = PD 2 at 3. Stages (cfg % 10): 0 both, 1 gate/up only, 2 down (+ combine) only.
-// cfg / 1000 % 10 == 2: v7 (the cp.async ring); forms: gate/up 0/1 = ring 3 at 3 blocks/SM, 2 = ring 2 at 3, 3 = ring 4 at
-// 2, 9 = v6's (PD 1 at 3); down 0/1 = ring 4 at 4, 2 = ring 3 at 4, 3 = ring 5 at 3, 9 = v6's (PD 2 at 4).
 bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
                    int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int32_t * gw, int64_t n_gw,
                    int * err, cudaStream_t st, int cfg) {
@@ -1860,23 +1717,6 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || tiles > n_gw || k < 1 || k > 65535) return false;
     const int gu = cfg / 100 % 10, dn = cfg / 10 % 10, stages = cfg % 10;
     int * cnt = reinterpret_cast<int *>(gw);
-    if (cfg / 1000 % 10 == 2) {
-        if (stages != 2) {
-            const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
-            if (gu == 2) launch_gate_up_v67<1, 3, 2>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
-            else if (gu == 3) launch_gate_up_v67<1, 2, 4>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
-            else if (gu == 9) launch_gate_up_v67<1, 3, 0>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
-            else launch_gate_up_v67<1, 3, 3>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
-        }
-        if (stages != 1) {
-            const dim3 grid{unsigned(tiles), unsigned(k)};
-            if (dn == 2) launch_down_v67<2, 4, 3>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-            else if (dn == 3) launch_down_v67<2, 3, 5>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-            else if (dn == 9) launch_down_v67<2, 4, 0>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-            else launch_down_v67<2, 4, 4>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-        }
-        return true;
-    }
     if (stages != 2) {
         const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
         if (gu == 2)
@@ -1927,9 +1767,8 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     float * ybuf = scratch + S * c.d_ff;
     const bool one = T == 1;
     if (one && o.dec_v5 && vfmt == 2 && Din <= k_v5_max_k && c.d_ff <= k_v5_max_k) {   // 3 launches (v5: fp16 tensor cores)
-        // v5_cfg's 1000s digit 1: the v6 kernels (cuda_options::moe_decode_v6) where their bounds hold, else v5; 2: v7
-        // (v6 with the cp.async ring, cuda_options::moe_decode_v7), same bounds.
-        if ((o.v5_cfg / 1000 % 10 != 1 && o.v5_cfg / 1000 % 10 != 2) ||
+        // v5_cfg's 1000s digit 1: the v6 kernels (cuda_options::moe_decode_v6) where their bounds hold, else v5.
+        if (o.v5_cfg / 1000 % 10 != 1 ||
             !launch_v6_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E), err, st, o.v5_cfg))
             launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
         return cudaGetLastError();

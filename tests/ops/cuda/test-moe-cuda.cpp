@@ -575,11 +575,8 @@ TEST(cuda_moe, decode_v5_t1) {
 // 2048 x 1056 (v5 runs: equal trivially). Checks: ids exact and y at the f32 tolerance vs the CPU; y bitwise v5's; three
 // graph replays bitwise the eager run (the combine counters are re-zeroed by every gate/up launch). Controls that must FAIL: the bitwise comparator on v6's y with one element's lowest bit flipped; two
 // experts' weights swapped vs the CPU at the f32 tolerance; the comparator family (10x perturbation, negative threshold).
-// v7 (decode_v7_t1, cuda_options::moe_decode_v7): the same checks with v7 in v6's place and v6 as the bitwise reference
-// (v7 is v6's arithmetic with the weights staged through a cp.async ring: y must be v6's bit for bit).
-void decode_v67_t1(bool v7) {
-    const char * ver = v7 ? "v7" : "v6";
-    const char * ref_ver = v7 ? "v6" : "v5";
+TEST(cuda_moe, decode_v6_t1) {
+    NEED_GPU();
     struct shape { int D, F, E, k, act, s_lo, s_hi; float xscale; bool v6; };
     const shape shapes[] = {{3584, 3072, 18, 16, 1, 118, 121, 1.0f, true}, {1024, 2560, 8, 5, 1, 116, 122, 3e-5f, true},
                             {640, 512, 12, 4, 0, 100, 140, 4e3f, true},      {1024, 1024, 6, 1, 0, 116, 122, 1.0f, true},
@@ -591,19 +588,17 @@ void decode_v67_t1(bool v7) {
         const uint32_t seed = 16000 + uint32_t(sh.D) + uint32_t(sh.F) + uint32_t(sh.k);
         auto mc = moe_graph(1, 1, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale);
         graph & g = mc->g;
-        const std::string nm = fmt::format("moe-{}/D{}/F{}/k{}/x{}{}", ver, sh.D, sh.F, sh.k, sh.xscale, sh.v6 ? "" : "/v5-fallback");
+        const std::string nm = fmt::format("moe-v6/D{}/F{}/k{}/x{}{}", sh.D, sh.F, sh.k, sh.xscale, sh.v6 ? "" : "/v5-fallback");
         const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
         cuda_options v6{true, 8};
         v6.moe_decode_v5 = true;
         v6.moe_decode_v6 = true;
-        v6.moe_decode_v7 = v7;
         EXPECT_TRUE(parity(nm, g, oc, v6)) << nm;
-        cuda_options v5 = v6;   // the bitwise reference: v5 for v6, v6 for v7
-        if (v7) v5.moe_decode_v7 = false;
-        else v5.moe_decode_v6 = false;
+        cuda_options v5 = v6;
+        v5.moe_decode_v6 = false;
         const auto got6 = run_cuda(g, mc->y, v6), got5 = run_cuda(g, mc->y, v5);
         const bool same = bitwise(got6, got5);
-        std::printf("[%s/%s-vs-%s] %s\n", nm.c_str(), ver, ref_ver, same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        std::printf("[%s/v6-vs-v5] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
         EXPECT_TRUE(same) << nm;
         tally(same);
         {   // control: the bitwise comparator must see a one-ulp change
@@ -647,25 +642,10 @@ void decode_v67_t1(bool v7) {
     }
 }
 
-TEST(cuda_moe, decode_v6_t1) {
-    NEED_GPU();
-    decode_v67_t1(false);
-}
-
-TEST(cuda_moe, decode_v7_t1) {
-    NEED_GPU();
-    decode_v67_t1(true);
-}
-
 // Decode v6 with invalid expert ids (-1 and E) among the slots, straight through launch_moe_experts_grouped (the router
 // never emits them; the kernels must still finish, flag ERR_EXPERT_ID and give the invalid slots 0): v6's fused combine
 // counts the invalid slots' blocks too. y must be v5's (3 launches, k_moe_combine_g) bit for bit, on 3 repeated launches
 // (counters re-zeroed each time). Control that must FAIL: the same comparator against y with all ids valid.
-// v7 (v5_cfg 2xyz, cuda_options::moe_decode_v7): every ring form (gate/up rings 3 / 2 / 4 and v6's; down rings 4 / 3 / 5
-// and v6's) with the invalid ids, bitwise v5's and flagged; and v7's fallback for scale rows that are not 4-byte aligned
-// (synchronous byte loads instead of the 4-byte cp.async): a second expert table with the same values, every scale array
-// one byte past an aligned address, must give the same y bit for bit. Its control that must FAIL: that misaligned table
-// with expert 3's gate scales from another seed (the fallback must read the scales it is given).
 TEST(cuda_moe, decode_v6_invalid_ids) {
     NEED_GPU();
     const int64_t D = 1024, F = 1024, E = 8, k = 4;
@@ -678,12 +658,12 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
         allocs.push_back(p);
         return p;
     };
-    auto mat = [&](int64_t out, int64_t in, uint64_t seed, int sc_off = 0, uint64_t sc_seed = 0) {
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
         cuda::dexpert_matrix m;
         auto * p = static_cast<uint8_t *>(dalloc(size_t(out * in / 2)));
-        auto * sc = static_cast<uint8_t *>(dalloc(size_t(out * in / 32) + 4)) + sc_off;   // sc_off 1: misaligned rows
+        auto * sc = static_cast<uint8_t *>(dalloc(size_t(out * in / 32)));
         EXPECT_EQ(cuda::launch_fill_random(p, out * in / 2, 3, seed, 0.0f, 255.0f, st), cudaSuccess);
-        EXPECT_EQ(cuda::launch_fill_random(sc, out * in / 32, 3, sc_seed ? sc_seed : seed + 1, 118.0f, 121.0f, st), cudaSuccess);
+        EXPECT_EQ(cuda::launch_fill_random(sc, out * in / 32, 3, seed + 1, 118.0f, 121.0f, st), cudaSuccess);
         m.packed = p;
         m.scale = sc;
         m.fmt = 1;
@@ -694,18 +674,6 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 500 + 10 * e), mat(F, D, 503 + 10 * e), mat(D, F, 506 + 10 * e)};
     auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
-    // The same experts with every scale array one byte off alignment (v7's byte fallback), and that table with expert 3's
-    // gate scales from another seed (the control).
-    std::vector<cuda::dexpert> hex_u(static_cast<size_t>(E)), hex_ub;
-    for (int64_t e = 0; e < E; ++e)
-        hex_u[size_t(e)] = {mat(F, D, 500 + 10 * e, 1), mat(F, D, 503 + 10 * e, 1), mat(D, F, 506 + 10 * e, 1)};
-    hex_ub = hex_u;
-    hex_ub[3].gate = mat(F, D, 530, 1, 9999);
-    auto * dex_u = static_cast<cuda::dexpert *>(dalloc(hex_u.size() * sizeof(cuda::dexpert)));
-    auto * dex_ub = static_cast<cuda::dexpert *>(dalloc(hex_ub.size() * sizeof(cuda::dexpert)));
-    ASSERT_EQ(cudaMemcpyAsync(dex_u, hex_u.data(), hex_u.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(dex_ub, hex_ub.data(), hex_ub.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st),
-              cudaSuccess);
     auto * dids = static_cast<int32_t *>(dalloc(size_t(k) * 4));
     const std::vector<float> hw{0.4f, 0.3f, 0.2f, 0.1f};
     auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
@@ -719,7 +687,7 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 11, -1.0f, 1.0f, st), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(gw, 0x7f, size_t(cuda::moe_group_ints(1, k, E)) * 4, st), cudaSuccess);   // garbage counters
     const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
-    auto run = [&](const std::vector<int32_t> & ids, int v5cfg, int & flag, const cuda::dexpert * table = nullptr) {
+    auto run = [&](const std::vector<int32_t> & ids, int v5cfg, int & flag) {
         cuda::dmoe_opts o;
         o.dec_v4 = o.dec_v5 = true;
         o.v5_cfg = v5cfg;
@@ -727,8 +695,7 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
         EXPECT_EQ(cudaMemcpyAsync(dids, ids.data(), size_t(k) * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(y, 0xff, size_t(D) * 4, st), cudaSuccess);   // NaN: an unwritten row shows
-        EXPECT_EQ(cuda::launch_moe_experts_grouped(2, dx, 1, D, dids, dw, k, table ? table : dex, E, cfg, scratch, gw, y, err, st, o),
-                  cudaSuccess);
+        EXPECT_EQ(cuda::launch_moe_experts_grouped(2, dx, 1, D, dids, dw, k, dex, E, cfg, scratch, gw, y, err, st, o), cudaSuccess);
         EXPECT_EQ(cudaMemcpyAsync(out.data(), y, out.size() * 4, cudaMemcpyDeviceToHost, st), cudaSuccess);
         int herr[16] = {};
         EXPECT_EQ(cudaMemcpyAsync(herr, err, sizeof(herr), cudaMemcpyDeviceToHost, st), cudaSuccess);
@@ -762,29 +729,6 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     EXPECT_FALSE(wrong);
     EXPECT_EQ(fg, 0) << "valid ids flagged";
     tally(!wrong);
-    for (int v7cfg : {2000, 2200, 2300, 2900, 2020, 2030, 2090, 2990}) {
-        int f7 = 0;
-        const auto y7 = run(bad_ids, v7cfg, f7);
-        const bool same = bitwise(y5, y7);
-        std::printf("[moe-v7/invalid-ids/cfg%d] flag %d, y %s\n", v7cfg, f7, same ? "bitwise v5's: PASS" : "DIFFERS from v5: FAIL");
-        EXPECT_NE(f7, 0) << "v7 cfg " << v7cfg << " did not flag the invalid ids";
-        EXPECT_TRUE(same) << "v7 cfg " << v7cfg;
-        tally(same && f7 != 0);
-    }
-    {   // misaligned scale rows: v7's byte fallback, same values -> same y as the aligned table
-        int fu = 0, fa = 0, fb = 0;
-        const auto ya = run(good_ids, 2000, fa), yu = run(good_ids, 2000, fu, dex_u), yb = run(good_ids, 2000, fb, dex_ub);
-        const auto y6 = run(good_ids, 1000, fa);
-        const bool same = bitwise(ya, yu) && bitwise(ya, y6) && fu == 0;
-        std::printf("[moe-v7/misaligned-scales] y %s\n", same ? "bitwise the aligned table's and v6's: PASS" : "DIFFERS: FAIL");
-        EXPECT_TRUE(same);
-        tally(same);
-        const bool caught = !bitwise(ya, yb);
-        std::printf("[moe-v7/misaligned-scales/control(expert 3's gate scales reseeded vs bitwise)] %s\n",
-                    caught ? "differs as required: PASS" : "NOT caught: FAIL");
-        EXPECT_TRUE(caught);
-        tally(caught);
-    }
     for (void * p : allocs) cudaFree(p);
     cudaStreamDestroy(st);
 }
@@ -794,7 +738,7 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
 // 16, so a set's 0.28 GB was last read 3 launches = 0.85 GB earlier: weights come from HBM, not the 50 MB L2). Per variant:
 // us per node, GB/s of the expert bytes read (packed + E8M0 scales) and % of the D2D copy rate measured here (bytes read +
 // written, as bench-cuda-decode). Variants: v2, v4 (the default before), v5 and its forms (moe.cu launch_v5_one cfg),
-// and v5's stages alone (gate/up; down + combine) for attribution; v6 and v7 (the cp.async ring, v5_cfg 2xyz) forms. MOE_BENCH_ITERS sets the launches per variant (200).
+// and v5's stages alone (gate/up; down + combine) for attribution. MOE_BENCH_ITERS sets the launches per variant (200).
 TEST(cuda_moe, bench_decode_k3_experts) {
     NEED_GPU();
     const int64_t D = 3584, F = 3072, k = 16, E = 64;
@@ -883,13 +827,7 @@ TEST(cuda_moe, bench_decode_k3_experts) {
                             {"v6", mk(false, true, 1000), all},       {"v6 gu2(PD2,2blk)", mk(false, true, 1200), all},
                             {"v6 dn2(PD3,2blk)", mk(false, true, 1020), all}, {"v6 dn4(PD2,3blk)", mk(false, true, 1040), all},
                             {"v6 gate/up only", mk(false, true, 1001), bytes_gu},
-                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn},
-                            {"v7", mk(false, true, 2000), all},       {"v7 gu2(ring2,3blk)", mk(false, true, 2200), all},
-                            {"v7 gu3(ring4,2blk)", mk(false, true, 2300), all}, {"v7 dn2(ring3,4blk)", mk(false, true, 2020), all},
-                            {"v7 dn3(ring5,3blk)", mk(false, true, 2030), all}, {"v7 gu=v6,dn=ring4", mk(false, true, 2900), all},
-                            {"v7 gu=ring3,dn=v6", mk(false, true, 2090), all},
-                            {"v7 gate/up only", mk(false, true, 2001), bytes_gu},
-                            {"v7 down+combine only", mk(false, true, 2002), bytes_dn}};
+                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn}};
     std::vector<float> y_v4;   // set 0's output by v4: every full variant must match it at the f32 tolerance
     for (const variant & v : vars) {
         auto launch = [&](int i) {
