@@ -358,6 +358,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
         else if (k == "mla_decode_v3") co.mla_decode_v3 = v != 0;
         else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
+        else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
         else if (k == "graph_decode") co.graph_decode = v != 0;
         else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = v != 0;
@@ -702,6 +703,14 @@ void dry_fusions(const graph & g) {
         n_launch += n.op != op_type::WEIGHT && n.op != op_type::STATE && n.op != op_type::IDS;
     }
     std::printf("  B=1 graph: %d launching nodes; %d LINEAR, %d RMS_NORM, %d ADD\n", n_launch, n_lin, n_norm, n_add);
+    {   // fuse_kda_decode over the defaults
+        cuda_options co;
+        const int saved0 = cuda_fuse::plan_fusions(g, co).launches_saved();
+        co.fuse_kda_decode = true;
+        const auto p = cuda_fuse::plan_fusions(g, co);
+        std::printf("  defaults + fuse_kda_decode: %d KDA decode tails folded, %d node launches (%d fewer than the defaults)\n",
+                    p.kda_decodes, n_launch - p.launches_saved(), p.launches_saved() - saved0);
+    }
     struct pass { const char * label; bool group, norm, add, conv = false, sig = false; };
     int base = -1;
     for (const pass & ps : {pass{"lin-1 (no grouping)", false, false, false}, pass{"linear_group (default)", true, false, false},

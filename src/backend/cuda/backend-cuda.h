@@ -218,6 +218,13 @@ struct cuda_options {
     // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). On (round 2: +fconv 48B
     // 4.646 -> 4.605 ms, k3 3.475 -> 3.469).
     bool fuse_conv_l2 = true;
+    // The KDA block's decode tail (at most 8 tokens, K = V = 128, conv width 4): the 3 short convs, q/k L2 norms, the
+    // f_b and g_b low-rank projections (BF16, rank <= 128), the gate, the delta-rule step and the gated norm as one
+    // launch per (head, sequence) at the gated norm's position (kda-fused-decode.cu, fuse-plan.h rule 7); 7-9 launches
+    // removed per KDA layer. Prediction (2026-11-30, session 5, before the first GPU run): those launches cost ~18-22 us per
+    // 48B KDA layer in the graph step, the fused one ~5 us: 48B step 2.79 -> ~2.50 ms (20 KDA layers), k3-layers-4 -0.03
+    // ms (3 layers, z from the full-rank g_proj). Off until the H200 run measures it (bench-cuda-decode --set fuse_kda_decode=1).
+    bool fuse_kda_decode = false;
     // SIGMOID over the output of a LINEAR on the GEMV path (the KDA beta): the GEMV epilogue writes sigmoid(y) too; the
     // SIGMOID launch is removed (fuse-plan.h). On (round 2: +fsig 48B 4.646 -> 4.599 ms, k3 3.475 -> 3.462).
     bool fuse_sigmoid = true;
@@ -302,6 +309,8 @@ public:
     virtual int fused_conv_l2s() const = 0;
     // SIGMOID launches the last run/capture folded into their LINEAR's GEMV epilogue (cuda_options::fuse_sigmoid).
     virtual int fused_sigmoids() const = 0;
+    // Fused KDA decode launches the last run/capture executed (cuda_options::fuse_kda_decode).
+    virtual int fused_kda_decodes() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

@@ -96,6 +96,11 @@ __device__ __forceinline__ float block_sum(float v) {
 __device__ __forceinline__ float sigmoid_d(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float silu_d(float x) { return x * sigmoid_d(x); }
 __device__ __forceinline__ float softplus_d(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+// g of one KDA channel (KDA_GATE): a = exp(A_log[h]), xb = f + dt_bias; lb < 0: the lower-bound gate lb * sigmoid(a xb)
+// (K3), else -a softplus(xb) (Kimi-Linear). kda.cu's gate kernel and kda-fused-decode.cu.
+__device__ __forceinline__ float kda_gate_value_d(float a, float xb, float lb) {
+    return lb < 0.0f ? lb * sigmoid_d(a * xb) : -a * softplus_d(xb);
+}
 __device__ __forceinline__ float situ_d(float a, float b, float beta, float lin_beta) {
     const float gate = beta * tanhf(a / beta) * sigmoid_d(a);
     const float up = lin_beta > 0.0f ? lin_beta * tanhf(b / lin_beta) : b;

@@ -306,6 +306,7 @@ public:
     int fused_norm_staged_launches() const override { return n_norm_staged_; }
     int fused_conv_l2s() const override { return n_conv_l2_; }
     int fused_sigmoids() const override { return n_fused_sig_; }
+    int fused_kda_decodes() const override { return n_kda_fused_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -938,6 +939,10 @@ private:
             run_conv_l2(g, id);
             return;
         }
+        if (!fplan_.kda.empty() && fplan_.kda[size_t(id)].scan >= 0) {   // the KDA decode tail (fuse_kda_decode)
+            run_kda_fused(g, id);
+            return;
+        }
         if (!fplan_.mla_kv_norm.empty() && fplan_.mla_kv_norm[size_t(id)] >= 0) {   // the MLA kv_a split (fuse_mla_kv)
             run_mla_kv_split(g, id);
             return;
@@ -1262,7 +1267,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1434,6 +1439,92 @@ private:
                                                  static_cast<float *>(outs_[size_t(id)].at(0).p), m.p.n, m.p.eps,
                                                  static_cast<float *>(mo.at(0).p), st_));
         ++n_conv_l2_;
+    }
+
+    // GATED_RMS_NORM node `id` (outputs allocated) and the KDA tail the plan folds into it (fuse-plan.h rule 7): one
+    // launch; the folded nodes' outputs are allocated here (they were skipped at their own positions). The checks are
+    // the unfused ops' checks.
+    void run_kda_fused(const graph & g, int id) {
+        const node & nn = g.nodes[size_t(id)];
+        const cuda_fuse::kda_fold & kf = fplan_.kda[size_t(id)];
+        auto outp = [&](int j) {
+            auto & o = outs_[size_t(j)];
+            PG_CHECK(o.empty(), "fused KDA node '{}' already has outputs", g.nodes[size_t(j)].name);
+            for (const auto & oo : g.nodes[size_t(j)].outs) o.push_back(new_out(oo.type, oo.shape));
+            return static_cast<float *>(o.at(0).p);
+        };
+        const node & sc = g.nodes[size_t(kf.scan)];
+        const node & gt = g.nodes[size_t(kf.gate)];
+        const tensor & sth = state_host(g, sc, 5);
+        PG_CHECK(sth.shape.size() == 4 && sth.shape[1] == sc.p.n_head && sth.shape[2] == 128 && sth.shape[3] == 128,
+                 "state {} for {} heads x 128 x 128", shape_str(sth.shape), sc.p.n_head);
+        slots_check(*g.b, sth.shape[0], "kda_scan");
+        PG_CHECK(shape_numel(in(gt, 1).shape) >= gt.p.n_head, "A_log has {} values for {} heads", shape_numel(in(gt, 1).shape),
+                 gt.p.n_head);
+        PG_CHECK(shape_numel(in(gt, 2).shape) == gt.p.n_head * 128, "dt_bias has {} values for {} channels",
+                 shape_numel(in(gt, 2).shape), gt.p.n_head * 128);
+        cuda::kda_decode_args a;
+        a.H = int(sc.p.n_head);
+        a.K = a.V = 128;
+        a.W = 4;
+        float * cst[3];
+        const float * cx[3];
+        dweight cw[3];
+        for (int q = 0; q < 3; ++q) {
+            const node & cv = g.nodes[size_t(kf.conv[q])];
+            const tensor & cs = state_host(g, cv, 2);
+            const int64_t C = in(cv, 0).shape.at(1);
+            PG_CHECK(cs.shape.size() == 3 && cs.shape[1] == C && cs.shape[2] == 3, "conv state {} for {} channels, width 4",
+                     shape_str(cs.shape), C);
+            PG_CHECK(g.b->n_tokens() == in(cv, 0).shape.at(0), "batch has {} tokens, input {}", g.b->n_tokens(),
+                     in(cv, 0).shape.at(0));
+            slots_check(*g.b, cs.shape[0], "short_conv");
+            cst[q] = state_in(g, cv, 2);
+            cx[q] = f32_in(cv, 0);
+            cw[q] = w_in(cv, 1);
+        }
+        a.q = cx[0], a.k = cx[1], a.v = cx[2];
+        a.conv_q = cw[0], a.conv_k = cw[1], a.conv_v = cw[2];
+        a.conv_state_q = cst[0], a.conv_state_k = cst[1], a.conv_state_v = cst[2];
+        if (kf.f_b >= 0) {
+            const node & fb = g.nodes[size_t(kf.f_b)];
+            a.fa = f32_in(fb, 0);
+            a.f_b = in(fb, 1).p;
+            a.Rf = int(in(fb, 1).shape.at(1));
+        } else {
+            a.f = f32_in(gt, 0);
+        }
+        a.a_log = w_in(gt, 1);
+        a.dt_bias = w_in(gt, 2);
+        a.lower_bound = gt.p.gate_lower_bound;
+        a.beta = f32_in(sc, 4);
+        if (kf.g_b >= 0) {
+            const node & gb = g.nodes[size_t(kf.g_b)];
+            a.ga = f32_in(gb, 0);
+            a.g_b = in(gb, 1).p;
+            a.Rg = int(in(gb, 1).shape.at(1));
+        } else {
+            a.z = f32_in(nn, 1);
+        }
+        a.o_norm = w_in(nn, 2);
+        a.l2_eps = g.nodes[size_t(kf.l2[0])].p.eps;
+        PG_CHECK(g.nodes[size_t(kf.l2[1])].p.eps == a.l2_eps, "fused KDA: q and k L2 norms with different eps");
+        a.norm_eps = nn.p.eps;
+        a.scale = sc.p.scale;
+        a.state = state_in(g, sc, 5);
+        a.y_q = outp(kf.conv[0]);
+        a.y_k = outp(kf.conv[1]);
+        a.y_v = outp(kf.conv[2]);
+        a.y_qn = outp(kf.l2[0]);
+        a.y_kn = outp(kf.l2[1]);
+        if (kf.f_b >= 0) a.y_f = outp(kf.f_b);
+        a.y_g = outp(kf.gate);
+        if (kf.g_b >= 0) a.y_z = outp(kf.g_b);
+        a.y_o = outp(kf.scan);
+        a.y_on = static_cast<float *>(outs_[size_t(id)].at(0).p);
+        PG_CHECK(cuda::kda_decode_fused_supported(a), "fused KDA decode at '{}': unsupported layout or alignment", nn.name);
+        PG_CUDA_CHECK(cuda::launch_kda_decode_fused(a, db_, st_));
+        ++n_kda_fused_;
     }
 
     // COLS node `id` (outputs allocated), the RMS_NORM over it and the rope COLS the plan folds into it: one launch.
@@ -1620,6 +1711,7 @@ private:
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
     int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;
+    int n_kda_fused_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

@@ -38,6 +38,50 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
 // in one launch (fuse-conv.cu). N % 32 == 0, 32 <= N <= 1024, C % N == 0.
 cudaError_t launch_short_conv_l2(const float * x, int64_t C, dweight w, int64_t W, float * state, const dbatch & b, float * y,
                                  int64_t N, float eps, float * yn, cudaStream_t st);
+// The KDA block's decode tail in one launch (kda-fused-decode.cu; fuse-plan.h rule 7): the q/k/v short convs (+ SiLU,
+// state updated), the per-head L2 norms of q and k, the forget gate (f = fa W_fb^T folded, or f given), the output gate
+// (z = ga W_gb^T folded, or z given), the delta-rule step (fp32 state read and written once) and the gated RMSNorm,
+// every intermediate written. Layouts as the unfused ops: activations [T, H * 128] (beta [T, H]); conv weights
+// [H * 128, 1, W] and states [slots, H * 128, W - 1]; f_b / g_b BF16 [H * 128, R]; KDA state [slots, H, 128, 128].
+// Takes K = V = 128, W = 4, R % 32 == 0 and R <= 128, 16-byte aligned state / y_o / f_b / g_b
+// (kda_decode_fused_supported); else cudaErrorInvalidValue.
+struct kda_decode_args {
+    int H = 0, K = 0, V = 0, W = 0;
+    const float * q = nullptr;   // projections before the conv
+    const float * k = nullptr;
+    const float * v = nullptr;
+    dweight conv_q, conv_k, conv_v;
+    float * conv_state_q = nullptr;
+    float * conv_state_k = nullptr;
+    float * conv_state_v = nullptr;
+    const float * f = nullptr;   // the gate's input when f_b is not folded (f_b.data == nullptr)
+    const float * fa = nullptr;  // [T, Rf] when folded
+    const void * f_b = nullptr;  // BF16 [H * 128, Rf]
+    int Rf = 0;
+    dweight a_log, dt_bias;
+    float lower_bound = 0.0f;
+    const float * beta = nullptr;   // [T, H], sigmoid already applied
+    const float * z = nullptr;      // the output gate when g_b is not folded
+    const float * ga = nullptr;     // [T, Rg] when folded
+    const void * g_b = nullptr;     // BF16 [H * 128, Rg]
+    int Rg = 0;
+    dweight o_norm;
+    float l2_eps = 0.0f, norm_eps = 0.0f, scale = 0.0f;
+    float * state = nullptr;
+    // outputs
+    float * y_q = nullptr;   // conv outputs
+    float * y_k = nullptr;
+    float * y_v = nullptr;
+    float * y_qn = nullptr;  // their L2 norms
+    float * y_kn = nullptr;
+    float * y_f = nullptr;   // f (folded only)
+    float * y_g = nullptr;   // the gate
+    float * y_z = nullptr;   // z (folded only)
+    float * y_o = nullptr;   // the scan's output
+    float * y_on = nullptr;  // the gated norm's output
+};
+bool kda_decode_fused_supported(const kda_decode_args & a);
+cudaError_t launch_kda_decode_fused(const kda_decode_args & a, const dbatch & b, cudaStream_t st);
 // w (any float-like dtype) [n] -> F32 [n] (norm weights for the fused prologue).
 cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t st);
 

@@ -27,6 +27,12 @@
 //                     r = COLS(x, L, W - L) with x [T, W] F32: one launch at a's position (mla.cu k_mla_kv_split) writes
 //                     a, c and r; the RMS_NORM and the second COLS launches are removed (2 launches per MLA layer). Only
 //                     when every consumer of c and r comes after a (they are computed earlier than in the graph).
+//   fuse_kda_decode   The KDA block's decode tail (forward.cpp kda_block), at most 8 tokens, K = V = 128, conv width 4:
+//                     SHORT_CONV q/k/v, the L2_NORMs of q and k, LINEAR f_b (BF16, rank <= 128, folded when its input
+//                     is ready; else f is an input), KDA_GATE, LINEAR g_b (same; K3's full-rank g_proj: z is an input),
+//                     KDA_SCAN and the GATED_RMS_NORM: one launch at the GATED_RMS_NORM's position (kda-fused-decode.cu)
+//                     writes every one of their outputs; 7-9 launches removed per KDA layer. Only when each folded
+//                     node's consumers are folded too or come after that position, and no input is computed later.
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -54,6 +60,17 @@ struct launch {
     bool empty() const { return groups.empty(); }
 };
 
+// The nodes one fused KDA decode launch computes (fuse_kda_decode), launched at the GATED_RMS_NORM node.
+struct kda_fold {
+    int conv[3] = {-1, -1, -1};   // SHORT_CONV q, k, v
+    int l2[2] = {-1, -1};         // L2_NORM of q, k
+    int f_b = -1;                 // LINEAR f_b (-1: f is an input of the launch)
+    int gate = -1;                // KDA_GATE
+    int g_b = -1;                 // LINEAR g_b (-1: z is an input)
+    int scan = -1;                // KDA_SCAN
+    int n() const { return 7 + (f_b >= 0) + (g_b >= 0); }
+};
+
 struct plan {
     std::vector<int> done_by;        // per node: the node at whose position its output is computed; -1: its own
     std::vector<launch> at;          // per node: the fused launches it issues (empty: its ordinary kernel)
@@ -66,9 +83,12 @@ struct plan {
     std::vector<int> mla_kv_norm;    // per COLS node: the RMS_NORM its k_mla_kv_split launch also computes (-1: none)
     std::vector<int> mla_kv_rope;    // ... and the second COLS (the rope columns)
     int mla_kvs = 0;                 // kv_a splits folded (2 launches removed each)
+    std::vector<kda_fold> kda;       // per GATED_RMS_NORM node: the KDA tail its launch computes (scan < 0: none)
+    int kda_decodes = 0;             // fused KDA decode launches
+    int kda_launches = 0;            // launches they remove (conv_l2's folded L2_NORMs not counted twice)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
-    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs; }
+    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches; }
 };
 
 // A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
@@ -94,6 +114,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.conv_l2.assign(N, -1);
     p.mla_kv_norm.assign(N, -1);
     p.mla_kv_rope.assign(N, -1);
+    p.kda.assign(N, {});
     auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
 
     // consumers of output 0 of each node, in graph order
@@ -346,6 +367,92 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             p.done_by[size_t(rn)] = int(i);
             p.done_by[size_t(rc)] = int(i);
             ++p.mla_kvs;
+        }
+    }
+
+    // 7. the KDA decode tail
+    if (o.fuse_kda_decode) {
+        auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
+        auto is = [&](node_ref r, op_type op) { return r.valid() && r.out == 0 && g.nodes[size_t(r.node)].op == op; };
+        auto free_node = [&](int j) { return p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty(); };
+        // a BF16 low-rank projection the launch can fold: its only consumer is `user`, rank % 32 == 0 and <= 128
+        auto lowrank = [&](node_ref r, int user, int64_t rows) {
+            dtype wt;
+            int64_t R;
+            if (!is(r, op_type::LINEAR) || !free_node(r.node)) return false;
+            const node & l = g.nodes[size_t(r.node)];
+            if (!gemv_linear(g, l, o.gemv_max_tokens, wt, R) || wt != dtype::BF16 || R % 32 != 0 || R > 128) return false;
+            if (g.nodes[size_t(l.src[1].node)].leaf->shape[0] != rows) return false;
+            return cons[size_t(r.node)].size() == 1 && cons[size_t(r.node)][0] == user;
+        };
+        auto f32_2d = [&](node_ref r, int64_t T, int64_t C) {
+            const auto & t = g.out(r);
+            return t.type == dtype::F32 && t.shape.size() == 2 && t.shape[0] == T && t.shape[1] == C;
+        };
+        for (size_t i = 0; i < N; ++i) {
+            const node & nn = g.nodes[i];
+            if (nn.op != op_type::GATED_RMS_NORM || !free_node(int(i)) || nn.p.n != 128 || nn.src.size() < 3) continue;
+            if (!is(nn.src[0], op_type::KDA_SCAN) || !nn.src[1].valid() || nn.src[1].out != 0) continue;
+            kda_fold kf;
+            kf.scan = nn.src[0].node;
+            const node & sc = g.nodes[size_t(kf.scan)];
+            if (!free_node(kf.scan) || sc.src.size() < 6 || sc.p.head_dim_k != 128 || sc.p.head_dim_v != 128) continue;
+            const int64_t H = sc.p.n_head, C = H * 128;
+            if (H < 1 || !sc.src[0].valid()) continue;
+            const int64_t T = g.out(sc.src[0]).shape.empty() ? 0 : g.out(sc.src[0]).shape[0];
+            if (T < 1 || T > 8) continue;
+            bool ok = is(sc.src[0], op_type::L2_NORM) && is(sc.src[1], op_type::L2_NORM) && is(sc.src[2], op_type::SHORT_CONV) &&
+                      is(sc.src[3], op_type::KDA_GATE) && sc.src[4].valid() && f32_2d(sc.src[4], T, H) && f32_2d(nn.src[1], T, C);
+            if (!ok) continue;
+            for (int q = 0; q < 2 && ok; ++q) {
+                const node & l2 = g.nodes[size_t(sc.src[size_t(q)].node)];
+                ok = l2.p.n == 128 && is(l2.src[0], op_type::SHORT_CONV) && f32_2d(l2.src[0], T, C);
+                kf.l2[q] = sc.src[size_t(q)].node;
+                kf.conv[q] = ok ? l2.src[0].node : -1;
+            }
+            kf.conv[2] = sc.src[2].node;
+            for (int q = 0; q < 3 && ok; ++q) {
+                const node & cv = g.nodes[size_t(kf.conv[q])];
+                const node & wn = g.at(cv.src[1]);
+                ok = cv.src.size() >= 3 && f32_2d(cv.src[0], T, C) && wn.op == op_type::WEIGHT && wn.leaf &&
+                     wn.leaf->shape.size() == 3 && wn.leaf->shape[0] == C && wn.leaf->shape[2] == 4;
+            }
+            kf.gate = sc.src[3].node;
+            const node & gt = g.nodes[size_t(kf.gate)];
+            ok = ok && gt.p.n_head == H && gt.p.head_dim_k == 128 && gt.src.size() >= 3 && f32_2d(gt.src[0], T, C);
+            if (!ok) continue;
+            if (lowrank(gt.src[0], kf.gate, C)) kf.f_b = gt.src[0].node;
+            if (lowrank(nn.src[1], int(i), C)) kf.g_b = nn.src[1].node;
+            std::vector<int> folded{kf.conv[0], kf.conv[1], kf.conv[2], kf.l2[0], kf.l2[1], kf.gate, kf.scan};
+            if (kf.f_b >= 0) folded.push_back(kf.f_b);
+            if (kf.g_b >= 0) folded.push_back(kf.g_b);
+            auto in_set = [&](int j) { return j == int(i) || std::find(folded.begin(), folded.end(), j) != folded.end(); };
+            for (int j : folded) {
+                // each folded node: not claimed by another fusion (conv_l2 of these convs is taken over below)
+                const bool conv_l2_own = (j == kf.conv[0] && p.conv_l2[size_t(j)] == kf.l2[0]) ||
+                                         (j == kf.conv[1] && p.conv_l2[size_t(j)] == kf.l2[1]);
+                const bool l2_by_conv = (j == kf.l2[0] && p.done_by[size_t(j)] == kf.conv[0]) ||
+                                        (j == kf.l2[1] && p.done_by[size_t(j)] == kf.conv[1]);
+                ok &= (l2_by_conv || p.done_by[size_t(j)] < 0) && p.at[size_t(j)].empty() &&
+                      (conv_l2_own || p.conv_l2[size_t(j)] < 0) && p.mla_kv_norm[size_t(j)] < 0;
+                for (int u : cons[size_t(j)]) ok &= in_set(u) || at_pos(u) > int(i);   // consumers: folded or later
+                // inputs from outside the set: computed before the launch
+                for (const node_ref & r : g.nodes[size_t(j)].src)
+                    if (r.valid() && !in_set(r.node)) ok &= at_pos(r.node) < int(i) || g.nodes[size_t(r.node)].op == op_type::WEIGHT ||
+                                                           g.nodes[size_t(r.node)].op == op_type::STATE;
+            }
+            for (const node_ref & r : nn.src)   // the anchor's own inputs (z when g_b is not folded, o_norm)
+                if (r.valid() && !in_set(r.node)) ok &= at_pos(r.node) < int(i) || g.nodes[size_t(r.node)].op == op_type::WEIGHT;
+            for (size_t j = 0; j < N && ok; ++j)   // outputs other than 0 of a folded node: none expected
+                for (const node_ref & r : g.nodes[j].src)
+                    if (r.valid() && r.out != 0 && in_set(r.node) && r.node != int(i)) ok = false;
+            if (!ok) continue;
+            for (int q = 0; q < 2; ++q)
+                if (p.conv_l2[size_t(kf.conv[q])] >= 0) p.conv_l2[size_t(kf.conv[q])] = -1, --p.conv_l2s;
+            for (int j : folded) p.done_by[size_t(j)] = int(i);
+            p.kda[i] = kf;
+            ++p.kda_decodes;
+            p.kda_launches += kf.n();
         }
     }
     return p;

@@ -6,11 +6,6 @@ namespace perigee::cuda {
 
 namespace {
 
-// g of one channel (KDA_GATE): a = exp(A_log[h]), xb = f + dt_bias.
-__device__ __forceinline__ float kda_gate_value(float a, float xb, float lb) {
-    return lb < 0.0f ? lb * sigmoid_d(a * xb) : -a * softplus_d(xb);
-}
-
 __global__ void k_kda_gate(const float * __restrict__ f, int64_t T, int64_t H, int64_t K, dweight a_log, dweight dt_bias,
                            float lb, float * __restrict__ g) {
     pdl_enter();
@@ -19,7 +14,7 @@ __global__ void k_kda_gate(const float * __restrict__ f, int64_t T, int64_t H, i
         const int64_t hk = i % (H * K), h = hk / K;
         const float a = expf(wload(a_log, h));
         const float xb = f[i] + wload(dt_bias, hk);
-        g[i] = kda_gate_value(a, xb, lb);
+        g[i] = kda_gate_value_d(a, xb, lb);
     }
 }
 

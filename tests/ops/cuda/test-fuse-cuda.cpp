@@ -593,6 +593,194 @@ TEST(cuda_fuse, sigmoid_into_gemv_epilogue) {
 }
 
 // ---- the planner (host only: runs on any machine) ----
+// ---- the KDA decode tail in one launch (fuse_kda_decode) ----
+// The KDA block as forward.cpp kda_block builds it (K = V = 128, H heads, hidden D): h = rms_norm(x); q, k, v, f_a, b,
+// g_a (or g_proj) projections of h; the 3 short convs with states; f = f_a h W_fb; the gate; beta = sigmoid(b); q, k
+// L2-normed per head; the delta-rule scan with its fp32 state; z = g_b(g_a h) (low rank, the 48B) or g_proj h (full
+// rank, K3); the gated norm; o_proj + the residual. Forms: "lowrank" (48B: f_b and g_b folded, softplus gate),
+// "fullrank" (K3: z an input, lower-bound gate -5), "inputs" (f_b and g_proj F32: neither folded, so every stage is the
+// unfused kernels' arithmetic and the fused outputs must equal the unfused ones BIT FOR BIT).
+struct kda_graph {
+    arena a;
+    graph g;
+    std::vector<node_ref> outs;   // q_conv k_conv v_conv q_l2 k_l2 f gate z scan o_norm out
+    tensor * st[4] = {nullptr, nullptr, nullptr, nullptr};   // conv q, k, v, KDA state
+};
+enum class kda_form { lowrank, fullrank, inputs };
+void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, int H, int n_slots, uint32_t seed,
+                     float lower_bound) {
+    const int K = 128, C = H * K, D = 256, W = 4, T = b->n_tokens();
+    rng r(seed);
+    builder bd(b);
+    auto lin = [&](node_ref x, int O, int I, dtype dt, const char * nm, float s) {
+        auto wv = r.vec(size_t(O) * size_t(I), -s, s);
+        return bd.linear(x, bd.weight(kg.a.typed(dt, {O, I}, wv), nm));
+    };
+    auto xv = r.vec(size_t(T) * D, -1.0f, 1.0f);
+    auto nwv = r.vec(size_t(D), 0.8f, 1.2f);
+    const node_ref x = bd.name(bd.scale(bd.weight(kg.a.f32({T, D}, xv), "x_leaf"), 1.0f), "x");
+    const node_ref h = bd.name(bd.rms_norm(x, bd.weight(kg.a.bf16({D}, nwv), "attn_norm"), 1e-5f), "h");
+    node_ref qkv[3];
+    const char * pn[3] = {"q_proj", "k_proj", "v_proj"};
+    for (int i = 0; i < 3; ++i) qkv[i] = lin(h, C, D, dtype::BF16, pn[i], 0.1f);
+    node_ref cv[3];
+    const char * cn[3] = {"q_conv", "k_conv", "v_conv"};
+    for (int i = 0; i < 3; ++i) {
+        auto cw = r.vec(size_t(C) * W, -0.5f, 0.5f);
+        auto sv = r.vec(size_t(n_slots) * size_t(C) * (W - 1));
+        kg.st[i] = &kg.a.f32({n_slots, C, W - 1}, sv);
+        cv[i] = bd.name(bd.short_conv(qkv[i], bd.weight(kg.a.bf16({C, 1, W}, cw), std::string(cn[i]) + "1d"),
+                                      bd.state(*kg.st[i], std::string("st_") + cn[i])),
+                        cn[i]);
+    }
+    const dtype fb_t = form == kda_form::inputs ? dtype::F32 : dtype::BF16;
+    const node_ref f = bd.name(lin(lin(h, K, D, dtype::BF16, "f_a_proj", 0.1f), C, K, fb_t, "f_b_proj", 0.2f), "kda_f");
+    auto alog = r.vec(size_t(H), -1.0f, 0.5f);
+    auto dtb = r.vec(size_t(C), -1.0f, 1.0f);
+    const node_ref gt = bd.name(bd.kda_gate(f, bd.weight(kg.a.f32({H}, alog), "A_log"), bd.weight(kg.a.f32({C}, dtb), "dt_bias"),
+                                            H, K, lower_bound),
+                                "kda_gate");
+    const node_ref beta = bd.name(bd.sigmoid(lin(h, H, D, dtype::BF16, "b_proj", 0.1f)), "kda_beta");
+    const node_ref qn = bd.name(bd.l2_norm(cv[0], 1e-6f, K), "q_l2");
+    const node_ref kn = bd.name(bd.l2_norm(cv[1], 1e-6f, K), "k_l2");
+    auto sv = r.vec(size_t(n_slots) * size_t(C) * K, -0.5f, 0.5f);
+    kg.st[3] = &kg.a.f32({n_slots, H, K, K}, sv);
+    const node_ref o = bd.name(bd.kda_scan(qn, kn, cv[2], gt, beta, bd.state(*kg.st[3], "kda_state"),
+                                           {.n_head = H, .head_dim_k = K, .head_dim_v = K, .scale = 1.0f / std::sqrt(float(K)),
+                                            .chunk_size = 64}),
+                               "kda_scan");
+    const node_ref z = bd.name(form == kda_form::lowrank ? lin(lin(h, K, D, dtype::BF16, "g_a_proj", 0.1f), C, K, dtype::BF16,
+                                                               "g_b_proj", 0.2f)
+                                                         : lin(h, C, D, form == kda_form::inputs ? dtype::F32 : dtype::BF16,
+                                                               "g_proj", 0.1f),
+                               "kda_out_gate");
+    auto onw = r.vec(size_t(K), 0.8f, 1.2f);
+    const node_ref on = bd.name(bd.gated_rms_norm(o, z, bd.weight(kg.a.bf16({K}, onw), "o_norm"), 1e-5f, K), "kda_o_norm");
+    const node_ref out = bd.name(bd.add(lin(on, D, C, dtype::BF16, "o_proj", 0.05f), x), "out");
+    kg.outs = {cv[0], cv[1], cv[2], qn, kn, f, gt, z, o, on, out};
+    kg.g = bd.finish(out);
+}
+
+TEST(cuda_fuse, kda_decode_tail) {
+    NEED_GPU();
+    struct tc { std::vector<int> lens; kda_form form; };
+    const char * fname[] = {"lowrank", "fullrank", "inputs"};
+    for (const tc & c : {tc{{1}, kda_form::lowrank}, tc{{1, 1, 1}, kda_form::lowrank}, tc{{3, 1, 2}, kda_form::lowrank},
+                         tc{{1, 1}, kda_form::fullrank}, tc{{2, 1}, kda_form::inputs}, tc{{1, 1, 1}, kda_form::inputs},
+                         tc{{9}, kda_form::lowrank}}) {
+        const int H = 3, n_slots = 6;
+        const float lb = c.form == kda_form::fullrank ? -5.0f : 0.0f;
+        const int T = std::accumulate(c.lens.begin(), c.lens.end(), 0);
+        const std::string nm = fmt::format("kda_tail/{}/seqs{}/T{}", fname[int(c.form)], c.lens.size(), T);
+        auto mk = [&](kda_graph & kg, float lbound) {
+            auto b = std::make_shared<batch>();
+            b->seq_start = {0};
+            for (size_t s = 0; s < c.lens.size(); ++s)
+                b->seq_start.push_back(b->seq_start.back() + c.lens[s]), b->pos0.push_back(7), b->slot.push_back(int(5 - 2 * s));
+            b->ids.assign(size_t(T), 0);
+            build_kda_graph(kg, b, c.form, H, n_slots, 12000 + uint32_t(T) * 7 + uint32_t(c.form), lbound);
+        };
+        kda_graph kg;
+        mk(kg, lb);
+        std::vector<std::vector<float>> init;
+        for (tensor * t : kg.st) init.push_back(as_f32(*t));
+        auto restore = [&](int from = 0) {
+            for (int i = from; i < 4; ++i) std::memcpy(kg.st[i]->data, init[size_t(i)].data(), init[size_t(i)].size() * 4);
+        };
+        // CPU: two steps (the second reads the states the first wrote)
+        std::vector<std::vector<float>> ref[2], ref_st;
+        {
+            restore();
+            auto cpu = backend_cpu_init();
+            cpu->check_supported(kg.g);
+            for (int step = 0; step < 2; ++step) {
+                cpu->run(kg.g);
+                for (node_ref o : kg.outs) ref[step].push_back(read_f32(*cpu, o));
+            }
+            for (tensor * t : kg.st) ref_st.push_back(as_f32(*t));
+        }
+        const bool folds = T <= 8;
+        std::vector<std::vector<float>> got[2][2];   // [fused][step]
+        std::vector<std::vector<float>> got_st[2];
+        for (int fuse = 1; fuse >= 0; --fuse) {
+            restore();
+            cuda_options o = fuse_opts(true, true);   // the decode defaults around it: norm folded, projections grouped
+            o.fuse_conv_l2 = o.fuse_sigmoid = true;
+            o.fuse_kda_decode = fuse != 0;
+            const std::string m = nm + (fuse ? "/fused" : "/unfused");
+            auto gpu = backend_cuda_init(0, o);
+            gpu->check_supported(kg.g);
+            for (int step = 0; step < 2; ++step) {
+                gpu->run(kg.g);
+                for (size_t i = 0; i < kg.outs.size(); ++i) {
+                    got[fuse][step].push_back(read_f32(*gpu, kg.outs[i]));
+                    const bool ok = check(fmt::format("{}/step{}/{}", m, step, kg.g.at(kg.outs[i]).name), to_f64(ref[step][i]),
+                                          got[fuse][step].back(), metric::NMSE, k_tol_f32);
+                    EXPECT_TRUE(ok) << m;
+                    tally(ok);
+                }
+                const int want = fuse && folds ? 1 : 0;
+                EXPECT_EQ(gpu->fused_kda_decodes(), want) << m;
+                tally(gpu->fused_kda_decodes() == want);
+            }
+            gpu->sync_state_to_host();
+            for (int i = 0; i < 4; ++i) {
+                got_st[fuse].push_back(as_f32(*kg.st[i]));
+                const bool ok = check(fmt::format("{}/state{}", m, i), to_f64(ref_st[size_t(i)]), got_st[fuse].back(), metric::NMSE,
+                                      k_tol_f32);
+                EXPECT_TRUE(ok) << m;
+                tally(ok);
+            }
+            std::printf("[%s] fused_kda_decodes %d\n", m.c_str(), gpu->fused_kda_decodes());
+        }
+        if (c.form == kda_form::inputs && folds) {   // every output and state bit for bit the unfused kernels'
+            bool same = true;
+            for (int step = 0; step < 2; ++step)
+                for (size_t i = 0; i < kg.outs.size(); ++i)
+                    same &= got[1][step][i].size() == got[0][step][i].size() &&
+                            std::memcmp(got[1][step][i].data(), got[0][step][i].data(), got[1][step][i].size() * 4) == 0;
+            for (int i = 0; i < 4; ++i) same &= std::memcmp(got_st[1][size_t(i)].data(), got_st[0][size_t(i)].data(),
+                                                            got_st[0][size_t(i)].size() * 4) == 0;
+            std::printf("[%s/bitwise fused == unfused] %s\n", nm.c_str(), same ? "yes" : "NO");
+            EXPECT_TRUE(same) << nm;
+            tally(same);
+            // control: one flipped bit is seen by the same comparison
+            auto flipped = got[1][1][9];
+            uint32_t u;
+            std::memcpy(&u, &flipped[0], 4);
+            u ^= 1u;
+            std::memcpy(&flipped[0], &u, 4);
+            const bool ctl = std::memcmp(flipped.data(), got[0][1][9].data(), flipped.size() * 4) == 0;
+            EXPECT_FALSE(ctl);
+            tally(!ctl);
+        }
+        if (folds) {
+            // controls that must FAIL against the fused step-2 output of the gated norm:
+            // (a) the CPU's step 2 without the KDA state written back by step 1 (a dropped write-back)
+            restore();
+            std::vector<float> nowb;
+            {
+                auto cpu = backend_cpu_init();
+                cpu->run(kg.g);
+                restore(3);   // the KDA state back to its step-0 value, the conv states kept
+                cpu->run(kg.g);
+                nowb = read_f32(*cpu, kg.outs[9]);
+            }
+            must_fail(nm + "/control(no state write-back)", nowb, got[1][1][9]);
+            // (b) the CPU graph with another gate (lower bound -5 <-> softplus)
+            restore();
+            kda_graph bad;
+            mk(bad, lb < 0.0f ? 0.0f : -5.0f);
+            const auto ref_bad = cpu_outputs(bad.g, {bad.outs[9]});
+            must_fail(nm + "/control(other gate)", ref_bad[0], got[1][0][9]);
+            // (c) step 1's output for step 2 (the state moved)
+            must_fail(nm + "/control(step-1 output)", ref[0][9], got[1][1][9]);
+            comparator_controls(nm + "/o_norm", ref[1][9], got[1][1][9]);
+        }
+        restore();
+    }
+}
+
 TEST(cuda_fuse, planner_rules) {
     {
         rng r(9500);
@@ -681,6 +869,41 @@ TEST(cuda_fuse, planner_rules) {
             }
             tally(p.sigmoids == want && off.sigmoids == 0);
         }
+    }
+    {   // the KDA tail: folds at T <= 8 with the switch on (f_b/g_b folded in the low-rank form, z an input in the
+        // full-rank form; f_b in both), never at T 9 or with it off; the conv_l2 folds it takes over are not counted twice
+        for (int T : {1, 8, 9})
+            for (kda_form form : {kda_form::lowrank, kda_form::fullrank}) {
+                auto b = std::make_shared<batch>();
+                b->seq_start = {0, T};
+                b->pos0 = {0};
+                b->slot = {0};
+                b->ids.assign(size_t(T), 0);
+                kda_graph kg;
+                build_kda_graph(kg, b, form, 2, 1, 9900, 0.0f);
+                cuda_options on = fuse_opts(true, true, false);
+                on.fuse_conv_l2 = on.fuse_sigmoid = true;
+                const auto off = cuda_fuse::plan_fusions(kg.g, on);
+                on.fuse_kda_decode = true;
+                const auto p = cuda_fuse::plan_fusions(kg.g, on);
+                const int want = T <= 8 ? 1 : 0;
+                const int folded = form == kda_form::lowrank ? 9 : 8;
+                EXPECT_EQ(p.kda_decodes, want) << "T " << T;
+                EXPECT_EQ(off.kda_decodes, 0);
+                bool ok = p.kda_decodes == want && off.kda_decodes == 0;
+                if (want) {
+                    const int anchor = kg.outs[9].node;
+                    const auto & kf = p.kda[size_t(anchor)];
+                    ok &= kf.f_b >= 0 && (kf.g_b >= 0) == (form == kda_form::lowrank);   // f is low rank in both forms
+                    ok &= p.kda_launches == folded && p.conv_l2s == 0 && off.conv_l2s == 2;
+                    ok &= p.launches_saved() == off.launches_saved() - 2 + folded;
+                    for (int i : {0, 1, 2, 3, 4, 6, 8}) ok &= p.done_by[size_t(kg.outs[size_t(i)].node)] == anchor;
+                }
+                EXPECT_TRUE(ok) << "T " << T << " form " << int(form) << ": kda_decodes " << p.kda_decodes << ", launches "
+                                << p.kda_launches << ", conv_l2s " << p.conv_l2s << "/" << off.conv_l2s << ", saved "
+                                << p.launches_saved() << " vs " << off.launches_saved();
+                tally(ok);
+            }
     }
     {   // a per-head norm (p.n < the row width) never folds into a LINEAR over the whole row
         arena a;

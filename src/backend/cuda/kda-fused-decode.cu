@@ -1,0 +1,297 @@
+// The KDA block's decode tail in one launch (cuda_options::fuse_kda_decode, fuse-plan.h rule 7): for one head of one
+// sequence, per token in order,
+//   q, k, v = SiLU(causal depthwise conv(x_q, x_k, x_v) with the conv state)        (SHORT_CONV x3)
+//   qn, kn  = per-head L2 norm of q, k                                                 (L2_NORM x2)
+//   f       = fa W_fb^T for the head's K rows (or f given)                             (LINEAR f_b_proj)
+//   g       = KDA gate of f                                                            (KDA_GATE)
+//   z       = ga W_gb^T for the head's V rows (or z given: K3's full-rank g_proj)      (LINEAR g_b_proj)
+//   o       = delta-rule step of the fp32 state S [K, V] with qn, kn, v, g, beta       (KDA_SCAN)
+//   on      = RMSNorm(o) * w * sigmoid(z) over the head's V values                     (GATED_RMS_NORM)
+// and every one of those outputs is written (other consumers, node-by-node comparison). The 48B's KDA layer ran these as
+// 8 launches of ~2.5-5 us each (Nsight Compute, session 4: 28.4 us for ~3 MB), latency, not bytes.
+//
+// Why the numbers equal the unfused kernels bit for bit when f and z are given: each stage repeats the unfused kernel's
+// arithmetic in the same order with the same thread mapping: the conv as k_short_conv / k_short_conv_l2 (taps summed in
+// order, SiLU); each head norm as block_sum over 4 warps of one element per thread (k_short_conv_l2, k_norm with
+// threads_for(128) = 128); the gate as k_kda_gate; the scan as k_kda_scan_v2<8> (K = 128: 16 row groups of 8 rows, 8
+// column quads per 32-column tile, rows summed per thread in order, 2 shuffles, 4 warps in order); the gated norm as
+// k_norm<2>. test-fuse-cuda kda_decode_fused checks that equality and the folded GEMVs against the CPU.
+// The folded f_b / g_b GEMVs are NOT the GEMV kernels' summation order (4 threads per row, 8-element chunks), so with
+// them folded the outputs agree with the unfused path to fp32 rounding (NMSE), not bitwise.
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/fuse-ops.h"
+
+namespace perigee::cuda {
+
+namespace {
+
+constexpr int kD = 128;                 // K = V = the head dim this kernel takes
+constexpr int kThreads = 512;           // 16 warps: 4 scan tiles of 32 columns x 128 threads (k_kda_scan_v2's block)
+constexpr int kConvW = 4;               // conv taps (Kimi: short_conv_kernel_size 4)
+constexpr int kMaxChunks = 4;           // f_b / g_b rows of up to 4 x 32 = 128 values (8 bf16 per 16-byte chunk)
+constexpr int kRows = 8;                // scan rows per thread (K / 16 row groups)
+
+__device__ __forceinline__ float4 f4z() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ void prefetch_l2(const void * p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// k_kda_scan_v2's cross-lane sums (kda.cu), repeated here so the scan is its arithmetic exactly.
+__device__ __forceinline__ float4 rowgroup_sum(float4 p) {
+#pragma unroll
+    for (int o = 8; o <= 16; o <<= 1) {
+        p.x += __shfl_xor_sync(0xffffffffu, p.x, o);
+        p.y += __shfl_xor_sync(0xffffffffu, p.y, o);
+        p.z += __shfl_xor_sync(0xffffffffu, p.z, o);
+        p.w += __shfl_xor_sync(0xffffffffu, p.w, o);
+    }
+    return p;
+}
+__device__ __forceinline__ float4 warp_order_sum(const float4 (&red)[4][8], int cq) {
+    float4 a = red[0][cq];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) {
+        const float4 b = red[w][cq];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+    }
+    return a;
+}
+// block_sum (common.cuh) of a 4-warp group whose per-warp sums are in red[0..3]: the same second stage.
+__device__ __forceinline__ float group4_sum(const float * red, int lane) { return warp_sum(lane < 4 ? red[lane] : 0.0f); }
+
+// One row of a bf16 low-rank projection: the thread's chunks p, p + 4, ... of 8 values each, summed in order, then
+// the 4 threads of the row (adjacent lanes) by two shuffles.
+__device__ __forceinline__ float lowrank_row(const uint4 (&w)[kMaxChunks], int nch, int p, const float * xs) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; ++i) {
+        if (i >= nch) break;
+        const int c0 = (p + 4 * i) * 8;
+        const uint32_t u[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc += __uint_as_float(u[j] << 16) * xs[c0 + 2 * j];
+            acc += __uint_as_float(u[j] & 0xffff0000u) * xs[c0 + 2 * j + 1];
+        }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    return acc;
+}
+
+// Grid (H, n_seq), 512 threads.
+__global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_args a, dbatch b) {
+    __shared__ float s_fa[kD], s_ga[kD];
+    __shared__ float s_q[kD], s_k[kD], s_v[kD], s_g[kD], s_z[kD], s_o[kD];
+    __shared__ float red_l2[2][4], red_n[4], s_beta;
+    __shared__ float4 red_pred[4][4][8], red_out[4][4][8];   // [tile][warp of the tile][column quad]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int H = a.H;
+    const int64_t HD = int64_t(H) * kD;
+
+    // ---- weights (constants) before the PDL wait: they load while the previous kernel finishes ----
+    const int part = tid >> 7, c = tid & (kD - 1);   // conv: part 0 q, 1 k, 2 v (threads 0..383), channel c of the head
+    const int64_t ch = int64_t(h) * kD + c;
+    const dweight cw = part == 0 ? a.conv_q : part == 1 ? a.conv_k : a.conv_v;
+    float wc[kConvW];
+#pragma unroll
+    for (int j = 0; j < kConvW; ++j) wc[j] = part < 3 ? wload(cw, ch * kConvW + j) : 0.0f;
+    const int row = tid >> 2, rp = tid & 3;          // low-rank GEMVs: row (of 128) and quarter of the row
+    const int nf = a.Rf / 32, ng = a.Rg / 32;        // 16-byte chunks per thread
+    const uint4 * wf_p = a.f_b ? reinterpret_cast<const uint4 *>(a.f_b) + ((int64_t(h) * kD + row) * a.Rf) / 8 + rp : nullptr;
+    const uint4 * wg_p = a.g_b ? reinterpret_cast<const uint4 *>(a.g_b) + ((int64_t(h) * kD + row) * a.Rg) / 8 + rp : nullptr;
+    // Into L2 now, into registers per token (held across the token loop they cost 32 registers and the kernel spilled).
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; ++i) {
+        if (wf_p && i < nf) prefetch_l2(wf_p + 4 * i);
+        if (wg_p && i < ng) prefetch_l2(wg_p + 4 * i);
+    }
+    const float a_exp = expf(wload(a.a_log, h));
+    const float dtb = tid < kD ? wload(a.dt_bias, int64_t(h) * kD + tid) : 0.0f;
+    const float onw = tid < kD ? wload(a.o_norm, tid) : 0.0f;
+    // The head's 64 KB of state into L2 too (one 128-byte line per thread). A prefetch returns no data, so it cannot
+    // read a stale value; b.slot was written by the step's batch upload, a copy that completed before the step's first
+    // kernel began (copies are not programmatic launches).
+    prefetch_l2(reinterpret_cast<const char *>(a.state + (int64_t(b.slot[s]) * H + h) * kD * kD) + 128 * tid);
+
+    pdl_enter();
+
+    // ---- state: S rows [d0, d0 + 8) x columns [e, e + 4) of the thread's tile (k_kda_scan_v2's layout) ----
+    const int tile = warp >> 2, wl = warp & 3, cq = lane & 7, rl = lane >> 3;
+    const int d0 = (wl * 4 + rl) * kRows, e = tile * 32 + 4 * cq;
+    float4 * S = reinterpret_cast<float4 *>(a.state + ((int64_t(b.slot[s]) * H + h) * kD) * kD + e);
+    float4 r[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) r[i] = S[int64_t(d0 + i) * (kD / 4)];
+    // conv history of the thread's channel (oldest first)
+    float * convst = part == 0 ? a.conv_state_q : part == 1 ? a.conv_state_k : a.conv_state_v;
+    float * hist = part < 3 ? convst + (int64_t(b.slot[s]) * HD + ch) * (kConvW - 1) : nullptr;
+    float win[kConvW - 1];
+#pragma unroll
+    for (int j = 0; j < kConvW - 1; ++j) win[j] = part < 3 ? hist[j] : 0.0f;
+    const float * xin = part == 0 ? a.q : part == 1 ? a.k : a.v;
+    float * yconv = part == 0 ? a.y_q : part == 1 ? a.y_k : a.y_v;
+    float * ynorm = part == 0 ? a.y_qn : a.y_kn;
+
+    const int64_t t0 = b.seq_start[s], t1 = b.seq_start[s + 1];
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t tc = t * HD + ch;   // [T, H * 128] index of the thread's channel
+        // 1. conv + SiLU (threads 0..383); the low-rank inputs to shared memory; beta. The low-rank weights are
+        // loaded first so that they are in flight during the conv.
+        uint4 wf[kMaxChunks], wg[kMaxChunks];
+#pragma unroll
+        for (int i = 0; i < kMaxChunks; ++i) {
+            wf[i] = wf_p && i < nf ? wf_p[4 * i] : make_uint4(0, 0, 0, 0);
+            wg[i] = wg_p && i < ng ? wg_p[4 * i] : make_uint4(0, 0, 0, 0);
+        }
+        float val = 0.0f;
+        if (part < 3) {
+            const float xi = xin[tc];
+            float acc = 0.0f;   // taps in order, the current input last (k_short_conv)
+#pragma unroll
+            for (int j = 0; j < kConvW - 1; ++j) acc += wc[j] * win[j];
+            acc += wc[kConvW - 1] * xi;
+            val = silu_d(acc);
+            yconv[tc] = val;
+#pragma unroll
+            for (int j = 0; j + 1 < kConvW - 1; ++j) win[j] = win[j + 1];
+            win[kConvW - 2] = xi;
+            if (part == 2) s_v[c] = val;
+            else {
+                const float ss = warp_sum(val * val);
+                if (lane == 0) red_l2[part][warp & 3] = ss;
+            }
+        }
+        if (a.f_b && tid < a.Rf) s_fa[tid] = a.fa[t * a.Rf + tid];
+        if (a.g_b && tid >= kD && tid < kD + a.Rg) s_ga[tid - kD] = a.ga[t * a.Rg + tid - kD];
+        if (tid == 0) s_beta = a.beta[t * H + h];
+        __syncthreads();
+        // 2. head L2 norms (q, k); f and the gate; z
+        if (part < 2) {
+            const float qk = val * rsqrtf(group4_sum(red_l2[part], lane) + a.l2_eps);
+            ynorm[tc] = qk;
+            (part == 0 ? s_q : s_k)[c] = qk;
+        }
+        const int64_t hrow = t * HD + int64_t(h) * kD;   // [T, H * 128] index of the head's first row
+        if (a.f_b) {
+            const float f = lowrank_row(wf, nf, rp, s_fa);
+            if (rp == 0) {
+                a.y_f[hrow + row] = f;
+                const float g = kda_gate_value_d(a_exp, f + wload(a.dt_bias, int64_t(h) * kD + row), a.lower_bound);
+                a.y_g[hrow + row] = g;
+                s_g[row] = g;
+            }
+        } else if (tid < kD) {
+            const float g = kda_gate_value_d(a_exp, a.f[hrow + tid] + dtb, a.lower_bound);
+            a.y_g[hrow + tid] = g;
+            s_g[tid] = g;
+        }
+        if (a.g_b) {
+            const float z = lowrank_row(wg, ng, rp, s_ga);
+            if (rp == 0) {
+                a.y_z[hrow + row] = z;
+                s_z[row] = z;
+            }
+        } else if (tid < kD) {
+            s_z[tid] = a.z[hrow + tid];
+        }
+        __syncthreads();
+        // 3. the delta-rule step (k_kda_scan_v2<8>'s arithmetic, tile = blockIdx.x there)
+        {
+            float kd[kRows], qd[kRows], ad[kRows];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                kd[i] = s_k[d0 + i];
+                qd[i] = s_q[d0 + i] * a.scale;
+                ad[i] = expf(s_g[d0 + i]);
+            }
+            const float bt = s_beta;
+            const float4 vv = make_float4(s_v[e], s_v[e + 1], s_v[e + 2], s_v[e + 3]);
+            float4 p = f4z();
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                r[i].x *= ad[i];
+                r[i].y *= ad[i];
+                r[i].z *= ad[i];
+                r[i].w *= ad[i];
+                p.x += r[i].x * kd[i];
+                p.y += r[i].y * kd[i];
+                p.z += r[i].z * kd[i];
+                p.w += r[i].w * kd[i];
+            }
+            p = rowgroup_sum(p);
+            if (rl == 0) red_pred[tile][wl][cq] = p;
+            __syncthreads();
+            const float4 pr = warp_order_sum(red_pred[tile], cq);
+            const float4 u = make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w));
+            float4 po = f4z();
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                r[i].x += kd[i] * u.x;
+                r[i].y += kd[i] * u.y;
+                r[i].z += kd[i] * u.z;
+                r[i].w += kd[i] * u.w;
+                po.x += r[i].x * qd[i];
+                po.y += r[i].y * qd[i];
+                po.z += r[i].z * qd[i];
+                po.w += r[i].w * qd[i];
+            }
+            po = rowgroup_sum(po);
+            if (rl == 0) red_out[tile][wl][cq] = po;
+            __syncthreads();
+            if (wl == 0 && rl == 0) {
+                const float4 o = warp_order_sum(red_out[tile], cq);
+                *reinterpret_cast<float4 *>(a.y_o + hrow + e) = o;
+                s_o[e] = o.x;
+                s_o[e + 1] = o.y;
+                s_o[e + 2] = o.z;
+                s_o[e + 3] = o.w;
+            }
+            __syncthreads();
+        }
+        // 4. gated RMSNorm over the head's 128 values (k_norm<2> with 128 threads)
+        if (tid < kD) {
+            const float o = s_o[tid];
+            const float ss = warp_sum(o * o);
+            if (lane == 0) red_n[warp] = ss;
+        }
+        __syncthreads();
+        if (tid < kD) {
+            const float inv = rsqrtf(group4_sum(red_n, lane) / float(kD) + a.norm_eps);
+            a.y_on[hrow + tid] = s_o[tid] * inv * onw * sigmoid_d(s_z[tid]);
+        }
+        // The next token's writes to shared memory come after its first barrier; every read above of what it rewrites
+        // (s_fa/s_ga/red_l2/s_v/s_beta in 2-3, s_q/s_k/s_g in 3, red_pred/red_out in 3) precedes a barrier of this
+        // token, and s_z/s_o/red_n (read in 4) are rewritten only after the next token's barriers 1 and 3.
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) S[int64_t(d0 + i) * (kD / 4)] = r[i];
+    if (part < 3) {
+#pragma unroll
+        for (int j = 0; j < kConvW - 1; ++j) hist[j] = win[j];
+    }
+}
+
+} // namespace
+
+bool kda_decode_fused_supported(const kda_decode_args & a) {
+    auto a16 = [](const void * p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+    const bool f_ok = a.f_b ? (a.fa && a.Rf >= 32 && a.Rf <= 32 * kMaxChunks && a.Rf % 32 == 0 && a16(a.f_b) && a.y_f)
+                            : a.f != nullptr;
+    const bool z_ok = a.g_b ? (a.ga && a.Rg >= 32 && a.Rg <= 32 * kMaxChunks && a.Rg % 32 == 0 && a16(a.g_b) && a.y_z)
+                            : a.z != nullptr;
+    return a.K == kD && a.V == kD && a.W == kConvW && a.H >= 1 && f_ok && z_ok && a16(a.state) && a16(a.y_o) && a.q && a.k &&
+           a.v && a.beta && a.conv_state_q && a.conv_state_k && a.conv_state_v && a.y_q && a.y_qn && a.y_k && a.y_kn && a.y_v &&
+           a.y_g && a.y_on;
+}
+
+cudaError_t launch_kda_decode_fused(const kda_decode_args & a, const dbatch & b, cudaStream_t st) {
+    if (!kda_decode_fused_supported(a)) return cudaErrorInvalidValue;
+    if (b.n_seq > 0) launch_k(k_kda_decode_fused, dim3(unsigned(a.H), unsigned(b.n_seq)), kThreads, 0, st, a, b);
+    return cudaGetLastError();
+}
+
+} // namespace perigee::cuda
