@@ -37,7 +37,7 @@ struct opts {
     int chunk = 64;
     int linear_group = -1;   // cuda_options::linear_group: -1 the default, 0 off, 1 on
     int moe_mma = -1;        // cuda_options::moe_mma_tokens: -1 the default, 0 off, N > 0 the token threshold
-    int fuse = -1;           // cuda_options::fuse_norm_linear, fuse_add, fuse_conv_l2, fuse_sigmoid: -1 the defaults, 0 all off, 1 all on
+    int fuse = -1;           // cuda_options::fuse_norm_linear, fuse_add, fuse_conv_l2, fuse_sigmoid, fuse_kda_decode: -1 the defaults, 0 all off, 1 all on
     int kda_chunk = -1;      // cuda_options::kda_chunk_min_tokens: -1 the default, 0 off, N > 0 the token threshold
     int prefill_fast = -1;   // cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: -1 the defaults, 0 off, N > 0
     int moe_mma_v2 = -1;     // cuda_options::moe_mma_v2: -1 the default, 0 off, 1 on
@@ -186,7 +186,7 @@ int run_compare(const opts & o) {
     cuda_options co;
     if (o.linear_group >= 0) co.linear_group = o.linear_group != 0;
     if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma, co.moe_mma_large_step = 0;
-    if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
+    if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = co.fuse_kda_decode = o.fuse != 0;
     if (o.kda_chunk >= 0) co.kda_chunk_min_tokens = o.kda_chunk;
     if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
     if (o.moe_v4 >= 0) co.moe_decode_v4 = co.moe_small_v4 = o.moe_v4 != 0;
@@ -393,8 +393,9 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
                        "cuda_options::moe_mma_tokens: N > 0 tensor-core experts from N tokens, 0 off, -1 the default")
             ->capture_default_str();
         sub.add_option("--fuse", o->fuse,
-                       "cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid (RMS_NORM into the next GEMV,"
-                       " residual ADD and SIGMOID into its epilogue, L2_NORM into its SHORT_CONV):"
+                       "cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid + fuse_kda_decode (RMS_NORM into"
+                       " the next GEMV, residual ADD and SIGMOID into its epilogue, L2_NORM into its SHORT_CONV, the KDA decode"
+                       " tail in one launch):"
                        " 1 on, 0 off, -1 the backend's defaults")->capture_default_str();
         sub.add_option("--kda-chunk", o->kda_chunk,
                        "cuda_options::kda_chunk_min_tokens: N > 0 the chunked KDA prefill kernel from N tokens, 0 off,"

@@ -321,7 +321,7 @@ struct opts {
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
     int kda_chunk = -1;   // -1: the backend's default; --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
-    int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid for every pass (-1: the defaults)
+    int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid + fuse_kda_decode for every pass (-1: the defaults)
     int moe_v4 = -1;   // --moe-v4 0|1: cuda_options::moe_decode_v4 + moe_small_v4 for every pass and the profile (-1: the defaults)
     int moe_v5 = -1;   // --moe-v5 0|1: cuda_options::moe_decode_v5 for every pass and the profile (-1: the default); pass "dec-v5-off"/"dec-v5" flips the default
     int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = attn_res_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
@@ -353,6 +353,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_route_gemv_v2") co.moe_route_gemv_v2 = v != 0;
         else if (k == "moe_route_fused_radix") co.moe_route_fused_radix = v != 0;
         else if (k == "attn_res_chunk") co.attn_res_chunk = v;
+        else if (k == "attn_res_cluster") co.attn_res_cluster = v != 0;
         else if (k == "attn_res_split") co.attn_res_split = v != 0;
         else if (k == "linear_group") co.linear_group = v != 0;
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
@@ -361,7 +362,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
         else if (k == "graph_decode") co.graph_decode = v != 0;
-        else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = v != 0;
+        else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = co.fuse_kda_decode = v != 0;
         else PG_FAIL("--set: unknown cuda_options name '{}'", k);
     }
 }
@@ -420,7 +421,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
         if (o.moe_mma >= 0) co.moe_mma_tokens = o.moe_mma, co.moe_mma_large_step = 0;
         if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
         const char * label = labels[pass];
-        if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = o.fuse != 0;
+        if (o.fuse >= 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = co.fuse_kda_decode = o.fuse != 0;
         if (std::strcmp(label, "+fall") == 0) co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = true;
         if (std::strcmp(label, "+fconv") == 0) co.fuse_conv_l2 = true;
         if (std::strcmp(label, "+fsig") == 0) co.fuse_sigmoid = true;
@@ -724,6 +725,7 @@ void dry_fusions(const graph & g) {
         co.fuse_add = ps.add;
         co.fuse_conv_l2 = ps.conv;
         co.fuse_sigmoid = ps.sig;
+        co.fuse_kda_decode = false;   // counted on its own line above
         const auto p = cuda_fuse::plan_fusions(g, co);
         if (base < 0) base = p.launches_saved();
         std::printf("  %-24s LINEARs grouped %3d, norms folded %3d of %d, adds folded %3d of %d: %4d node launches"

@@ -10,6 +10,8 @@
 //   route: MOE_ROUTE decode (T = 1 and 8): the router GEMV (u0 / u4) then each selection (block, sort, radix), and the
 //          one-launch route at T = 1, at the Kimi-Linear-48B and K3 router geometries; the argument "route" runs only
 //          the copy ceiling and these lines
+//   attnres: ATTN_RES_MIX decode at K3's width (split / chunked / one-launch cluster), cold and L2-hot candidates; the
+//          argument "attnres" runs only the copy ceiling and these lines
 // Every figure: median of 20 timed launches after 3 warm-ups, cudaEvent timing, inputs random (never zeros).
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/fuse-ops.h"
@@ -152,6 +154,69 @@ static void bench_route() {
     }
 }
 
+// attnres: ATTN_RES_MIX at decode, K3 width (D 7168), n candidates (f32), bf16 norm weight, f32 projection: the split
+// form (score block per candidate, then the mix), the chunked form at 1024 (cuda_options::attn_res_chunk, two launches)
+// and the one-launch cluster form (cuda_options::attn_res_cluster). Each figure: a CUDA graph of 64 back-to-back mixes
+// with PDL on, median of 7 replays / 64: us per mix. "cold": each mix reads its own candidate set, 256 sets rotated
+// (> the 50 MB L2 at n 9); "hot": one set (L2-resident). The argument "attnres" runs only the copy ceiling and these.
+static void bench_attnres() {
+    pdl_scope pdl(true);
+    const int64_t D = 7168, nsets = 256;
+    const int nl = 64;
+    for (int R : {1, 4}) {
+        for (int n : {3, 6, 9}) {
+            const size_t set_floats = size_t(n) * size_t(R * D);
+            float *cand, *y, *part, *pw;
+            uint16_t * nw;
+            CK(cudaMalloc(reinterpret_cast<void **>(&cand), set_floats * size_t(nsets) * 4));
+            CK(launch_fill_random(cand, int64_t(set_floats) * nsets, 0, 31, -2.0f, 2.0f, st));
+            CK(cudaMalloc(reinterpret_cast<void **>(&nw), size_t(D) * 2));
+            CK(launch_fill_random(nw, D, 1, 32, 0.5f, 1.5f, st));
+            CK(cudaMalloc(reinterpret_cast<void **>(&pw), size_t(D) * 4));
+            CK(launch_fill_random(pw, D, 0, 33, -1.0f, 1.0f, st));
+            CK(cudaMalloc(reinterpret_cast<void **>(&y), size_t(R * D) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&part), size_t(attn_res_chunk_parts(n, R, D, 1024) + R * n) * 4));
+            const dweight dnw{nw, wtype::BF16}, dpw{pw, wtype::F32};
+            auto cands = [&](int set) {
+                cand_ptrs cp{};
+                for (int i = 0; i < n; ++i) cp.p[i] = cand + size_t(set) * set_floats + size_t(i) * size_t(R * D);
+                return cp;
+            };
+            auto graph_us = [&](const std::function<void(int)> & f) {
+                f(0);   // eager once: outside any capture
+                CK(cudaStreamSynchronize(st));
+                cudaGraph_t gr;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int i = 0; i < nl; ++i) f(i);
+                CK(cudaStreamEndCapture(st, &gr));
+                CK(cudaGraphInstantiate(&ge, gr, 0));
+                const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(gr));
+                return ms * 1e3;
+            };
+            std::printf("attnres K3 D=%lld n=%d R=%d us per mix:", (long long)D, n, R);
+            int set = 0;   // advances over the whole run: consecutive replays never start on a set the last one left in L2
+            for (bool cold : {true, false}) {
+                auto pick = [&] { return cold ? (set++ % int(nsets)) : 0; };
+                std::printf(" %s: split %.2f", cold ? "cold" : "| hot",
+                            graph_us([&](int) { CK(launch_attn_res_mix(cands(pick()), n, R, D, dnw, dpw, 1e-6f, part, y, st)); }));
+                std::printf(" chunked1024 %.2f", graph_us([&](int) {
+                                CK(launch_attn_res_mix_chunked(cands(pick()), n, R, D, dnw, dpw, 1e-6f, 1024, part, y, st));
+                            }));
+                std::printf(" cluster1024 %.2f", graph_us([&](int) {
+                                CK(launch_attn_res_mix_cluster(cands(pick()), n, R, D, dnw, dpw, 1e-6f, 1024, y, st));
+                            }));
+            }
+            std::printf("\n");
+            for (void * p : {static_cast<void *>(cand), static_cast<void *>(y), static_cast<void *>(part), static_cast<void *>(pw),
+                             static_cast<void *>(nw)})
+                CK(cudaFree(p));
+        }
+    }
+}
+
 // mla: MLA_ATTN absorbed decode (mla.cu; cuda_options::mla_decode_v2 / mla_decode_v3) at the Kimi-Linear-48B (32 heads)
 // and K3 (96 heads) widths (kv_lora 512, rope 64, nope 128, v 128, bf16 kv_b), context 1024 (page size 64), T = 1 and 8
 // (one token per sequence). Each figure: a CUDA graph of 64 back-to-back MLA launches with PDL on (as in the decode
@@ -261,6 +326,10 @@ int main(int argc, char ** argv) {
     }
     if (argc > 1 && std::strcmp(argv[1], "route") == 0) {   // "bench-cuda-kernels route": the copy ceiling and route only
         bench_route();
+        return 0;
+    }
+    if (argc > 1 && std::strcmp(argv[1], "attnres") == 0) {   // "bench-cuda-kernels attnres": the copy ceiling and attnres only
+        bench_attnres();
         return 0;
     }
 

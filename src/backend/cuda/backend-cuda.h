@@ -218,13 +218,15 @@ struct cuda_options {
     // the conv and the head norms (fuse-conv.cu); the L2_NORM launch is removed (fuse-plan.h). On (round 2: +fconv 48B
     // 4.646 -> 4.605 ms, k3 3.475 -> 3.469).
     bool fuse_conv_l2 = true;
-    // The KDA block's decode tail (at most 8 tokens, K = V = 128, conv width 4): the 3 short convs, q/k L2 norms, the
-    // f_b and g_b low-rank projections (BF16, rank <= 128), the gate, the delta-rule step and the gated norm as one
-    // launch per (head, sequence) at the gated norm's position (kda-fused-decode.cu, fuse-plan.h rule 7); 7-9 launches
-    // removed per KDA layer. Prediction (2026-11-30, session 5, before the first GPU run): those launches cost ~18-22 us per
-    // 48B KDA layer in the graph step, the fused one ~5 us: 48B step 2.79 -> ~2.50 ms (20 KDA layers), k3-layers-4 -0.03
-    // ms (3 layers, z from the full-rank g_proj). Off until the H200 run measures it (bench-cuda-decode --set fuse_kda_decode=1).
-    bool fuse_kda_decode = false;
+    // The KDA block's decode tail (at most 8 tokens, K = V in {32, 64, 128}, conv width 4): the 3 short convs, q/k L2
+    // norms, the f_b and g_b low-rank projections (BF16, rank <= 128), the gate, the delta-rule step and the gated norm as
+    // one launch per (head, sequence) at the gated norm's position (kda-fused-decode.cu, fuse-plan.h rule 7); 7-9
+    // launches removed per KDA layer. Predicted (session 5, before the first GPU run): 48B step 2.79 -> ~2.50 ms (20 KDA
+    // layers at ~18-22 -> ~5 us), k3-layers-4 -0.03 ms. Measured (session 5 call J, H200, same binary): 48B B=1 graph step
+    // 2.790 -> 2.593 ms (358.5 -> 385.7 tok/s; ~10 us per layer saved, half the prediction), k3 2.602 -> 2.576 ms (81.5% ->
+    // 82.4% of the floor); test-fuse-cuda kda_decode_tail: CPU NMSE <= 2.1e-11 over two steps, bitwise the unfused
+    // kernels when f and z are inputs; memcheck 0, racecheck 0. On.
+    bool fuse_kda_decode = true;
     // SIGMOID over the output of a LINEAR on the GEMV path (the KDA beta): the GEMV epilogue writes sigmoid(y) too; the
     // SIGMOID launch is removed (fuse-plan.h). On (round 2: +fsig 48B 4.646 -> 4.599 ms, k3 3.475 -> 3.462).
     bool fuse_sigmoid = true;
@@ -271,6 +273,13 @@ struct cuda_options {
     // (row, candidate) walking all D columns: ~24 us per mix at K3's D = 7168 with 2 blocks, Nsight Compute 2026-11-30).
     // 1024 by prediction (k3 ATTN_RES_MIX x8 0.20 -> ~0.06 ms per step); the H200 run decides.
     int attn_res_chunk = 1024;
+    // ATTN_RES_MIX below attn_res_prefill_tokens (decode), D % 4 == 0 and 16-byte aligned: ONE launch per mix
+    // (attn-res.cu k_attn_res_mix_cluster: a thread-block cluster of the row's ceil(D / attn_res_chunk) <= 8 column
+    // blocks; chunk partials shared through distributed shared memory, then each block mixes its own columns). false:
+    // the chunked form (two launches). Session 4 (H200): kernel 9.6 -> 4.6 us (n 3) / 9.1 us (n 9), k3 step -0.045 ms,
+    // CPU parity NMSE 3e-15, but removed because its test was wrong; restored in session 5 with a corrected test. Off
+    // until that test passes on the H200.
+    bool attn_res_cluster = false;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;

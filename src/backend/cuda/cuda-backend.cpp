@@ -1228,6 +1228,11 @@ private:
                                                                     scr, y, st_));
                     break;
                 }
+                if (opt_.attn_res_cluster && ar_aligned) {   // decode, one launch: a cluster of column blocks per row
+                    PG_CUDA_CHECK(cuda::launch_attn_res_mix_cluster(cp, int64_t(nc), xn / D, D, w_in(n, nc), w_in(n, nc + 1), n.p.eps,
+                                                                    opt_.attn_res_chunk, y, st_));
+                    break;
+                }
                 if (opt_.attn_res_chunk > 0 && ar_aligned) {   // decode: scores from column-chunk partials
                     const int64_t R = xn / D;
                     float * part = static_cast<float *>(alloc(size_t(cuda::attn_res_chunk_parts(int64_t(nc), R, D, opt_.attn_res_chunk)) * 4));
@@ -1456,16 +1461,17 @@ private:
         const node & sc = g.nodes[size_t(kf.scan)];
         const node & gt = g.nodes[size_t(kf.gate)];
         const tensor & sth = state_host(g, sc, 5);
-        PG_CHECK(sth.shape.size() == 4 && sth.shape[1] == sc.p.n_head && sth.shape[2] == 128 && sth.shape[3] == 128,
-                 "state {} for {} heads x 128 x 128", shape_str(sth.shape), sc.p.n_head);
+        const int64_t Kh = sc.p.head_dim_k;
+        PG_CHECK(sth.shape.size() == 4 && sth.shape[1] == sc.p.n_head && sth.shape[2] == Kh && sth.shape[3] == Kh,
+                 "state {} for {} heads x {} x {}", shape_str(sth.shape), sc.p.n_head, Kh, Kh);
         slots_check(*g.b, sth.shape[0], "kda_scan");
         PG_CHECK(shape_numel(in(gt, 1).shape) >= gt.p.n_head, "A_log has {} values for {} heads", shape_numel(in(gt, 1).shape),
                  gt.p.n_head);
-        PG_CHECK(shape_numel(in(gt, 2).shape) == gt.p.n_head * 128, "dt_bias has {} values for {} channels",
-                 shape_numel(in(gt, 2).shape), gt.p.n_head * 128);
+        PG_CHECK(shape_numel(in(gt, 2).shape) == gt.p.n_head * Kh, "dt_bias has {} values for {} channels",
+                 shape_numel(in(gt, 2).shape), gt.p.n_head * Kh);
         cuda::kda_decode_args a;
         a.H = int(sc.p.n_head);
-        a.K = a.V = 128;
+        a.K = a.V = int(Kh);
         a.W = 4;
         float * cst[3];
         const float * cx[3];

@@ -41,9 +41,9 @@ cudaError_t launch_short_conv_l2(const float * x, int64_t C, dweight w, int64_t 
 // The KDA block's decode tail in one launch (kda-fused-decode.cu; fuse-plan.h rule 7): the q/k/v short convs (+ SiLU,
 // state updated), the per-head L2 norms of q and k, the forget gate (f = fa W_fb^T folded, or f given), the output gate
 // (z = ga W_gb^T folded, or z given), the delta-rule step (fp32 state read and written once) and the gated RMSNorm,
-// every intermediate written. Layouts as the unfused ops: activations [T, H * 128] (beta [T, H]); conv weights
-// [H * 128, 1, W] and states [slots, H * 128, W - 1]; f_b / g_b BF16 [H * 128, R]; KDA state [slots, H, 128, 128].
-// Takes K = V = 128, W = 4, R % 32 == 0 and R <= 128, 16-byte aligned state / y_o / f_b / g_b
+// every intermediate written. Layouts as the unfused ops: activations [T, H * K] (beta [T, H]); conv weights
+// [H * K, 1, W] and states [slots, H * K, W - 1]; f_b / g_b BF16 [H * K, R]; KDA state [slots, H, K, K].
+// Takes K = V in {32, 64, 128}, W = 4, R % 32 == 0 and R <= 128, 16-byte aligned state / y_o / f_b / g_b
 // (kda_decode_fused_supported); else cudaErrorInvalidValue.
 struct kda_decode_args {
     int H = 0, K = 0, V = 0, W = 0;

@@ -27,7 +27,8 @@
 //                     r = COLS(x, L, W - L) with x [T, W] F32: one launch at a's position (mla.cu k_mla_kv_split) writes
 //                     a, c and r; the RMS_NORM and the second COLS launches are removed (2 launches per MLA layer). Only
 //                     when every consumer of c and r comes after a (they are computed earlier than in the graph).
-//   fuse_kda_decode   The KDA block's decode tail (forward.cpp kda_block), at most 8 tokens, K = V = 128, conv width 4:
+//   fuse_kda_decode   The KDA block's decode tail (forward.cpp kda_block), at most 8 tokens, K = V in {32, 64, 128},
+//                     conv width 4:
 //                     SHORT_CONV q/k/v, the L2_NORMs of q and k, LINEAR f_b (BF16, rank <= 128, folded when its input
 //                     is ready; else f is an input), KDA_GATE, LINEAR g_b (same; K3's full-rank g_proj: z is an input),
 //                     KDA_SCAN and the GATED_RMS_NORM: one launch at the GATED_RMS_NORM's position (kda-fused-decode.cu)
@@ -391,13 +392,16 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         };
         for (size_t i = 0; i < N; ++i) {
             const node & nn = g.nodes[i];
-            if (nn.op != op_type::GATED_RMS_NORM || !free_node(int(i)) || nn.p.n != 128 || nn.src.size() < 3) continue;
+            if (nn.op != op_type::GATED_RMS_NORM || !free_node(int(i)) || nn.src.size() < 3) continue;
             if (!is(nn.src[0], op_type::KDA_SCAN) || !nn.src[1].valid() || nn.src[1].out != 0) continue;
             kda_fold kf;
             kf.scan = nn.src[0].node;
             const node & sc = g.nodes[size_t(kf.scan)];
-            if (!free_node(kf.scan) || sc.src.size() < 6 || sc.p.head_dim_k != 128 || sc.p.head_dim_v != 128) continue;
-            const int64_t H = sc.p.n_head, C = H * 128;
+            const int64_t Kh = sc.p.head_dim_k;   // K = V = the gated norm's width, 32 / 64 / 128
+            if (!free_node(kf.scan) || sc.src.size() < 6 || (Kh != 32 && Kh != 64 && Kh != 128) || sc.p.head_dim_v != Kh ||
+                nn.p.n != Kh)
+                continue;
+            const int64_t H = sc.p.n_head, C = H * Kh;
             if (H < 1 || !sc.src[0].valid()) continue;
             const int64_t T = g.out(sc.src[0]).shape.empty() ? 0 : g.out(sc.src[0]).shape[0];
             if (T < 1 || T > 8) continue;
@@ -406,7 +410,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             if (!ok) continue;
             for (int q = 0; q < 2 && ok; ++q) {
                 const node & l2 = g.nodes[size_t(sc.src[size_t(q)].node)];
-                ok = l2.p.n == 128 && is(l2.src[0], op_type::SHORT_CONV) && f32_2d(l2.src[0], T, C);
+                ok = l2.p.n == Kh && is(l2.src[0], op_type::SHORT_CONV) && f32_2d(l2.src[0], T, C);
                 kf.l2[q] = sc.src[size_t(q)].node;
                 kf.conv[q] = ok ? l2.src[0].node : -1;
             }
@@ -419,7 +423,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             }
             kf.gate = sc.src[3].node;
             const node & gt = g.nodes[size_t(kf.gate)];
-            ok = ok && gt.p.n_head == H && gt.p.head_dim_k == 128 && gt.src.size() >= 3 && f32_2d(gt.src[0], T, C);
+            ok = ok && gt.p.n_head == H && gt.p.head_dim_k == Kh && gt.src.size() >= 3 && f32_2d(gt.src[0], T, C);
             if (!ok) continue;
             if (lowrank(gt.src[0], kf.gate, C)) kf.f_b = gt.src[0].node;
             if (lowrank(nn.src[1], int(i), C)) kf.g_b = nn.src[1].node;

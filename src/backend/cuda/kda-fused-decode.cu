@@ -1,5 +1,5 @@
-// The KDA block's decode tail in one launch (cuda_options::fuse_kda_decode, fuse-plan.h rule 7): for one head of one
-// sequence, per token in order,
+// The KDA block's decode tail in one launch (cuda_options::fuse_kda_decode, fuse-plan.h rule 7): for one head (K = V in
+// {32, 64, 128}) of one sequence, per token in order,
 //   q, k, v = SiLU(causal depthwise conv(x_q, x_k, x_v) with the conv state)        (SHORT_CONV x3)
 //   qn, kn  = per-head L2 norm of q, k                                                 (L2_NORM x2)
 //   f       = fa W_fb^T for the head's K rows (or f given)                             (LINEAR f_b_proj)
@@ -13,7 +13,7 @@
 // Why the numbers equal the unfused kernels bit for bit when f and z are given: each stage repeats the unfused kernel's
 // arithmetic in the same order with the same thread mapping: the conv as k_short_conv / k_short_conv_l2 (taps summed in
 // order, SiLU); each head norm as block_sum over 4 warps of one element per thread (k_short_conv_l2, k_norm with
-// threads_for(128) = 128); the gate as k_kda_gate; the scan as k_kda_scan_v2<8> (K = 128: 16 row groups of 8 rows, 8
+// threads_for(K) = K); the gate as k_kda_gate; the scan as k_kda_scan_v2<K / 16> (16 row groups of K / 16 rows, 8
 // column quads per 32-column tile, rows summed per thread in order, 2 shuffles, 4 warps in order); the gated norm as
 // k_norm<2>. test-fuse-cuda kda_decode_fused checks that equality and the folded GEMVs against the CPU.
 // The folded f_b / g_b GEMVs are NOT the GEMV kernels' summation order (4 threads per row, 8-element chunks), so with
@@ -25,11 +25,8 @@ namespace perigee::cuda {
 
 namespace {
 
-constexpr int kD = 128;                 // K = V = the head dim this kernel takes
-constexpr int kThreads = 512;           // 16 warps: 4 scan tiles of 32 columns x 128 threads (k_kda_scan_v2's block)
 constexpr int kConvW = 4;               // conv taps (Kimi: short_conv_kernel_size 4)
 constexpr int kMaxChunks = 4;           // f_b / g_b rows of up to 4 x 32 = 128 values (8 bf16 per 16-byte chunk)
-constexpr int kRows = 8;                // scan rows per thread (K / 16 row groups)
 
 __device__ __forceinline__ float4 f4z() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
 __device__ __forceinline__ void prefetch_l2(const void * p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
@@ -57,8 +54,9 @@ __device__ __forceinline__ float4 warp_order_sum(const float4 (&red)[4][8], int 
     }
     return a;
 }
-// block_sum (common.cuh) of a 4-warp group whose per-warp sums are in red[0..3]: the same second stage.
-__device__ __forceinline__ float group4_sum(const float * red, int lane) { return warp_sum(lane < 4 ? red[lane] : 0.0f); }
+// block_sum (common.cuh) of an NW-warp group whose per-warp sums are in red[0..NW-1]: the same second stage.
+template <int NW>
+__device__ __forceinline__ float group_sum(const float * red, int lane) { return warp_sum(lane < NW ? red[lane] : 0.0f); }
 
 // One row of a bf16 low-rank projection: the thread's chunks p, p + 4, ... of 8 values each, summed in order, then
 // the 4 threads of the row (adjacent lanes) by two shuffles.
@@ -80,12 +78,16 @@ __device__ __forceinline__ float lowrank_row(const uint4 (&w)[kMaxChunks], int n
     return acc;
 }
 
-// Grid (H, n_seq), 512 threads.
-__global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_args a, dbatch b) {
-    __shared__ float s_fa[kD], s_ga[kD];
+// Grid (H, n_seq), 4 KD threads: KD / 32 scan tiles of 32 columns x 128 threads (k_kda_scan_v2's block), 3 KD conv
+// channels, KD low-rank rows of 4 threads each. KD = K = V in {32, 64, 128}.
+template <int KD>
+__global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args a, dbatch b) {
+    constexpr int kD = KD, kNW = KD / 32;   // warps per head-wide group (the unfused norms' blocks of KD threads)
+    constexpr int kRows = KD / 16;           // scan rows per thread (16 row groups)
+    __shared__ float s_fa[32 * kMaxChunks], s_ga[32 * kMaxChunks];
     __shared__ float s_q[kD], s_k[kD], s_v[kD], s_g[kD], s_z[kD], s_o[kD];
-    __shared__ float red_l2[2][4], red_n[4], s_beta;
-    __shared__ float4 red_pred[4][4][8], red_out[4][4][8];   // [tile][warp of the tile][column quad]
+    __shared__ float red_l2[2][kNW], red_n[kNW], s_beta;
+    __shared__ float4 red_pred[kNW][4][8], red_out[kNW][4][8];   // [tile][warp of the tile][column quad]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.x, s = blockIdx.y;
@@ -93,13 +95,13 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
     const int64_t HD = int64_t(H) * kD;
 
     // ---- weights (constants) before the PDL wait: they load while the previous kernel finishes ----
-    const int part = tid >> 7, c = tid & (kD - 1);   // conv: part 0 q, 1 k, 2 v (threads 0..383), channel c of the head
+    const int part = tid / kD, c = tid % kD;   // conv: part 0 q, 1 k, 2 v (threads 0 .. 3 KD - 1), channel c of the head
     const int64_t ch = int64_t(h) * kD + c;
     const dweight cw = part == 0 ? a.conv_q : part == 1 ? a.conv_k : a.conv_v;
     float wc[kConvW];
 #pragma unroll
     for (int j = 0; j < kConvW; ++j) wc[j] = part < 3 ? wload(cw, ch * kConvW + j) : 0.0f;
-    const int row = tid >> 2, rp = tid & 3;          // low-rank GEMVs: row (of 128) and quarter of the row
+    const int row = tid >> 2, rp = tid & 3;          // low-rank GEMVs: row (of KD) and quarter of the row
     const int nf = a.Rf / 32, ng = a.Rg / 32;        // 16-byte chunks per thread
     const uint4 * wf_p = a.f_b ? reinterpret_cast<const uint4 *>(a.f_b) + ((int64_t(h) * kD + row) * a.Rf) / 8 + rp : nullptr;
     const uint4 * wg_p = a.g_b ? reinterpret_cast<const uint4 *>(a.g_b) + ((int64_t(h) * kD + row) * a.Rg) / 8 + rp : nullptr;
@@ -112,10 +114,10 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
     const float a_exp = expf(wload(a.a_log, h));
     const float dtb = tid < kD ? wload(a.dt_bias, int64_t(h) * kD + tid) : 0.0f;
     const float onw = tid < kD ? wload(a.o_norm, tid) : 0.0f;
-    // The head's 64 KB of state into L2 too (one 128-byte line per thread). A prefetch returns no data, so it cannot
+    // The head's state (64 KB at KD 128) into L2 too (one 128-byte line per thread). A prefetch returns no data, so it cannot
     // read a stale value; b.slot was written by the step's batch upload, a copy that completed before the step's first
     // kernel began (copies are not programmatic launches).
-    prefetch_l2(reinterpret_cast<const char *>(a.state + (int64_t(b.slot[s]) * H + h) * kD * kD) + 128 * tid);
+    if (tid < kD * kD / 32) prefetch_l2(reinterpret_cast<const char *>(a.state + (int64_t(b.slot[s]) * H + h) * kD * kD) + 128 * tid);
 
     pdl_enter();
 
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
 
     const int64_t t0 = b.seq_start[s], t1 = b.seq_start[s + 1];
     for (int64_t t = t0; t < t1; ++t) {
-        const int64_t tc = t * HD + ch;   // [T, H * 128] index of the thread's channel
+        const int64_t tc = t * HD + ch;   // [T, H * KD] index of the thread's channel
         // 1. conv + SiLU (threads 0..383); the low-rank inputs to shared memory; beta. The low-rank weights are
         // loaded first so that they are in flight during the conv.
         uint4 wf[kMaxChunks], wg[kMaxChunks];
@@ -162,20 +164,22 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
             if (part == 2) s_v[c] = val;
             else {
                 const float ss = warp_sum(val * val);
-                if (lane == 0) red_l2[part][warp & 3] = ss;
+                if (lane == 0) red_l2[part][warp % kNW] = ss;
             }
         }
-        if (a.f_b && tid < a.Rf) s_fa[tid] = a.fa[t * a.Rf + tid];
-        if (a.g_b && tid >= kD && tid < kD + a.Rg) s_ga[tid - kD] = a.ga[t * a.Rg + tid - kD];
+        if (a.f_b)
+            for (int i = tid; i < a.Rf; i += 4 * kD) s_fa[i] = a.fa[t * a.Rf + i];
+        if (a.g_b)
+            for (int i = tid; i < a.Rg; i += 4 * kD) s_ga[i] = a.ga[t * a.Rg + i];
         if (tid == 0) s_beta = a.beta[t * H + h];
         __syncthreads();
         // 2. head L2 norms (q, k); f and the gate; z
         if (part < 2) {
-            const float qk = val * rsqrtf(group4_sum(red_l2[part], lane) + a.l2_eps);
+            const float qk = val * rsqrtf(group_sum<kNW>(red_l2[part], lane) + a.l2_eps);
             ynorm[tc] = qk;
             (part == 0 ? s_q : s_k)[c] = qk;
         }
-        const int64_t hrow = t * HD + int64_t(h) * kD;   // [T, H * 128] index of the head's first row
+        const int64_t hrow = t * HD + int64_t(h) * kD;   // [T, H * KD] index of the head's first row
         if (a.f_b) {
             const float f = lowrank_row(wf, nf, rp, s_fa);
             if (rp == 0) {
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
             s_z[tid] = a.z[hrow + tid];
         }
         __syncthreads();
-        // 3. the delta-rule step (k_kda_scan_v2<8>'s arithmetic, tile = blockIdx.x there)
+        // 3. the delta-rule step (k_kda_scan_v2<KD / 16>'s arithmetic, tile = blockIdx.x there)
         {
             float kd[kRows], qd[kRows], ad[kRows];
 #pragma unroll
@@ -252,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
             }
             __syncthreads();
         }
-        // 4. gated RMSNorm over the head's 128 values (k_norm<2> with 128 threads)
+        // 4. gated RMSNorm over the head's KD values (k_norm<2> with KD threads)
         if (tid < kD) {
             const float o = s_o[tid];
             const float ss = warp_sum(o * o);
@@ -260,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) k_kda_decode_fused(kda_decode_arg
         }
         __syncthreads();
         if (tid < kD) {
-            const float inv = rsqrtf(group4_sum(red_n, lane) / float(kD) + a.norm_eps);
+            const float inv = rsqrtf(group_sum<kNW>(red_n, lane) / float(kD) + a.norm_eps);
             a.y_on[hrow + tid] = s_o[tid] * inv * onw * sigmoid_d(s_z[tid]);
         }
         // The next token's writes to shared memory come after its first barrier; every read above of what it rewrites
@@ -283,14 +287,18 @@ bool kda_decode_fused_supported(const kda_decode_args & a) {
                             : a.f != nullptr;
     const bool z_ok = a.g_b ? (a.ga && a.Rg >= 32 && a.Rg <= 32 * kMaxChunks && a.Rg % 32 == 0 && a16(a.g_b) && a.y_z)
                             : a.z != nullptr;
-    return a.K == kD && a.V == kD && a.W == kConvW && a.H >= 1 && f_ok && z_ok && a16(a.state) && a16(a.y_o) && a.q && a.k &&
-           a.v && a.beta && a.conv_state_q && a.conv_state_k && a.conv_state_v && a.y_q && a.y_qn && a.y_k && a.y_kn && a.y_v &&
-           a.y_g && a.y_on;
+    return (a.K == 32 || a.K == 64 || a.K == 128) && a.V == a.K && a.W == kConvW && a.H >= 1 && f_ok && z_ok && a16(a.state) &&
+           a16(a.y_o) && a.q && a.k && a.v && a.beta && a.conv_state_q && a.conv_state_k && a.conv_state_v && a.y_q && a.y_qn &&
+           a.y_k && a.y_kn && a.y_v && a.y_g && a.y_on;
 }
 
 cudaError_t launch_kda_decode_fused(const kda_decode_args & a, const dbatch & b, cudaStream_t st) {
     if (!kda_decode_fused_supported(a)) return cudaErrorInvalidValue;
-    if (b.n_seq > 0) launch_k(k_kda_decode_fused, dim3(unsigned(a.H), unsigned(b.n_seq)), kThreads, 0, st, a, b);
+    if (b.n_seq == 0) return cudaGetLastError();
+    const dim3 grid(unsigned(a.H), unsigned(b.n_seq));
+    if (a.K == 128) launch_k(k_kda_decode_fused<128>, grid, 4 * 128, 0, st, a, b);
+    else if (a.K == 64) launch_k(k_kda_decode_fused<64>, grid, 4 * 64, 0, st, a, b);
+    else launch_k(k_kda_decode_fused<32>, grid, 4 * 32, 0, st, a, b);
     return cudaGetLastError();
 }
 

@@ -49,6 +49,7 @@ cuda_options fuse_opts(bool norm, bool add, bool guard = true, bool staged = tru
     o.fuse_norm_max_weight_bytes = int64_t(256) << 20;
     o.fuse_conv_l2 = false;
     o.fuse_sigmoid = false;
+    o.fuse_kda_decode = false;
     return o;
 }
 // Whether the planner folds a norm over [T, K] with the staged prologue (fuse-plan.h: min(T, 8) rows of x' in 47 KiB).
@@ -608,8 +609,8 @@ struct kda_graph {
 };
 enum class kda_form { lowrank, fullrank, inputs };
 void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, int H, int n_slots, uint32_t seed,
-                     float lower_bound) {
-    const int K = 128, C = H * K, D = 256, W = 4, T = b->n_tokens();
+                     float lower_bound, int K = 128) {
+    const int C = H * K, D = 256, W = 4, T = b->n_tokens();
     rng r(seed);
     builder bd(b);
     auto lin = [&](node_ref x, int O, int I, dtype dt, const char * nm, float s) {
@@ -663,22 +664,23 @@ void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, in
 
 TEST(cuda_fuse, kda_decode_tail) {
     NEED_GPU();
-    struct tc { std::vector<int> lens; kda_form form; };
+    struct tc { std::vector<int> lens; kda_form form; int K = 128; };
     const char * fname[] = {"lowrank", "fullrank", "inputs"};
     for (const tc & c : {tc{{1}, kda_form::lowrank}, tc{{1, 1, 1}, kda_form::lowrank}, tc{{3, 1, 2}, kda_form::lowrank},
                          tc{{1, 1}, kda_form::fullrank}, tc{{2, 1}, kda_form::inputs}, tc{{1, 1, 1}, kda_form::inputs},
-                         tc{{9}, kda_form::lowrank}}) {
+                         tc{{9}, kda_form::lowrank}, tc{{1, 2}, kda_form::lowrank, 64}, tc{{1, 1}, kda_form::inputs, 64},
+                         tc{{2, 1}, kda_form::fullrank, 32}, tc{{1, 1}, kda_form::inputs, 32}}) {
         const int H = 3, n_slots = 6;
         const float lb = c.form == kda_form::fullrank ? -5.0f : 0.0f;
         const int T = std::accumulate(c.lens.begin(), c.lens.end(), 0);
-        const std::string nm = fmt::format("kda_tail/{}/seqs{}/T{}", fname[int(c.form)], c.lens.size(), T);
+        const std::string nm = fmt::format("kda_tail/{}/K{}/seqs{}/T{}", fname[int(c.form)], c.K, c.lens.size(), T);
         auto mk = [&](kda_graph & kg, float lbound) {
             auto b = std::make_shared<batch>();
             b->seq_start = {0};
             for (size_t s = 0; s < c.lens.size(); ++s)
                 b->seq_start.push_back(b->seq_start.back() + c.lens[s]), b->pos0.push_back(7), b->slot.push_back(int(5 - 2 * s));
             b->ids.assign(size_t(T), 0);
-            build_kda_graph(kg, b, c.form, H, n_slots, 12000 + uint32_t(T) * 7 + uint32_t(c.form), lbound);
+            build_kda_graph(kg, b, c.form, H, n_slots, 12000 + uint32_t(T) * 7 + uint32_t(c.form) + uint32_t(c.K), lbound, c.K);
         };
         kda_graph kg;
         mk(kg, lb);

@@ -763,6 +763,132 @@ TEST(cuda_ops, attn_res_mix) {
     }
 }
 
+// The one-launch ATTN_RES_MIX (cuda_options::attn_res_cluster: a thread-block cluster of column blocks per row, the chunk
+// partials shared through distributed shared memory). Per case:
+//   - the kernel itself, called directly (cuda::launch_attn_res_mix_cluster on device copies of the graph's inputs), so
+//     its proof does not depend on the backend's dispatch: CPU parity at the f32 tolerance;
+//   - the backend with the switch on at chunk 0 / 64 / 1024: CPU parity, and parity with the chunked form (two launches)
+//     at the same chunk (reported bitwise or not; session 4's claim that it is always bitwise did not hold on the H200).
+// The projection weights are small (|pw| <= 0.02) so that the scores are O(1) and the output is a real blend of the
+// candidates (with |pw| ~ 1 at D = 7168 the softmax is one-hot and dropping a losing candidate changes nothing: the
+// session-4 control that could not fail). Controls on the K3 decode row (n 9, D 7168): a perturbed output, the CPU
+// reference with the last candidate dropped, and with the first two candidates' values swapped in one row (the softmax
+// is order-free, so a swap of VALUES between candidates with different scores must move the output) must all FAIL.
+TEST(cuda_ops, attn_res_mix_cluster) {
+    NEED_GPU();
+    struct arcase { int n, T, D; };
+    // K3 decode rows (D 7168: 7 blocks of 1024), 3 rows per launch, 8 blocks exactly (8192), a D that needs the chunk
+    // grown (9216 -> 1152 x 8), the 17-candidate (N 32) and 1-candidate buckets, narrow rows
+    for (const arcase cs : {arcase{9, 1, 7168}, arcase{9, 3, 7168}, arcase{5, 1, 8192}, arcase{6, 2, 9216}, arcase{17, 1, 7168},
+                            arcase{1, 1, 7168}, arcase{3, 5, 80}, arcase{8, 1, 4}}) {
+        const int n = cs.n, T = cs.T, D = cs.D;
+        const std::string nm = "attn_res_cluster/n" + std::to_string(n) + "/T" + std::to_string(T) + "/D" + std::to_string(D);
+        rng rr(6200 + uint32_t(n * 7 + T * 131 + D));
+        std::vector<std::vector<float>> cv;
+        for (int i = 0; i < n; ++i) cv.push_back(rr.vec(size_t(T * D), -2, 2));
+        auto nwv = rr.vec(size_t(D), 0.5f, 1.5f), pwv = rr.vec(size_t(D), -0.02f, 0.02f);
+        arena a;
+        const tensor & nw_t = a.bf16({D}, nwv);   // nwv now holds the bf16-rounded values
+        // the graph over candidates `c` (a subset or a modified copy of cv)
+        auto make = [&](const std::vector<std::vector<float>> & c) {
+            builder bd(batch_simple(T));
+            std::vector<node_ref> cn;
+            for (size_t i = 0; i < c.size(); ++i) cn.push_back(bd.scale(bd.weight(a.f32({T, D}, c[i]), "cand" + std::to_string(i)), 1.0f));
+            const node_ref y = bd.name(bd.attn_res_mix(cn, bd.weight(a.f32({D}, nwv), "nw"), bd.weight(a.f32({1, D}, pwv), "pw"), 1e-6f),
+                                       "attn_res");
+            return std::make_pair(bd.finish(y), y);
+        };
+        auto [g, y] = make(cv);
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, y);
+        // 1. the kernel, called directly
+        std::vector<float> yd(size_t(T) * D);
+        {
+            std::vector<void *> dc(static_cast<size_t>(n), nullptr);
+            cuda::cand_ptrs cp{};
+            for (int i = 0; i < n; ++i) {
+                ASSERT_EQ(cudaMalloc(&dc[size_t(i)], size_t(T) * D * 4), cudaSuccess);
+                ASSERT_EQ(cudaMemcpy(dc[size_t(i)], cv[size_t(i)].data(), size_t(T) * D * 4, cudaMemcpyHostToDevice), cudaSuccess);
+                cp.p[i] = static_cast<const float *>(dc[size_t(i)]);
+            }
+            void *dnw = nullptr, *dpw = nullptr, *dyv = nullptr;
+            ASSERT_EQ(cudaMalloc(&dnw, size_t(D) * 2), cudaSuccess);
+            ASSERT_EQ(cudaMalloc(&dpw, size_t(D) * 4), cudaSuccess);
+            ASSERT_EQ(cudaMalloc(&dyv, size_t(T) * D * 4), cudaSuccess);
+            float * dy = static_cast<float *>(dyv);
+            ASSERT_EQ(cudaMemcpy(dnw, nw_t.data, size_t(D) * 2, cudaMemcpyHostToDevice), cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(dpw, pwv.data(), size_t(D) * 4, cudaMemcpyHostToDevice), cudaSuccess);
+            ASSERT_EQ(cudaMemset(dy, 0xff, size_t(T) * D * 4), cudaSuccess);   // NaN until written
+            const cudaError_t e = cuda::launch_attn_res_mix_cluster(cp, n, T, D, cuda::dweight{dnw, cuda::wtype::BF16}, cuda::dweight{dpw, cuda::wtype::F32}, 1e-6f,
+                                                                    1024, dy, nullptr);
+            EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+            EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(yd.data(), dy, yd.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+            for (void * p : dc) cudaFree(p);
+            cudaFree(dnw);
+            cudaFree(dpw);
+            cudaFree(dy);
+            const bool ok = check(nm + "/direct", to_f64(ref), yd, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(ok);
+            tally(ok);
+        }
+        // 2. the backend with the switch on, against the CPU and the chunked form
+        auto run_gpu = [&](const cuda_options & o) {
+            auto gpu = backend_cuda_init(0, o);
+            gpu->run(g);
+            return read_f32(*gpu, y);
+        };
+        for (int chunk : {0, 64, 1024}) {
+            cuda_options cl{true, 8};
+            cl.attn_res_cluster = true;
+            cl.attn_res_chunk = chunk;
+            EXPECT_TRUE(parity(nm + "/chunk" + std::to_string(chunk), g, {{y, metric::NMSE, k_tol_f32}}, {}, cl));
+            const int ch = chunk > 0 ? chunk : 1024;   // what the cluster kernel runs at (if D needs <= 8 blocks)
+            if ((D + ch - 1) / ch > 8) continue;
+            cuda_options two{true, 8};
+            two.attn_res_chunk = ch;
+            const auto yc = run_gpu(cl), y2 = run_gpu(two);
+            const bool ok = check(nm + "/chunk" + std::to_string(chunk) + "/vs-chunked" + std::to_string(ch), to_f64(y2), yc, metric::NMSE,
+                                  k_tol_f32);
+            EXPECT_TRUE(ok);
+            tally(ok);
+            std::printf("[%s/chunk%d] bitwise the chunked form: %s\n", nm.c_str(), chunk,
+                        std::memcmp(yc.data(), y2.data(), yc.size() * 4) == 0 ? "yes" : "no");
+        }
+        if (n == 9 && T == 1) {   // controls on the K3 decode row (the direct kernel's output)
+            controls(nm, ref, yd, metric::NMSE, k_tol_f32);
+            auto drop = cv;
+            drop.pop_back();
+            auto [g8, y8] = make(drop);
+            auto cpu8 = backend_cpu_init();
+            cpu8->run(g8);
+            const bool dropped = check(nm + "/control(dropped candidate)", to_f64(read_f32(*cpu8, y8)), yd, metric::NMSE, k_tol_f32);
+            std::printf("[%s/control] dropped candidate %s (must FAIL)\n", nm.c_str(), dropped ? "PASSED - BAD" : "FAILED as required");
+            EXPECT_FALSE(dropped);
+            tally(!dropped);
+            auto swp = cv;
+            std::swap(swp[0], swp[1]);
+            auto [gs, ys] = make(swp);
+            auto cpus = backend_cpu_init();
+            cpus->run(gs);
+            // a swap of whole candidates is invisible to an order-free mix: swap their VALUES in the second half only
+            auto half = cv;
+            for (int i = D / 2; i < D; ++i) std::swap(half[0][size_t(i)], half[1][size_t(i)]);
+            auto [gh, yh] = make(half);
+            auto cpuh = backend_cpu_init();
+            cpuh->run(gh);
+            const bool same_order = check(nm + "/order-free (whole swap)", to_f64(read_f32(*cpus, ys)), yd, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(same_order) << "the mix must not depend on the candidates' order";
+            tally(same_order);
+            const bool swapped = check(nm + "/control(half-swapped values)", to_f64(read_f32(*cpuh, yh)), yd, metric::NMSE, k_tol_f32);
+            std::printf("[%s/control] half-swapped values %s (must FAIL)\n", nm.c_str(), swapped ? "PASSED - BAD" : "FAILED as required");
+            EXPECT_FALSE(swapped);
+            tally(!swapped);
+        }
+    }
+}
+
 // Wide rows (N >= 4096: 1024 threads per row) for the norms at decode widths.
 TEST(cuda_ops, norms_wide_rows) {
     NEED_GPU();
@@ -885,7 +1011,7 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
                 o.gemv_v3_min_in = 0;          // v3 on every width here (the default keeps it to the 48B's 2304-wide rows)
                 o.gemv_v3_max_in = 1 << 20;
                 o.linear_group = on != 0;
-                o.fuse_norm_linear = o.fuse_add = o.fuse_conv_l2 = o.fuse_sigmoid = on != 0;
+                o.fuse_norm_linear = o.fuse_add = o.fuse_conv_l2 = o.fuse_sigmoid = o.fuse_kda_decode = on != 0;
                 o.fuse_norm_staged = true;
                 o.fuse_norm_max_weight_bytes = int64_t(256) << 20;
                 {
