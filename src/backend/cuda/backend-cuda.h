@@ -276,10 +276,12 @@ struct cuda_options {
     // ATTN_RES_MIX below attn_res_prefill_tokens (decode), D % 4 == 0 and 16-byte aligned: ONE launch per mix
     // (attn-res.cu k_attn_res_mix_cluster: a thread-block cluster of the row's ceil(D / attn_res_chunk) <= 8 column
     // blocks; chunk partials shared through distributed shared memory, then each block mixes its own columns). false:
-    // the chunked form (two launches). Session 4 (H200): kernel 9.6 -> 4.6 us (n 3) / 9.1 us (n 9), k3 step -0.045 ms,
-    // CPU parity NMSE 3e-15, but removed because its test was wrong; restored in session 5 with a corrected test. Off
-    // until that test passes on the H200.
-    bool attn_res_cluster = false;
+    // the chunked form (two launches). Session 4 (H200): removed because its test was wrong (a bitwise claim that did
+    // not hold, a control that could not fail). Session 5 call K (H200), corrected test: the kernel called directly,
+    // CPU NMSE <= 1.1e-13 on 8 shapes, parity with the chunked form, dropped-candidate and half-swapped-values controls
+    // fail as required, memcheck 0 / racecheck 0; kernel 9.50 -> 4.55 us (n 3) / 9.70 -> 9.04 us (n 9); k3-layers-4 B=1
+    // step 2.617 -> 2.579 ms (same binary, same run). On.
+    bool attn_res_cluster = true;
     // run() (eager) records a CUDA event after every node, so node_ms() can split the step's GPU time by node
     // (benchmarks; when the GPU, not the host, is the bottleneck these are the kernels' times plus small gaps).
     bool profile_nodes = false;
