@@ -360,6 +360,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "mla_decode_v3") co.mla_decode_v3 = v != 0;
         else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
+        else if (k == "fuse_norm_max_mib") co.fuse_norm_max_weight_bytes = int64_t(v) << 20;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
         else if (k == "graph_decode") co.graph_decode = v != 0;
         else if (k == "fuse") co.fuse_norm_linear = co.fuse_add = co.fuse_conv_l2 = co.fuse_sigmoid = co.fuse_kda_decode = v != 0;

@@ -334,30 +334,7 @@ public:
         const int n_err = prepare(g);
         if (g.b) upload_batch(*g.b);   // pageable host -> device: outside the capture
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
-        PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
-        try {
-            PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
-            for (int id = 0; id < int(g.nodes.size()); ++id) {
-                const node & n = g.nodes[size_t(id)];
-                try {
-                    run_node(g, id);
-                } catch (const error & e) {
-                    throw error(e.func(), e.file(), e.line(),
-                                fmt::format("capture: node {} '{}' ({}): {}", id, n.name, op_name(n.op), e.what()));
-                }
-            }
-        } catch (...) {
-            cudaGraph_t junk = nullptr;
-            cudaStreamEndCapture(st_, &junk);
-            if (junk) cudaGraphDestroy(junk);
-            cudaGetLastError();
-            throw;
-        }
-        cudaGraph_t cg = nullptr;
-        PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
-        const cudaError_t ie = cudaGraphInstantiate(&exec_, cg, 0);
-        cudaGraphDestroy(cg);
-        PG_CHECK(ie == cudaSuccess, "capture: cudaGraphInstantiate failed: {}", cudaGetErrorString(ie));
+        exec_ = capture_nodes(g, n_err, "capture");
         cap_g_ = &g;
         cap_n_err_ = n_err;
     }
@@ -526,6 +503,38 @@ private:
         seen_bytes_.clear();
     }
 
+    // The capture itself, shared by capture() and capture_entry(): the error-flag reset and every node's launches
+    // recorded on st_ (outputs from the arena set up by the caller), instantiated. Executes nothing. An error names
+    // the node (prefixed by `who`) and leaves no capture open.
+    cudaGraphExec_t capture_nodes(const graph & g, int n_err, const char * who) {
+        PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
+        try {
+            PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
+            for (int id = 0; id < int(g.nodes.size()); ++id) {
+                try {
+                    run_node(g, id);
+                } catch (const error & ex) {
+                    const node & n = g.nodes[size_t(id)];
+                    throw error(ex.func(), ex.file(), ex.line(),
+                                fmt::format("{}: node {} '{}' ({}): {}", who, id, n.name, op_name(n.op), ex.what()));
+                }
+            }
+        } catch (...) {
+            cudaGraph_t junk = nullptr;
+            cudaStreamEndCapture(st_, &junk);
+            if (junk) cudaGraphDestroy(junk);
+            cudaGetLastError();
+            throw;
+        }
+        cudaGraph_t cg = nullptr;
+        PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
+        cudaGraphExec_t exec = nullptr;
+        const cudaError_t ie = cudaGraphInstantiate(&exec, cg, 0);
+        cudaGraphDestroy(cg);
+        PG_CHECK(ie == cudaSuccess, "{}: cudaGraphInstantiate failed: {}", who, cudaGetErrorString(ie));
+        return exec;
+    }
+
     // Captures the decode step g (its layout seen before, which allocated `bytes`) into a new entry; executes nothing.
     graph_entry & capture_entry(const graph & g, uint64_t key, size_t bytes) {
         if (graph_entries_.size() >= k_graph_entries) {   // the least recently used goes
@@ -558,30 +567,7 @@ private:
             e.batch_dev = const_cast<int32_t *>(db_.seq_start);
             e.batch_ints = host_batch_.size();
             PG_CUDA_CHECK(cudaStreamSynchronize(st_));
-            PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
-            try {
-                PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, e.n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
-                for (int id = 0; id < int(g.nodes.size()); ++id) {
-                    try {
-                        run_node(g, id);
-                    } catch (const error & ex) {
-                        const node & n = g.nodes[size_t(id)];
-                        throw error(ex.func(), ex.file(), ex.line(),
-                                    fmt::format("graph_decode capture: node {} '{}' ({}): {}", id, n.name, op_name(n.op), ex.what()));
-                    }
-                }
-            } catch (...) {
-                cudaGraph_t junk = nullptr;
-                cudaStreamEndCapture(st_, &junk);
-                if (junk) cudaGraphDestroy(junk);
-                cudaGetLastError();
-                throw;
-            }
-            cudaGraph_t cg = nullptr;
-            PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
-            const cudaError_t ie = cudaGraphInstantiate(&e.exec, cg, 0);
-            cudaGraphDestroy(cg);
-            PG_CHECK(ie == cudaSuccess, "graph_decode: cudaGraphInstantiate failed: {}", cudaGetErrorString(ie));
+            e.exec = capture_nodes(g, e.n_err, "graph_decode capture");
         } catch (...) {
             arena_ = saved_arena;
             arena_size_ = saved_size;
