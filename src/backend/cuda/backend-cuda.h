@@ -271,7 +271,9 @@ struct cuda_options {
     // ATTN_RES_MIX below attn_res_prefill_tokens (decode): scores from partial sums over this many columns per block
     // (attn-res.cu chunked form), the mix kernel adding the partials in chunk order; 0 = the split form (one block per
     // (row, candidate) walking all D columns: ~24 us per mix at K3's D = 7168 with 2 blocks, Nsight Compute 2026-11-30).
-    // 1024 by prediction (k3 ATTN_RES_MIX x8 0.20 -> ~0.06 ms per step); the H200 run decides.
+    // 1024 by prediction (k3 ATTN_RES_MIX x8 0.20 -> ~0.06 ms per step); the H200 run decides. With attn_res_cluster on
+    // (the default) the one-launch kernel runs instead, at this chunk (0: 1024); the chunked / split forms run only with
+    // it off (or for unaligned inputs).
     int attn_res_chunk = 1024;
     // ATTN_RES_MIX below attn_res_prefill_tokens (decode), D % 4 == 0 and 16-byte aligned: ONE launch per mix
     // (attn-res.cu k_attn_res_mix_cluster: a thread-block cluster of the row's ceil(D / attn_res_chunk) <= 8 column

@@ -277,15 +277,23 @@ public:
                 const cudaError_t e = cudaGetLastError();
                 PG_CHECK(e == cudaSuccess, "kernel launch failed: {}", cudaGetErrorString(e));
                 if (opt_.guard) guard_check(id);
+                // nodes an earlier position skipped because this launch computes them (fuse_kda_decode folds them into
+                // a later node): their sentinels now
+                if (opt_.guard)
+                    for (int j : later_done(id)) guard_check(j);
             } catch (const error & e) {
                 const std::string msg = e.what();
                 if (!n.name.empty() && msg.find(n.name) != std::string::npos) throw;
                 throw error(e.func(), e.file(), e.line(), fmt::format("node {} '{}' ({}): {}", id, n.name, op_name(n.op), msg));
             }
-            if (cb) {
-                std::vector<tensor> host;
-                for (size_t o = 0; o < outs_[size_t(id)].size(); ++o) host.push_back(to_host(outs_[size_t(id)][o]));
-                cb(g, id, host);
+            if (cb) {   // each node once, when its outputs exist: a node computed by a later launch is reported after it
+                auto report = [&](int j) {
+                    std::vector<tensor> host;
+                    for (size_t o = 0; o < outs_[size_t(j)].size(); ++o) host.push_back(to_host(outs_[size_t(j)][o]));
+                    cb(g, j, host);
+                };
+                if (!done_later(id)) report(id);
+                for (int j : later_done(id)) report(j);
             }
         }
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
@@ -915,7 +923,7 @@ private:
             }
             default: break;
         }
-        if (!fplan_.done_by.empty() && fplan_.done_by[size_t(id)] >= 0) return;   // computed by an earlier fused launch
+        if (!fplan_.done_by.empty() && fplan_.done_by[size_t(id)] >= 0) return;   // computed by another node's fused launch
         for (const auto & o : n.outs) out.push_back(new_out(o.type, o.shape));
         if (!fplan_.at.empty() && !fplan_.at[size_t(id)].empty()) {   // a fused launch (fuse-plan.h) at this node
             run_fused(g, id);
@@ -1254,6 +1262,16 @@ private:
     bool kda_scan_chunked(const node & n, int64_t T) const {
         return n.p.chunk_size == 64 && opt_.kda_chunk_min_tokens > 0 && T >= opt_.kda_chunk_min_tokens &&
                n.p.head_dim_k <= 128 && n.p.head_dim_k % 4 == 0 && n.p.head_dim_v <= 128;
+    }
+    // Whether node `id` is computed by a launch at a LATER node (fuse_kda_decode); the nodes launch `id` computes that
+    // come before it (in order). For the node callback and the guard: they report such nodes after that launch.
+    bool done_later(int id) const { return !fplan_.done_by.empty() && fplan_.done_by[size_t(id)] > id; }
+    std::vector<int> later_done(int id) const {
+        std::vector<int> v;
+        if (!fplan_.kda.empty() && fplan_.kda[size_t(id)].scan >= 0)
+            for (int j = 0; j < id; ++j)
+                if (fplan_.done_by[size_t(j)] == id) v.push_back(j);
+        return v;
     }
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {

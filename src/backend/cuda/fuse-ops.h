@@ -56,14 +56,14 @@ struct kda_decode_args {
     float * conv_state_v = nullptr;
     const float * f = nullptr;   // the gate's input when f_b is not folded (f_b.data == nullptr)
     const float * fa = nullptr;  // [T, Rf] when folded
-    const void * f_b = nullptr;  // BF16 [H * 128, Rf]
+    const void * f_b = nullptr;  // BF16 [H * K, Rf]
     int Rf = 0;
     dweight a_log, dt_bias;
     float lower_bound = 0.0f;
     const float * beta = nullptr;   // [T, H], sigmoid already applied
     const float * z = nullptr;      // the output gate when g_b is not folded
     const float * ga = nullptr;     // [T, Rg] when folded
-    const void * g_b = nullptr;     // BF16 [H * 128, Rg]
+    const void * g_b = nullptr;     // BF16 [H * K, Rg]
     int Rg = 0;
     dweight o_norm;
     float l2_eps = 0.0f, norm_eps = 0.0f, scale = 0.0f;

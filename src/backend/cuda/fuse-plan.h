@@ -415,6 +415,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 kf.conv[q] = ok ? l2.src[0].node : -1;
             }
             kf.conv[2] = sc.src[2].node;
+            ok = ok && kf.conv[0] != kf.conv[1] && kf.conv[2] != kf.conv[0] && kf.conv[2] != kf.conv[1] && kf.l2[0] != kf.l2[1];
             for (int q = 0; q < 3 && ok; ++q) {
                 const node & cv = g.nodes[size_t(kf.conv[q])];
                 const node & wn = g.at(cv.src[1]);

@@ -12,10 +12,10 @@
 //
 // Why the numbers equal the unfused kernels bit for bit when f and z are given: each stage repeats the unfused kernel's
 // arithmetic in the same order with the same thread mapping: the conv as k_short_conv / k_short_conv_l2 (taps summed in
-// order, SiLU); each head norm as block_sum over 4 warps of one element per thread (k_short_conv_l2, k_norm with
+// order, SiLU); each head norm as block_sum over K / 32 warps of one element per thread (k_short_conv_l2, k_norm with
 // threads_for(K) = K); the gate as k_kda_gate; the scan as k_kda_scan_v2<K / 16> (16 row groups of K / 16 rows, 8
 // column quads per 32-column tile, rows summed per thread in order, 2 shuffles, 4 warps in order); the gated norm as
-// k_norm<2>. test-fuse-cuda kda_decode_fused checks that equality and the folded GEMVs against the CPU.
+// k_norm<2>. test-fuse-cuda kda_decode_tail checks that equality and the folded GEMVs against the CPU.
 // The folded f_b / g_b GEMVs are NOT the GEMV kernels' summation order (4 threads per row, 8-element chunks), so with
 // them folded the outputs agree with the unfused path to fp32 rounding (NMSE), not bitwise.
 #include "backend/cuda/common.cuh"
@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     __shared__ float s_fa[32 * kMaxChunks], s_ga[32 * kMaxChunks];
     __shared__ float s_q[kD], s_k[kD], s_v[kD], s_g[kD], s_z[kD], s_o[kD];
     __shared__ float red_l2[2][kNW], red_n[kNW], s_beta;
-    __shared__ float4 red_pred[kNW][4][8], red_out[kNW][4][8];   // [tile][warp of the tile][column quad]
+    constexpr int kTiles = KD / 32;          // scan tiles of 32 value columns
+    __shared__ float4 red_pred[kTiles][4][8], red_out[kTiles][4][8];   // [tile][warp of the tile][column quad]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.x, s = blockIdx.y;
@@ -115,8 +116,10 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     const float dtb = tid < kD ? wload(a.dt_bias, int64_t(h) * kD + tid) : 0.0f;
     const float onw = tid < kD ? wload(a.o_norm, tid) : 0.0f;
     // The head's state (64 KB at KD 128) into L2 too (one 128-byte line per thread). A prefetch returns no data, so it cannot
-    // read a stale value; b.slot was written by the step's batch upload, a copy that completed before the step's first
-    // kernel began (copies are not programmatic launches).
+    // read a stale value. b.slot is read before the wait: it was written by the step's batch upload, a copy that completed
+    // before the step's first kernel began (copies are not programmatic launches); and this grid starts only once every
+    // block of its predecessor has triggered, which every launch_k kernel does only after its own wait (pdl_enter), so
+    // all kernels before the predecessor have completed too. No kernel writes b.slot.
     if (tid < kD * kD / 32) prefetch_l2(reinterpret_cast<const char *>(a.state + (int64_t(b.slot[s]) * H + h) * kD * kD) + 128 * tid);
 
     pdl_enter();
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     const int64_t t0 = b.seq_start[s], t1 = b.seq_start[s + 1];
     for (int64_t t = t0; t < t1; ++t) {
         const int64_t tc = t * HD + ch;   // [T, H * KD] index of the thread's channel
-        // 1. conv + SiLU (threads 0..383); the low-rank inputs to shared memory; beta. The low-rank weights are
+        // 1. conv + SiLU (threads 0 .. 3 KD - 1); the low-rank inputs to shared memory; beta. The low-rank weights are
         // loaded first so that they are in flight during the conv.
         uint4 wf[kMaxChunks], wg[kMaxChunks];
 #pragma unroll
@@ -267,9 +270,10 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
             const float inv = rsqrtf(group_sum<kNW>(red_n, lane) / float(kD) + a.norm_eps);
             a.y_on[hrow + tid] = s_o[tid] * inv * onw * sigmoid_d(s_z[tid]);
         }
-        // The next token's writes to shared memory come after its first barrier; every read above of what it rewrites
-        // (s_fa/s_ga/red_l2/s_v/s_beta in 2-3, s_q/s_k/s_g in 3, red_pred/red_out in 3) precedes a barrier of this
-        // token, and s_z/s_o/red_n (read in 4) are rewritten only after the next token's barriers 1 and 3.
+        // The next token writes shared memory only after its first barrier, which every thread reaches after all of
+        // its reads above: s_fa/s_ga/red_l2/s_v/s_beta/s_q/s_k/s_g/red_pred/red_out are read before this token's later
+        // barriers, and s_z/s_o/red_n (read in 4, after the last barrier) are rewritten only after the next token's
+        // barrier 1 (s_z) or later ones (s_o, red_n).
     }
 #pragma unroll
     for (int i = 0; i < kRows; ++i) S[int64_t(d0 + i) * (kD / 4)] = r[i];

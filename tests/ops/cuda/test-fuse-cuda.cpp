@@ -593,9 +593,8 @@ TEST(cuda_fuse, sigmoid_into_gemv_epilogue) {
             }
 }
 
-// ---- the planner (host only: runs on any machine) ----
 // ---- the KDA decode tail in one launch (fuse_kda_decode) ----
-// The KDA block as forward.cpp kda_block builds it (K = V = 128, H heads, hidden D): h = rms_norm(x); q, k, v, f_a, b,
+// The KDA block as forward.cpp kda_block builds it (K = V in {32, 64, 128}, low rank R, H heads, hidden D): h = rms_norm(x); q, k, v, f_a, b,
 // g_a (or g_proj) projections of h; the 3 short convs with states; f = f_a h W_fb; the gate; beta = sigmoid(b); q, k
 // L2-normed per head; the delta-rule scan with its fp32 state; z = g_b(g_a h) (low rank, the 48B) or g_proj h (full
 // rank, K3); the gated norm; o_proj + the residual. Forms: "lowrank" (48B: f_b and g_b folded, softplus gate),
@@ -608,8 +607,10 @@ struct kda_graph {
     tensor * st[4] = {nullptr, nullptr, nullptr, nullptr};   // conv q, k, v, KDA state
 };
 enum class kda_form { lowrank, fullrank, inputs };
+// extra_consumer: q_l2 also feeds the output through a node placed before the gated norm (the planner must refuse).
 void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, int H, int n_slots, uint32_t seed,
-                     float lower_bound, int K = 128) {
+                     float lower_bound, int K = 128, int R = -1, bool extra_consumer = false) {
+    if (R < 0) R = K;   // the low rank of f_a / g_a (Kimi: the head dim)
     const int C = H * K, D = 256, W = 4, T = b->n_tokens();
     rng r(seed);
     builder bd(b);
@@ -635,7 +636,7 @@ void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, in
                         cn[i]);
     }
     const dtype fb_t = form == kda_form::inputs ? dtype::F32 : dtype::BF16;
-    const node_ref f = bd.name(lin(lin(h, K, D, dtype::BF16, "f_a_proj", 0.1f), C, K, fb_t, "f_b_proj", 0.2f), "kda_f");
+    const node_ref f = bd.name(lin(lin(h, R, D, dtype::BF16, "f_a_proj", 0.1f), C, R, fb_t, "f_b_proj", 0.2f), "kda_f");
     auto alog = r.vec(size_t(H), -1.0f, 0.5f);
     auto dtb = r.vec(size_t(C), -1.0f, 1.0f);
     const node_ref gt = bd.name(bd.kda_gate(f, bd.weight(kg.a.f32({H}, alog), "A_log"), bd.weight(kg.a.f32({C}, dtb), "dt_bias"),
@@ -644,43 +645,46 @@ void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, in
     const node_ref beta = bd.name(bd.sigmoid(lin(h, H, D, dtype::BF16, "b_proj", 0.1f)), "kda_beta");
     const node_ref qn = bd.name(bd.l2_norm(cv[0], 1e-6f, K), "q_l2");
     const node_ref kn = bd.name(bd.l2_norm(cv[1], 1e-6f, K), "k_l2");
+    const node_ref extra = extra_consumer ? bd.name(bd.sigmoid(qn), "q_l2_other") : node_ref{};
     auto sv = r.vec(size_t(n_slots) * size_t(C) * K, -0.5f, 0.5f);
     kg.st[3] = &kg.a.f32({n_slots, H, K, K}, sv);
     const node_ref o = bd.name(bd.kda_scan(qn, kn, cv[2], gt, beta, bd.state(*kg.st[3], "kda_state"),
                                            {.n_head = H, .head_dim_k = K, .head_dim_v = K, .scale = 1.0f / std::sqrt(float(K)),
                                             .chunk_size = 64}),
                                "kda_scan");
-    const node_ref z = bd.name(form == kda_form::lowrank ? lin(lin(h, K, D, dtype::BF16, "g_a_proj", 0.1f), C, K, dtype::BF16,
+    const node_ref z = bd.name(form == kda_form::lowrank ? lin(lin(h, R, D, dtype::BF16, "g_a_proj", 0.1f), C, R, dtype::BF16,
                                                                "g_b_proj", 0.2f)
                                                          : lin(h, C, D, form == kda_form::inputs ? dtype::F32 : dtype::BF16,
                                                                "g_proj", 0.1f),
                                "kda_out_gate");
     auto onw = r.vec(size_t(K), 0.8f, 1.2f);
     const node_ref on = bd.name(bd.gated_rms_norm(o, z, bd.weight(kg.a.bf16({K}, onw), "o_norm"), 1e-5f, K), "kda_o_norm");
-    const node_ref out = bd.name(bd.add(lin(on, D, C, dtype::BF16, "o_proj", 0.05f), x), "out");
+    node_ref out = bd.name(bd.add(lin(on, D, C, dtype::BF16, "o_proj", 0.05f), x), "out");
+    if (extra_consumer) out = bd.add(out, lin(extra, D, C, dtype::BF16, "other_proj", 0.05f));
     kg.outs = {cv[0], cv[1], cv[2], qn, kn, f, gt, z, o, on, out};
     kg.g = bd.finish(out);
 }
 
 TEST(cuda_fuse, kda_decode_tail) {
     NEED_GPU();
-    struct tc { std::vector<int> lens; kda_form form; int K = 128; };
+    struct tc { std::vector<int> lens; kda_form form; int K = 128; int R = -1; };
     const char * fname[] = {"lowrank", "fullrank", "inputs"};
     for (const tc & c : {tc{{1}, kda_form::lowrank}, tc{{1, 1, 1}, kda_form::lowrank}, tc{{3, 1, 2}, kda_form::lowrank},
                          tc{{1, 1}, kda_form::fullrank}, tc{{2, 1}, kda_form::inputs}, tc{{1, 1, 1}, kda_form::inputs},
                          tc{{9}, kda_form::lowrank}, tc{{1, 2}, kda_form::lowrank, 64}, tc{{1, 1}, kda_form::inputs, 64},
-                         tc{{2, 1}, kda_form::fullrank, 32}, tc{{1, 1}, kda_form::inputs, 32}}) {
+                         tc{{2, 1}, kda_form::fullrank, 32}, tc{{1, 1}, kda_form::inputs, 32},
+                         tc{{1, 1}, kda_form::lowrank, 32, 128}, tc{{2}, kda_form::lowrank, 128, 64}}) {   // rank != K
         const int H = 3, n_slots = 6;
         const float lb = c.form == kda_form::fullrank ? -5.0f : 0.0f;
         const int T = std::accumulate(c.lens.begin(), c.lens.end(), 0);
-        const std::string nm = fmt::format("kda_tail/{}/K{}/seqs{}/T{}", fname[int(c.form)], c.K, c.lens.size(), T);
+        const std::string nm = fmt::format("kda_tail/{}/K{}/R{}/seqs{}/T{}", fname[int(c.form)], c.K, c.R < 0 ? c.K : c.R, c.lens.size(), T);
         auto mk = [&](kda_graph & kg, float lbound) {
             auto b = std::make_shared<batch>();
             b->seq_start = {0};
             for (size_t s = 0; s < c.lens.size(); ++s)
                 b->seq_start.push_back(b->seq_start.back() + c.lens[s]), b->pos0.push_back(7), b->slot.push_back(int(5 - 2 * s));
             b->ids.assign(size_t(T), 0);
-            build_kda_graph(kg, b, c.form, H, n_slots, 12000 + uint32_t(T) * 7 + uint32_t(c.form) + uint32_t(c.K), lbound, c.K);
+            build_kda_graph(kg, b, c.form, H, n_slots, 12000 + uint32_t(T) * 7 + uint32_t(c.form) + uint32_t(c.K), lbound, c.K, c.R);
         };
         kda_graph kg;
         mk(kg, lb);
@@ -906,6 +910,42 @@ TEST(cuda_fuse, planner_rules) {
                                 << p.launches_saved() << " vs " << off.launches_saved();
                 tally(ok);
             }
+        // with fuse_conv_l2 off the L2_NORMs are free nodes: still folded (9 launches), nothing counted as conv_l2
+        // refusals that must hold: q_l2 read by a node before the gated norm; K = 16 (no kernel for it)
+        auto b1 = [] {
+            auto b = std::make_shared<batch>();
+            b->seq_start = {0, 1};
+            b->pos0 = {0};
+            b->slot = {0};
+            b->ids.assign(1, 0);
+            return b;
+        };
+        {
+            kda_graph kg;
+            build_kda_graph(kg, b1(), kda_form::lowrank, 2, 1, 9901, 0.0f);
+            cuda_options on = fuse_opts(true, true, false);
+            on.fuse_sigmoid = on.fuse_kda_decode = true;   // fuse_conv_l2 off
+            const auto p = cuda_fuse::plan_fusions(kg.g, on);
+            const bool ok = p.kda_decodes == 1 && p.kda_launches == 9 && p.conv_l2s == 0;
+            EXPECT_TRUE(ok) << "conv_l2 off: kda_decodes " << p.kda_decodes << ", launches " << p.kda_launches;
+            tally(ok);
+        }
+        for (int refusal = 0; refusal < 2; ++refusal) {
+            kda_graph kg;
+            build_kda_graph(kg, b1(), kda_form::lowrank, 2, 1, 9902, 0.0f, refusal == 0 ? 128 : 16, -1, refusal == 0);
+            cuda_options on = fuse_opts(true, true, false);
+            on.fuse_conv_l2 = on.fuse_sigmoid = on.fuse_kda_decode = true;
+            const auto p = cuda_fuse::plan_fusions(kg.g, on);
+            EXPECT_EQ(p.kda_decodes, 0) << (refusal == 0 ? "q_l2 has a consumer before the gated norm" : "K 16");
+            tally(p.kda_decodes == 0);
+            if (refusal == 0) {   // the same graph without that consumer folds (the refusal is that consumer's doing)
+                kda_graph plain;
+                build_kda_graph(plain, b1(), kda_form::lowrank, 2, 1, 9902, 0.0f);
+                const bool folds = cuda_fuse::plan_fusions(plain.g, on).kda_decodes == 1;
+                EXPECT_TRUE(folds);
+                tally(folds);
+            }
+        }
     }
     {   // a per-head norm (p.n < the row width) never folds into a LINEAR over the whole row
         arena a;

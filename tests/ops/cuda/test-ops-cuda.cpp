@@ -740,15 +740,19 @@ TEST(cuda_ops, attn_res_mix) {
                                    "attn_res");
         graph g = bd.finish(y);
         EXPECT_TRUE(parity("attn_res/n" + std::to_string(n), g, {{y, metric::NMSE, k_tol_f32}}, {}));
+        // the older forms, each with the one-launch cluster (on by default, tested below) switched off so they still run
         cuda_options first{true, 8};   // the first kernel (one block per row) stays selectable
+        first.attn_res_cluster = false;
         first.attn_res_split = false;
         first.attn_res_chunk = 0;
         EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/one-block", g, {{y, metric::NMSE, k_tol_f32}}, {}, first));
         cuda_options split{true, 8};   // the split form (block per (row, candidate) over all D columns)
+        split.attn_res_cluster = false;
         split.attn_res_chunk = 0;
         EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/split", g, {{y, metric::NMSE, k_tol_f32}}, {}, split));
         for (int chunk : {16, 64, 1024}) {   // the chunked form (the default at 1024): 5 / 2 / 1 chunks at D 80, 448 / 112 / 7 at 7168
             cuda_options ch{true, 8};
+            ch.attn_res_cluster = false;
             ch.attn_res_chunk = chunk;
             EXPECT_TRUE(parity("attn_res/n" + std::to_string(n) + "/chunk" + std::to_string(chunk), g,
                                {{y, metric::NMSE, k_tol_f32}}, {}, ch));
@@ -846,7 +850,8 @@ TEST(cuda_ops, attn_res_mix_cluster) {
             EXPECT_TRUE(parity(nm + "/chunk" + std::to_string(chunk), g, {{y, metric::NMSE, k_tol_f32}}, {}, cl));
             const int ch = chunk > 0 ? chunk : 1024;   // what the cluster kernel runs at (if D needs <= 8 blocks)
             if ((D + ch - 1) / ch > 8) continue;
-            cuda_options two{true, 8};
+            cuda_options two{true, 8};   // the chunked form: the cluster switched off (it is the default)
+            two.attn_res_cluster = false;
             two.attn_res_chunk = ch;
             const auto yc = run_gpu(cl), y2 = run_gpu(two);
             const bool ok = check(nm + "/chunk" + std::to_string(chunk) + "/vs-chunked" + std::to_string(ch), to_f64(y2), yc, metric::NMSE,
