@@ -56,6 +56,23 @@ static double median_ms(const std::function<void()> & f, int reps = 20) {
     return v[v.size() / 2];
 }
 
+// Microseconds per call of f(i), i = 0 .. nl-1, as a CUDA graph of those nl calls (median of 7 replays / nl); f(0) runs
+// once eagerly first, outside any capture (one-time function attributes).
+static double graph_us(int nl, const std::function<void(int)> & f) {
+    f(0);
+    CK(cudaStreamSynchronize(st));
+    cudaGraph_t gr;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < nl; ++i) f(i);
+    CK(cudaStreamEndCapture(st, &gr));
+    CK(cudaGraphInstantiate(&ge, gr, 0));
+    const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(gr));
+    return ms * 1e3;
+}
+
 static void * dev_random(size_t bytes, uint32_t seed, bool as_bf16 = false) {
     std::vector<uint16_t> h(bytes / 2);
     std::mt19937 g(seed);
@@ -107,20 +124,7 @@ static void bench_route() {
         const std::pair<const char *, sel_fn> sels[] = {
             {"block", launch_moe_select}, {"sort", launch_moe_select_sort}, {"radix", launch_moe_select_radix}};
         const std::pair<const char *, gemv_cfg> gemvs[] = {{"u0", gemv_cfg{0, 0}}, {"u4", gemv_cfg{4, 0}}};
-        auto graph_us = [&](const std::function<void(int)> & f) {
-            f(0);   // eager once: outside any capture (one-time function attributes)
-            CK(cudaStreamSynchronize(st));
-            cudaGraph_t gr;
-            cudaGraphExec_t ge;
-            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-            for (int i = 0; i < nl; ++i) f(i);
-            CK(cudaStreamEndCapture(st, &gr));
-            CK(cudaGraphInstantiate(&ge, gr, 0));
-            const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(gr));
-            return ms * 1e3;
-        };
+        auto graph_us = [&](const std::function<void(int)> & f) { return ::graph_us(nl, f); };
         for (int T : {1, 8}) {
             auto gemv = [&](int i, const gemv_cfg & cfg) {
                 CK(launch_linear_gemv(x, T, g.D, dweight{wc[size_t(i % copies)], wtype::BF16}, g.E, lg, st, cfg));
@@ -182,20 +186,7 @@ static void bench_attnres() {
                 for (int i = 0; i < n; ++i) cp.p[i] = cand + size_t(set) * set_floats + size_t(i) * size_t(R * D);
                 return cp;
             };
-            auto graph_us = [&](const std::function<void(int)> & f) {
-                f(0);   // eager once: outside any capture
-                CK(cudaStreamSynchronize(st));
-                cudaGraph_t gr;
-                cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                for (int i = 0; i < nl; ++i) f(i);
-                CK(cudaStreamEndCapture(st, &gr));
-                CK(cudaGraphInstantiate(&ge, gr, 0));
-                const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
-                CK(cudaGraphExecDestroy(ge));
-                CK(cudaGraphDestroy(gr));
-                return ms * 1e3;
-            };
+            auto graph_us = [&](const std::function<void(int)> & f) { return ::graph_us(nl, f); };
             std::printf("attnres K3 D=%lld n=%d R=%d us per mix:", (long long)D, n, R);
             int set = 0;   // advances over the whole run: consecutive replays never start on a set the last one left in L2
             for (bool cold : {true, false}) {
@@ -279,18 +270,7 @@ static void bench_mla() {
                     CK(launch_mla_attn(q, c, kr, dweight{kvb, wtype::BF16}, d, 0.07f, caches[size_t(i % nc)], nullptr, 0, b, ns,
                                        scr, o, err, st, true, ver == 3));
                 };
-                launch(0);   // eager once: outside any capture (one-time function attributes)
-                CK(cudaStreamSynchronize(st));
-                cudaGraph_t gr;
-                cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                for (int i = 0; i < nl; ++i) launch(i);
-                CK(cudaStreamEndCapture(st, &gr));
-                CK(cudaGraphInstantiate(&ge, gr, 0));
-                const double ms = median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, 7) / nl;
-                CK(cudaGraphExecDestroy(ge));
-                CK(cudaGraphDestroy(gr));
-                std::printf(" | v%d %.2f (split %d)", ver, ms * 1e3, ns);
+                std::printf(" | v%d %.2f (split %d)", ver, graph_us(nl, launch), ns);
                 CK(cudaFree(scr));
             }
             std::printf("\n");

@@ -10,6 +10,21 @@ namespace cg = cooperative_groups;
 
 namespace {
 
+// The softmax numerators of the row's n scores s[0..n) into a[0..N) (0 past n) and their sum: exp(s_i - max s) in
+// candidate order. Every ATTN_RES_MIX decode kernel forms its weights with this (then a_i / sum per candidate).
+template <int N>
+__device__ __forceinline__ float softmax_terms(const float * s, int n, float (&a)[N]) {
+    float mx = -INFINITY;
+    for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[i]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        a[i] = i < n ? expf(s[i] - mx) : 0.0f;
+        sum += a[i];
+    }
+    return sum;
+}
+
 __global__ void k_attn_res_mix(cand_ptrs cands, int n, int64_t D, dweight norm_w, dweight proj_w, float eps,
                                float * __restrict__ y) {
     pdl_enter();
@@ -28,15 +43,8 @@ __global__ void k_attn_res_mix(cand_ptrs cands, int n, int64_t D, dweight norm_w
         if (threadIdx.x == 0) s[i] = dot * rsqrtf(ss / float(D) + eps);
     }
     __syncthreads();
-    float mx = -INFINITY;
-    for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[i]);
     float a[k_attn_res_max];
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < k_attn_res_max; ++i) {
-        a[i] = i < n ? expf(s[i] - mx) : 0.0f;
-        sum += a[i];
-    }
+    const float sum = softmax_terms(s, n, a);
     for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
         float acc = 0.0f;
 #pragma unroll
@@ -68,15 +76,8 @@ __global__ void k_attn_res_score(cand_ptrs cands, int n, int64_t D, dweight norm
 __global__ void k_attn_res_apply(cand_ptrs cands, int n, int64_t D, const float * __restrict__ s, float * __restrict__ y) {
     pdl_enter();
     const int64_t r = blockIdx.y;
-    float mx = -INFINITY;
-    for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[r * n + i]);
     float a[k_attn_res_max];
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < k_attn_res_max; ++i) {
-        a[i] = i < n ? expf(s[r * n + i] - mx) : 0.0f;
-        sum += a[i];
-    }
+    const float sum = softmax_terms(s + r * n, n, a);
     for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < D; c += int64_t(gridDim.x) * blockDim.x) {
         float acc = 0.0f;
 #pragma unroll
@@ -130,15 +131,8 @@ __global__ void k_attn_res_apply_chunk(cand_ptrs cands, int n, int64_t D, int S,
         s[threadIdx.x] = dot * rsqrtf(ss / float(D) + eps);
     }
     __syncthreads();
-    float mx = -INFINITY;
-    for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[i]);
     float a[k_attn_res_max];
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < k_attn_res_max; ++i) {
-        a[i] = i < n ? expf(s[i] - mx) : 0.0f;
-        sum += a[i];
-    }
+    const float sum = softmax_terms(s, n, a);
     for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < D; c += int64_t(gridDim.x) * blockDim.x) {
         float acc = 0.0f;
 #pragma unroll
@@ -153,8 +147,10 @@ __global__ void k_attn_res_apply_chunk(cand_ptrs cands, int n, int64_t D, int S,
 // k_attn_res_score_chunk does (the same per-thread float4 partials, the same warp / cross-warp tree as block_sum), into
 // its shared memory; after one cluster barrier every block adds the S partials of each candidate from its peers'
 // shared memory (distributed shared memory) in chunk order, as k_attn_res_apply_chunk does, forms the softmax the same
-// way and mixes its own columns (float4; per element the apply kernel's sum). So y is bit for bit the chunked form's at
-// the same chunk. Candidates are read once from L2 for the scores (again from L1 for the mix); no partials in global
+// way and mixes its own columns (float4; per element the apply kernel's sum). The same sums in the same order as the
+// chunked form at the same chunk, but not bit for bit: the compiler contracts the products into FMAs differently in the
+// two kernels (H200, session 5: NMSE ~1e-14 between them; session 4's bitwise claim did not hold for n > 1).
+// Candidates are read once from L2 for the scores (again from L1 for the mix); no partials in global
 // memory, no second launch. N: candidates unrolled (n <= N); the loads of all candidates are issued together.
 __device__ __forceinline__ void cluster_arrive_release() {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -218,15 +214,8 @@ __global__ void k_attn_res_mix_cluster(cand_ptrs cands, int n, int64_t D, int64_
     }
     cluster_arrive_release();   // done reading the peers' part[]; each block waits below before it exits
     __syncthreads();
-    float mx = -INFINITY;
-    for (int i = 0; i < n; ++i) mx = fmaxf(mx, s[i]);
     float al[N];
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        al[i] = i < n ? expf(s[i] - mx) : 0.0f;
-        sum += al[i];
-    }
+    const float sum = softmax_terms(s, n, al);
     for (int64_t c = c0 + 4 * int64_t(threadIdx.x); c < c1; c += 4 * int64_t(blockDim.x)) {
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float4 v[N];

@@ -1496,26 +1496,21 @@ private:
         a.q = cx[0], a.k = cx[1], a.v = cx[2];
         a.conv_q = cw[0], a.conv_k = cw[1], a.conv_v = cw[2];
         a.conv_state_q = cst[0], a.conv_state_k = cst[1], a.conv_state_v = cst[2];
-        if (kf.f_b >= 0) {
-            const node & fb = g.nodes[size_t(kf.f_b)];
-            a.fa = f32_in(fb, 0);
-            a.f_b = in(fb, 1).p;
-            a.Rf = int(in(fb, 1).shape.at(1));
-        } else {
-            a.f = f32_in(gt, 0);
-        }
+        // a folded low-rank projection: its input [T, R], its BF16 weight, R
+        auto lowrank = [&](int lin, const float *& x, const void *& w, int & R) {
+            const node & l = g.nodes[size_t(lin)];
+            x = f32_in(l, 0);
+            w = in(l, 1).p;
+            R = int(in(l, 1).shape.at(1));
+        };
+        if (kf.f_b >= 0) lowrank(kf.f_b, a.fa, a.f_b, a.Rf);
+        else a.f = f32_in(gt, 0);
         a.a_log = w_in(gt, 1);
         a.dt_bias = w_in(gt, 2);
         a.lower_bound = gt.p.gate_lower_bound;
         a.beta = f32_in(sc, 4);
-        if (kf.g_b >= 0) {
-            const node & gb = g.nodes[size_t(kf.g_b)];
-            a.ga = f32_in(gb, 0);
-            a.g_b = in(gb, 1).p;
-            a.Rg = int(in(gb, 1).shape.at(1));
-        } else {
-            a.z = f32_in(nn, 1);
-        }
+        if (kf.g_b >= 0) lowrank(kf.g_b, a.ga, a.g_b, a.Rg);
+        else a.z = f32_in(nn, 1);
         a.o_norm = w_in(nn, 2);
         a.l2_eps = g.nodes[size_t(kf.l2[0])].p.eps;
         PG_CHECK(g.nodes[size_t(kf.l2[1])].p.eps == a.l2_eps, "fused KDA: q and k L2 norms with different eps");

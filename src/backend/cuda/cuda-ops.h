@@ -242,8 +242,8 @@ int64_t attn_res_chunk_parts(int64_t n, int64_t R, int64_t D, int64_t chunk);
 cudaError_t launch_attn_res_mix_chunked(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
                                         dweight proj_w, float eps, int64_t chunk, float * part, float * y, cudaStream_t st);
 // The one-launch form (cuda_options::attn_res_cluster): grid (ceil(D / chunk) <= 8 column blocks, R), a thread-block
-// cluster per row; scores from the cluster's chunk partials through distributed shared memory (bit for bit the chunked
-// form's at the same chunk; chunk grows to ceil(D / 8) rounded up to 4 where D needs more than 8 blocks). D % 4 == 0,
+// cluster per row; scores from the cluster's chunk partials through distributed shared memory (the chunked form's sums,
+// not its bits; chunk grows to ceil(D / 8) rounded up to 4 where D needs more than 8 blocks). D % 4 == 0,
 // candidates and y 16-byte aligned; no scratch.
 cudaError_t launch_attn_res_mix_cluster(const cand_ptrs & cands, int64_t n, int64_t R, int64_t D, dweight norm_w,
                                         dweight proj_w, float eps, int64_t chunk, float * y, cudaStream_t st);

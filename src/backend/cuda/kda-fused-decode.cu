@@ -13,13 +13,14 @@
 // Why the numbers equal the unfused kernels bit for bit when f and z are given: each stage repeats the unfused kernel's
 // arithmetic in the same order with the same thread mapping: the conv as k_short_conv / k_short_conv_l2 (taps summed in
 // order, SiLU); each head norm as block_sum over K / 32 warps of one element per thread (k_short_conv_l2, k_norm with
-// threads_for(K) = K); the gate as k_kda_gate; the scan as k_kda_scan_v2<K / 16> (16 row groups of K / 16 rows, 8
-// column quads per 32-column tile, rows summed per thread in order, 2 shuffles, 4 warps in order); the gated norm as
-// k_norm<2>. test-fuse-cuda kda_decode_tail checks that equality and the folded GEMVs against the CPU.
+// threads_for(K) = K); the gate as k_kda_gate; the scan by k_kda_scan_v2's own step function (kda-step.cuh, one
+// definition for both) in its layout (16 row groups of K / 16 rows, 8 column quads per 32-column tile); the gated norm
+// as k_norm<2>. test-fuse-cuda kda_decode_tail checks that equality and the folded GEMVs against the CPU.
 // The folded f_b / g_b GEMVs are NOT the GEMV kernels' summation order (4 threads per row, 8-element chunks), so with
 // them folded the outputs agree with the unfused path to fp32 rounding (NMSE), not bitwise.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fuse-ops.h"
+#include "backend/cuda/kda-step.cuh"
 
 namespace perigee::cuda {
 
@@ -28,32 +29,8 @@ namespace {
 constexpr int kConvW = 4;               // conv taps (Kimi: short_conv_kernel_size 4)
 constexpr int kMaxChunks = 4;           // f_b / g_b rows of up to 4 x 32 = 128 values (8 bf16 per 16-byte chunk)
 
-__device__ __forceinline__ float4 f4z() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
 __device__ __forceinline__ void prefetch_l2(const void * p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// k_kda_scan_v2's cross-lane sums (kda.cu), repeated here so the scan is its arithmetic exactly.
-__device__ __forceinline__ float4 rowgroup_sum(float4 p) {
-#pragma unroll
-    for (int o = 8; o <= 16; o <<= 1) {
-        p.x += __shfl_xor_sync(0xffffffffu, p.x, o);
-        p.y += __shfl_xor_sync(0xffffffffu, p.y, o);
-        p.z += __shfl_xor_sync(0xffffffffu, p.z, o);
-        p.w += __shfl_xor_sync(0xffffffffu, p.w, o);
-    }
-    return p;
-}
-__device__ __forceinline__ float4 warp_order_sum(const float4 (&red)[4][8], int cq) {
-    float4 a = red[0][cq];
-#pragma unroll
-    for (int w = 1; w < 4; ++w) {
-        const float4 b = red[w][cq];
-        a.x += b.x;
-        a.y += b.y;
-        a.z += b.z;
-        a.w += b.w;
-    }
-    return a;
-}
 // block_sum (common.cuh) of an NW-warp group whose per-warp sums are in red[0..NW-1]: the same second stage.
 template <int NW>
 __device__ __forceinline__ float group_sum(const float * red, int lane) { return warp_sum(lane < NW ? red[lane] : 0.0f); }
@@ -206,7 +183,7 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
             s_z[tid] = a.z[hrow + tid];
         }
         __syncthreads();
-        // 3. the delta-rule step (k_kda_scan_v2<KD / 16>'s arithmetic, tile = blockIdx.x there)
+        // 3. the delta-rule step (kda-step.cuh, as k_kda_scan_v2<KD / 16> with this tile as its blockIdx.x)
         {
             float kd[kRows], qd[kRows], ad[kRows];
 #pragma unroll
@@ -215,42 +192,9 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
                 qd[i] = s_q[d0 + i] * a.scale;
                 ad[i] = expf(s_g[d0 + i]);
             }
-            const float bt = s_beta;
             const float4 vv = make_float4(s_v[e], s_v[e + 1], s_v[e + 2], s_v[e + 3]);
-            float4 p = f4z();
-#pragma unroll
-            for (int i = 0; i < kRows; ++i) {
-                r[i].x *= ad[i];
-                r[i].y *= ad[i];
-                r[i].z *= ad[i];
-                r[i].w *= ad[i];
-                p.x += r[i].x * kd[i];
-                p.y += r[i].y * kd[i];
-                p.z += r[i].z * kd[i];
-                p.w += r[i].w * kd[i];
-            }
-            p = rowgroup_sum(p);
-            if (rl == 0) red_pred[tile][wl][cq] = p;
-            __syncthreads();
-            const float4 pr = warp_order_sum(red_pred[tile], cq);
-            const float4 u = make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w));
-            float4 po = f4z();
-#pragma unroll
-            for (int i = 0; i < kRows; ++i) {
-                r[i].x += kd[i] * u.x;
-                r[i].y += kd[i] * u.y;
-                r[i].z += kd[i] * u.z;
-                r[i].w += kd[i] * u.w;
-                po.x += r[i].x * qd[i];
-                po.y += r[i].y * qd[i];
-                po.z += r[i].z * qd[i];
-                po.w += r[i].w * qd[i];
-            }
-            po = rowgroup_sum(po);
-            if (rl == 0) red_out[tile][wl][cq] = po;
-            __syncthreads();
+            const float4 o = kda_v2_step<kRows>(r, kd, qd, ad, s_beta, vv, true, red_pred[tile], red_out[tile], wl, rl, cq);
             if (wl == 0 && rl == 0) {
-                const float4 o = warp_order_sum(red_out[tile], cq);
                 *reinterpret_cast<float4 *>(a.y_o + hrow + e) = o;
                 s_o[e] = o.x;
                 s_o[e + 1] = o.y;

@@ -1,6 +1,7 @@
 // KDA_GATE and KDA_SCAN (token recurrence; fp32 state read once and written once per launch).
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/kda-decode.h"
+#include "backend/cuda/kda-step.cuh"
 
 namespace perigee::cuda {
 
@@ -108,32 +109,6 @@ constexpr int k_v2_rg = 16;                       // row groups per block (4 per
 constexpr int k_v2_threads = k_v2_cq * k_v2_rg;   // 128 = 4 warps
 constexpr int k_v2_warps = k_v2_threads / 32;
 
-__device__ __forceinline__ float4 f4_zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
-// Sum over the 4 row groups of a warp (lanes cq, cq + 8, cq + 16, cq + 24): every lane gets the same bits.
-__device__ __forceinline__ float4 f4_rowgroup_sum(float4 p) {
-#pragma unroll
-    for (int o = 8; o <= 16; o <<= 1) {
-        p.x += __shfl_xor_sync(0xffffffffu, p.x, o);
-        p.y += __shfl_xor_sync(0xffffffffu, p.y, o);
-        p.z += __shfl_xor_sync(0xffffffffu, p.z, o);
-        p.w += __shfl_xor_sync(0xffffffffu, p.w, o);
-    }
-    return p;
-}
-// red[0] + red[1] + ... in warp order.
-__device__ __forceinline__ float4 f4_warp_order_sum(const float4 (&red)[k_v2_warps][k_v2_cq], int cq) {
-    float4 a = red[0][cq];
-#pragma unroll
-    for (int w = 1; w < k_v2_warps; ++w) {
-        const float4 b = red[w][cq];
-        a.x += b.x;
-        a.y += b.y;
-        a.z += b.z;
-        a.w += b.w;
-    }
-    return a;
-}
-
 // Grid (ceil(V / 32), H, n_seq), 128 threads. Thread (warp w, lane = rl * 8 + cq) is row group rg = 4 w + rl (rows
 // [rg R, rg R + R)) and column quad cq (columns e .. e + 3 of the block's 32). Per token, the same math as v1 and the
 // CPU reference: S = exp(g) . S (rows); pred = S^T k; u = beta (v - pred); S += k u^T; o = S^T (scale q).
@@ -173,44 +148,8 @@ __global__ void __launch_bounds__(k_v2_threads, R >= 16 ? 1 : 4) k_kda_scan_v2(
 #pragma unroll
         for (int i = 0; i < R; ++i)
             if (d0 + i < K) ad[i] = expf(ad[i]);
-        // decay, then this thread's share of S^T k (its rows in order)
-        float4 p = f4_zero();
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-            r[i].x *= ad[i];
-            r[i].y *= ad[i];
-            r[i].z *= ad[i];
-            r[i].w *= ad[i];
-            p.x += r[i].x * kd[i];
-            p.y += r[i].y * kd[i];
-            p.z += r[i].z * kd[i];
-            p.w += r[i].w * kd[i];
-        }
-        p = f4_rowgroup_sum(p);
-        if (rl == 0) red_pred[w][cq] = p;
-        __syncthreads();
-        const float4 pr = f4_warp_order_sum(red_pred, cq);
-        const float4 u = col_in ? make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w))
-                                : f4_zero();
-        // S += k u^T, then this thread's share of S^T (scale q)
-        float4 po = f4_zero();
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-            r[i].x += kd[i] * u.x;
-            r[i].y += kd[i] * u.y;
-            r[i].z += kd[i] * u.z;
-            r[i].w += kd[i] * u.w;
-            po.x += r[i].x * qd[i];
-            po.y += r[i].y * qd[i];
-            po.z += r[i].z * qd[i];
-            po.w += r[i].w * qd[i];
-        }
-        po = f4_rowgroup_sum(po);
-        if (rl == 0) red_out[w][cq] = po;
-        __syncthreads();
-        // red_pred is rewritten next token only after this barrier (all its reads are above it); red_out only after the
-        // next token's first barrier (its reads below come before every thread reaches that one).
-        if (w == 0 && rl == 0 && col_in) *reinterpret_cast<float4 *>(o + (t * H + h) * V + e) = f4_warp_order_sum(red_out, cq);
+        const float4 o4 = kda_v2_step<R>(r, kd, qd, ad, bt, vv, col_in, red_pred, red_out, w, rl, cq);
+        if (w == 0 && rl == 0 && col_in) *reinterpret_cast<float4 *>(o + (t * H + h) * V + e) = o4;
     }
 #pragma unroll
     for (int i = 0; i < R; ++i)
