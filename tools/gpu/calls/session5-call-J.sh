@@ -1,11 +1,7 @@
 #!/bin/bash
 # session 5, call J: the fused KDA decode tail (fuse_kda_decode): parity, sanitizers, then timings on/off.
 set -u
-mkdir -p .gpu-carry-r1 && tar xJf .gpu-pack/carry.tar.xz -C .gpu-carry-r1
-export LD_LIBRARY_PATH=$PWD/.gpu-carry-r1/lib:/usr/local/cuda/lib64
-B=$PWD/.gpu-carry-r1/bin; L=$OUT/logs; mkdir -p $L; S=$OUT/summary.txt; T0=$(date +%s)
-run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t "$@" > $L/$t$suf.log 2>&1; local rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] $t$suf rc=$rc $(( $(date +%s) - s ))s | $(grep -E 'passed, .* failed|PASSED|FAILED' $L/$t$suf.log | tail -3 | tr '\n' ' ')" >> $S; }
+source tools/gpu/calls/common.sh   # unpack, paths, run()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $L/gpu.txt 2>&1
 ( run test-fuse-cuda 150 "" ) &
 ( run test-kda-decode-cuda 120 "" ) &

@@ -2,11 +2,7 @@
 # session 5, call K: fuse_kda_decode on (K 32/64/128), the AttnRes cluster (restored, off) with its corrected test,
 # engine tests on the default model (64-wide KDA heads: the fused tail in the engine), compare-backends, timings + profile.
 set -u
-mkdir -p .gpu-carry-r1 && tar xJf .gpu-pack/carry.tar.xz -C .gpu-carry-r1
-export LD_LIBRARY_PATH=$PWD/.gpu-carry-r1/lib:/usr/local/cuda/lib64
-B=$PWD/.gpu-carry-r1/bin; L=$OUT/logs; mkdir -p $L; S=$OUT/summary.txt; T0=$(date +%s)
-run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t "$@" > $L/$t$suf.log 2>&1; local rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] $t$suf rc=$rc $(( $(date +%s) - s ))s | $(grep -E 'passed, .* failed|PASSED|FAILED' $L/$t$suf.log | tail -3 | tr '\n' ' ')" >> $S; }
+source tools/gpu/calls/common.sh   # unpack, paths, run()
 ( run test-runtime-cuda 330 "" ) &
 ( run test-fuse-cuda 150 ""; run test-ops-cuda 150 ""; run test-kda-decode-cuda 100 "" ) &
 ( IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(70)))')

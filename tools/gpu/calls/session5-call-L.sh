@@ -2,11 +2,7 @@
 # session 5, call L: the final tree (fuse_kda_decode + attn_res_cluster on, capture_nodes refactor): every CUDA test,
 # compare-backends on the goldens, the synth models and the shipped models, then timings (B 1/8/64, engine path, variants).
 set -u
-mkdir -p .gpu-carry-r1 && tar xJf .gpu-pack/carry.tar.xz -C .gpu-carry-r1
-export LD_LIBRARY_PATH=$PWD/.gpu-carry-r1/lib:/usr/local/cuda/lib64
-B=$PWD/.gpu-carry-r1/bin; L=$OUT/logs; mkdir -p $L; S=$OUT/summary.txt; T0=$(date +%s)
-run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t "$@" > $L/$t$suf.log 2>&1; local rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] $t$suf rc=$rc $(( $(date +%s) - s ))s | $(grep -E 'passed, .* failed|PASSED|FAILED' $L/$t$suf.log | tail -3 | tr '\n' ' ')" >> $S; }
+source tools/gpu/calls/common.sh   # unpack, paths, run()
 ( run test-runtime-cuda 340 "" ) &
 ( run test-ops-cuda 150 ""; run test-moe-cuda 150 ""; run test-kda-decode-cuda 60 ""; run test-route-cuda 40 ""; run test-mla-cuda 90 "" ) &
 ( run test-fuse-cuda 120 ""; run test-kda-cuda 30 ""; run test-prefill-cuda 90 ""; run test-sample-cuda 30 ""; run test-pdl-cuda 40 ""

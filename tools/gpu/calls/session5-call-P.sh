@@ -1,9 +1,7 @@
 #!/bin/bash
 # session 5, call P (binaries of call O): a sweep of existing cuda_options knobs at batch 1 (no new code), defaults twice.
 set -u
-mkdir -p .gpu-carry-r1 && tar xJf .gpu-pack/carry.tar.xz -C .gpu-carry-r1
-export LD_LIBRARY_PATH=$PWD/.gpu-carry-r1/lib:/usr/local/cuda/lib64
-B=$PWD/.gpu-carry-r1/bin; S=$OUT/summary.txt; T0=$(date +%s)
+source tools/gpu/calls/common.sh   # unpack, paths, run()
 D="timeout 60 $B/bench-cuda-decode --steps 20 --no-compare --no-profile --batch 1"
 for v in "" attn_res_chunk=512 attn_res_chunk=896 attn_res_chunk=2048 gemv_unroll=2 gemv_unroll=8 gemv_v2_min_in=8192 \
          gemv_v2_min_in=2048 "gemv_v3_max_in=4096" "gemv_v3_min_in=1024" ""; do
