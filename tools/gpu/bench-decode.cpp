@@ -345,6 +345,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "pdl") co.pdl = v != 0;
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;
+        else if (k == "moe_decode_v7") co.moe_decode_v7 = v != 0;
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;

@@ -632,16 +632,16 @@ int main(int argc, char ** argv) {
         const double bytes = double(k) * 3 * double(F * D) * (0.5 + 1.0 / 32);
         std::printf("moe    mxfp4 16 experts [3 x %lld x %lld] T=1: %.4f ms, %.0f GB/s = %.0f%% of copy\n", (long long)F, (long long)D, ms,
                     bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / bw);
-        {   // the grouped path at T == 1 (the backend's): decode v5 (3 launches) vs v6 (2; moe.cu "Decode v6"), same experts
+        {   // the grouped path at T == 1 (the backend's): decode v5 (3 launches) vs v6 and v7 (2; moe.cu "Decode v6", "v7")
             int32_t * gw;
             CK(cudaMalloc(reinterpret_cast<void **>(&gw), size_t(moe_group_ints(1, k, E)) * 4));
-            for (int v6 = 0; v6 < 2; ++v6) {
+            for (int ver = 0; ver < 3; ++ver) {
                 dmoe_opts o;
                 o.dec_v4 = o.dec_v5 = true;
-                o.v5_cfg = v6 ? 1000 : 0;
+                o.v5_cfg = ver * 1000;
                 const double mg = median_ms([&] { CK(launch_moe_experts_grouped(2, x, 1, D, dids, dw, k, dex, E, c, scr, gw, y, err, st, o)); });
                 std::printf("moe    mxfp4 16 experts [3 x %lld x %lld] T=1 grouped %s: %.4f ms, %.0f GB/s = %.0f%% of copy\n", (long long)F,
-                            (long long)D, v6 ? "v6" : "v5", mg, bytes / (mg * 1e-3) / 1e9, 100.0 * bytes / (mg * 1e-3) / 1e9 / bw);
+                            (long long)D, ver == 2 ? "v7" : ver == 1 ? "v6" : "v5", mg, bytes / (mg * 1e-3) / 1e9, 100.0 * bytes / (mg * 1e-3) / 1e9 / bw);
             }
             CK(cudaFree(gw));
         }

@@ -140,6 +140,12 @@ struct cuda_options {
     // CPU parity, invalid ids flagged; bench_decode_k3_experts node 159.4 -> 132.3 us (41% -> 50% of copy: gate/up 94.9 ->
     // 83.9, down+combine 65.1 -> 46.2); k3-layers-4 B=1 graph step 2.712 -> 2.653 ms. On.
     bool moe_decode_v6 = true;
+    // With moe_decode_v6 and its bounds: the v7 kernels (moe.cu "Decode v7"): v6's arithmetic (y bit for bit v6's) with each
+    // lane's weight stream through a ring of D stages in shared memory (cp.async; gate/up D 3 at 3 blocks per SM, down
+    // D 4 at 4) instead of PD + 1 register buffers: ~2x the weight bytes in flight per SM at a lower register count.
+    // Predicted (session 6, before its first GPU run): K3 expert node 132 -> ~90 us (gate/up 84 -> ~58, down + combine
+    // 46 -> ~32), k3-layers-4 B=1 graph step -0.10..-0.13 ms (2.53 -> ~2.41 ms, ~88% of the floor). Off until its H200 run.
+    bool moe_decode_v7 = false;
     // MOE_EXPERTS grouped, T == 1, BF16 experts (Kimi-Linear-48B) in the shapes of cuda::moe_bf16_decode_supported: the
     // moe-bf16-decode.cu pair (gate/up: one warp per (slot, row), all of the lane's units of both rows in flight in one
     // pass, no bounds, L1::no_allocate; down + combine: v4's slots-on-warps block with 3 rows per block, 2.91 waves
@@ -234,6 +240,18 @@ struct cuda_options {
     // (and y + r + r2); the ADD launches are removed (fuse-plan.h). On (round 1 and 2: never slower; 48B -0.09 to -0.10
     // ms, k3 -0.01 ms).
     bool fuse_add = true;
+    // MOE_EXPERTS at T == 1 on the BF16 decode pair (moe_grouped + moe_decode_bf16, shapes of
+    // cuda::moe_bf16_shared_supported) whose input also feeds a shared expert of the same widths (forward.cpp moe_block,
+    // non-latent: Kimi-Linear-48B): the shared expert runs as a ninth slot of the routed kernels (weight 1.0, added after
+    // the routed sum in slot order), and the one launch pair writes the shared gate/up/GLU/down outputs, the routed sum,
+    // the ADD (routed + shared) and a chained residual ADD (l_out); the shared gate/up leave the post-attention norm's
+    // GEMV group (the norm then launches alone), the GLU and down launches go (fuse-plan.h, planned before the other
+    // rules). Prediction (session 6, written before any GPU run): per 48B MoE layer the shared expert's ~21 us (norm +
+    // gate/up 10, SILU_MUL 4, down + ADDs 7) becomes a plain RMS_NORM (~3 us) plus ~5 us more in MOE_EXPERTS (9 slots:
+    // 2304 gate/up blocks = 4.36 waves of 528 instead of 3.88; a ninth warp in the down blocks), ~13 us saved per layer:
+    // 48B B=1 graph step 2.61 -> ~2.30 ms (-0.2 to -0.35 ms); k3 unchanged (latent MXFP4 experts: the rule does not fire).
+    // Off until its H200 run.
+    bool moe_shared_slot = false;
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
     // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV
@@ -324,6 +342,9 @@ public:
     virtual int fused_sigmoids() const = 0;
     // Fused KDA decode launches the last run/capture executed (cuda_options::fuse_kda_decode).
     virtual int fused_kda_decodes() const = 0;
+    // MOE_EXPERTS launches the last run/capture executed with the shared expert as their extra slot
+    // (cuda_options::moe_shared_slot).
+    virtual int fused_moe_shared() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

@@ -1212,7 +1212,7 @@ constexpr int k_v5_rows = 16 * k_v5_warps;   // rows per block
 // The lo array starts 16 bytes after the hi array's end: the two lanes of a quarter warp that read one unit's hi and lo
 // words (lanes 9t and 9t + 4) then hit different banks (without it: 2-way conflicts on every B load).
 constexpr int k_v5_lo_pad = 4;
-inline size_t v5_smem(int64_t K) { return size_t(K) * 4 + k_v5_lo_pad * 4; }
+__host__ __device__ constexpr size_t v5_smem(int64_t K) { return size_t(K) * 4 + k_v5_lo_pad * 4; }
 
 // x [K] (f32, global) -> shared hi / lo [K / 2] fp16 pairs, scaled by 2^e (returned), permuted: entry u*16 + w*4 + i =
 // (column 32u + 8w + i | column 32u + 8w + i + 4), the order of fp4x8_f16_v5's pairs. Every thread of the block calls it.
@@ -1595,6 +1595,103 @@ __device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uin
         }
 }
 
+// ---- Decode v7 (cuda_options::moe_decode_v7; v5_cfg 1000s digit 2): v6 with each lane's weight stream through a ring
+// of D stages in shared memory (cp.async) instead of PD + 1 register buffers. Why: v6's gate/up holds one step ahead in
+// registers (PD 1; 80 registers at 3 blocks per SM), i.e. ~48 KB of weights in flight per SM, and runs at ~52% of the
+// copy rate (session 4, Nsight: DRAM 41%, issue 0.51 per scheduler); a deeper register pipeline costs occupancy (PD 2 at
+// 2 blocks per SM was slower). A cp.async lands in shared memory without holding a register, so D - 1 steps stay in
+// flight (D 3 at 3 blocks per SM: ~96 KB per SM) at a lower register count. The ring is private to each lane: a lane
+// copies exactly the 16-byte units it later reads (v6's units, same addresses), so cp.async.wait_group alone orders its
+// reads; no barrier and no cross-lane traffic. Layout per warp and stage: [matrix][row half][lane] uint4 (512
+// contiguous bytes per (matrix, half): the copies and the reads of a warp are conflict-free). The scale bytes keep their
+// __ldg (L1-resident: a 32-byte sector serves 8 steps), issued with the step's copies into a register ring of D. The
+// dequant, mmas and sums are v6_group's in v6's order: y is v6's (and so v5's) bit for bit.
+__device__ __forceinline__ void cp_async16_v7(uint4 * dst, const uint4 * src) {
+    const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_v7() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_v7() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Uint4 per warp and stage of the ring: NM matrices x 2 row halves x 32 lanes.
+template <int NM>
+constexpr int v7_stage_u4() { return NM * 2 * 32; }
+// Dynamic shared bytes of a v7 block: v6's x staging (v5_smem(K), a multiple of 16) + the warps' rings.
+template <int NM, int D>
+constexpr size_t v7_smem(int64_t K) { return v5_smem(K) + size_t(k_v5_warps) * D * v7_stage_u4<NM>() * 16; }
+
+// This warp's ring: after the x staging of K columns (v5_smem(K) bytes from the dynamic shared base).
+template <int NM, int D>
+__device__ __forceinline__ uint4 * v7_ring(uint32_t * smem, int64_t K) {
+    return reinterpret_cast<uint4 *>(smem + v5_smem(K) / 4) + (threadIdx.x >> 5) * (D * v7_stage_u4<NM>());
+}
+
+// Step s of the lane's streams into ring stage `slot` (the warp's stage base), its scale bytes into sc.
+template <int NM>
+__device__ __forceinline__ void v7_issue(uint4 * slot, const v6_lane<NM> & p, int s, uint32_t (&sc)[NM][2]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            cp_async16_v7(slot + (2 * m + h) * 32 + lane, p.q[m] + (h ? p.rs : 0) + 4 * s);
+            sc[m][h] = __ldg(p.sc[m] + (h ? p.rs : 0) + 4 * s);
+        }
+}
+
+// v6_rows with the weight stream through the lane's ring (ring: this warp's D stages). One commit group per step (empty
+// groups near the end keep the count uniform): after the commit at step s, s + D groups exist and wait_group D - 1
+// completes the first s + 1, i.e. step s's copies. Stage (s + D - 1) % D is refilled at step s: it held step s - 1,
+// whose shared loads this lane has already consumed (the mmas of step s - 1 used them).
+template <int NM, int D, typename STAGE>
+__device__ __forceinline__ void v7_rows(const v6_lane<NM> & p, int ns, const uint32_t * xl, uint4 * ring, STAGE stage,
+                                        float (&acc)[NM][2]) {
+    static_assert(D >= 2, "v7: at least one step in flight");
+    constexpr int SU = v7_stage_u4<NM>();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool act = (g >> 1) == t;
+    uint4 xb = make_uint4(0, 0, 0, 0);   // B words: loaded by active lanes only, zero for the others throughout
+    uint32_t sc[D][NM][2];
+#pragma unroll
+    for (int i = 0; i < D - 1; ++i) {
+        if (i < ns) v7_issue<NM>(ring + i * SU, p, i, sc[i]);
+        cp_async_commit_v7();
+    }
+    const int e = stage();
+#pragma unroll
+    for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.0f;
+    for (int s0 = 0; s0 < ns; s0 += D) {
+#pragma unroll
+        for (int i = 0; i < D; ++i) {
+            const int s = s0 + i;
+            if (s + D - 1 < ns) v7_issue<NM>(ring + ((i + D - 1) % D) * SU, p, s + D - 1, sc[(i + D - 1) % D]);
+            cp_async_commit_v7();
+            cp_async_wait_v7<D - 1>();
+            if (s < ns) {
+                v5_buf<NM, 1> b;
+#pragma unroll
+                for (int m = 0; m < NM; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        b.q[m][h][0] = ring[i * SU + (2 * m + h) * 32 + lane];
+                        b.sc[m][h][0] = sc[i][m][h];
+                    }
+                v6_group<NM>(b, xl + 64 * s, act, xb, acc);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = acc[m][h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            acc[m][h] = ldexpf(v, -e);
+        }
+}
+
 // The lane's streams for rows row_g, row_g + 8 of NM matrices with nu units per row, and its B pointer into xs.
 template <int NM>
 __device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint8_t * const * base, const uint8_t * const * scl,
@@ -1609,9 +1706,10 @@ __device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint
     return ((g & 1) ? xs_lo : xs_hi) + t * 16;
 }
 
-// hbuf [k, F] for T == 1: grid (F / 128, k), F and Din multiples of 128; dynamic shared v5_smem(Din). Block (0, 0) zeroes
+// hbuf [k, F] for T == 1: grid (F / 128, k), F and Din multiples of 128; dynamic shared v5_smem(Din) (D == 0: v6's
+// register pipeline of PD steps) or v7_smem<2, D>(Din) (D > 0: v7's ring of D stages; PD unused). Block (0, 0) zeroes
 // the n_cnt combine counters of the down kernel that follows.
-template <int PD, int MINB>
+template <int PD, int MINB, int D = 0>
 __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const float * __restrict__ x, int64_t Din,
                                                                       const int32_t * __restrict__ ids,
                                                                       const dexpert * __restrict__ ex, int64_t E,
@@ -1635,7 +1733,11 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const 
     v6_lane<2> p;
     const uint32_t * xl = v6_setup<2>(p, base, scl, row_g, Din / 32, xs_hi, xs_lo);
     float acc[2][2];
-    v6_rows<2, PD>(p, int(Din / 128), xl, [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); }, acc);
+    const auto stage = [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); };
+    if constexpr (D > 0)
+        v7_rows<2, D>(p, int(Din / 128), xl, v7_ring<2, D>(xs_v5, Din), stage, acc);
+    else
+        v6_rows<2, PD>(p, int(Din / 128), xl, stage, acc);
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -1647,9 +1749,10 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const 
 }
 
 // ybuf [k, Dout] = down_{ids[j]} h_j (unweighted), then y = sum_j w_j ybuf_j by the last block of each 128-row tile:
-// grid (Dout / 128, k), Dout and F multiples of 128; dynamic shared v5_smem(F); cnt [Dout / 128] zeroed by the gate/up
+// grid (Dout / 128, k), Dout and F multiples of 128; dynamic shared v5_smem(F) (D == 0) or v7_smem<1, D>(F) (D > 0: the
+// v7 ring, PD unused); cnt [Dout / 128] zeroed by the gate/up
 // kernel. A slot with an invalid id writes nothing and contributes 0 (as k_moe_combine_g), but its block still counts.
-template <int PD, int MINB>
+template <int PD, int MINB, int D = 0>
 __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(const float * __restrict__ hbuf,
                                                                         const int32_t * __restrict__ ids,
                                                                         const dexpert * __restrict__ ex, int64_t E,
@@ -1672,7 +1775,11 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(cons
         v6_lane<1> p;
         const uint32_t * xl = v6_setup<1>(p, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
         float acc[1][2];
-        v6_rows<1, PD>(p, int(c.d_ff / 128), xl, [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); }, acc);
+        const auto stage = [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); };
+        if constexpr (D > 0)
+            v7_rows<1, D>(p, int(c.d_ff / 128), xl, v7_ring<1, D>(xs_v5, c.d_ff), stage, acc);
+        else
+            v6_rows<1, PD>(p, int(c.d_ff / 128), xl, stage, acc);
         if ((threadIdx.x & 3) == 0) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) ybuf[int64_t(j) * Dout + row_g + 8 * hh] = acc[0][hh];
@@ -1707,16 +1814,63 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(cons
     }
 }
 
+// A v7 kernel's dynamic shared limit, raised once per instantiation to its largest use (K = k_v5_max_k), and the carveout
+// set to the most shared memory (3 blocks of ~62 KB per SM for K3's gate/up; L1 keeps ~60 KB for the scale bytes).
+template <typename KERNEL>
+cudaError_t v7_attr(KERNEL kern, size_t max_smem) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_smem));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+    return e;
+}
+template <int MINB, int D>
+cudaError_t launch_v7_gate_up(dim3 grid, const float * x, int64_t Din, const int32_t * ids, const dexpert * experts, int64_t E,
+                              const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
+    static const cudaError_t attr = v7_attr(k_moe_gate_up_v6<1, MINB, D>, v7_smem<2, D>(k_v5_max_k));
+    if (attr != cudaSuccess) return attr;
+    return launch_k(k_moe_gate_up_v6<1, MINB, D>, grid, k_v5_warps * 32, v7_smem<2, D>(Din), st, x, Din, ids, experts, E, c,
+                    hbuf, err, cnt, n_cnt);
+}
+template <int MINB, int D>
+cudaError_t launch_v7_down(dim3 grid, const float * hbuf, const int32_t * ids, const dexpert * experts, int64_t E,
+                           const dexperts_cfg & c, float * ybuf, const float * w, int64_t k, int * cnt, float * y,
+                           cudaStream_t st) {
+    static const cudaError_t attr = v7_attr(k_moe_down_comb_v6<1, MINB, D>, v7_smem<1, D>(k_v5_max_k));
+    if (attr != cudaSuccess) return attr;
+    return launch_k(k_moe_down_comb_v6<1, MINB, D>, grid, k_v5_warps * 32, v7_smem<1, D>(c.d_ff), st, hbuf, ids, experts, E, c,
+                    ybuf, w, k, cnt, y);
+}
+
 // v6 when every bound holds (else v5): Din, d_ff, d_out multiples of 128, the Dout / 128 counters fit in gw (n_gw ints).
+// cfg / 1000 % 10 == 2: the v7 kernels (forms: gate/up 0/1 = ring D 3 at 3 blocks/SM, 2 = D 4 at 2, 3 = D 2 at 4; down
+// 0/1 = D 4 at 4, 2 = D 3 at 4, 3 = D 6 at 3, 4 = D 8 at 2); *launch_err gets a failed attribute call or launch.
 // Forms (cfg / 100 % 10, cfg / 10 % 10 as v5's digits): gate/up 0/1 = PD 1 at 3 blocks/SM, 2 = PD 2 at 2; down 0/1 = PD 2
 // at 4, 2 = PD 3 at 2, 4 = PD 2 at 3. Stages (cfg % 10): 0 both, 1 gate/up only, 2 down (+ combine) only.
 bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
                    int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int32_t * gw, int64_t n_gw,
-                   int * err, cudaStream_t st, int cfg) {
+                   int * err, cudaStream_t st, int cfg, cudaError_t * launch_err) {
     const int64_t tiles = c.d_out / k_v5_rows;
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || tiles > n_gw || k < 1 || k > 65535) return false;
     const int gu = cfg / 100 % 10, dn = cfg / 10 % 10, stages = cfg % 10;
     int * cnt = reinterpret_cast<int *>(gw);
+    if (cfg / 1000 % 10 == 2) {   // v7: the weight stream through a shared-memory ring (same grids, same outputs)
+        cudaError_t e = cudaSuccess;
+        if (stages != 2) {
+            const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
+            if (gu == 2) e = launch_v7_gate_up<2, 4>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
+            else if (gu == 3) e = launch_v7_gate_up<4, 2>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
+            else e = launch_v7_gate_up<3, 3>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
+        }
+        if (stages != 1 && e == cudaSuccess) {
+            const dim3 grid{unsigned(tiles), unsigned(k)};
+            if (dn == 2) e = launch_v7_down<4, 3>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
+            else if (dn == 3) e = launch_v7_down<3, 6>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
+            else if (dn == 4) e = launch_v7_down<2, 8>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
+            else e = launch_v7_down<4, 4>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
+        }
+        *launch_err = e;
+        return true;
+    }
     if (stages != 2) {
         const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
         if (gu == 2)
@@ -1768,10 +1922,13 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     const bool one = T == 1;
     if (one && o.dec_v5 && vfmt == 2 && Din <= k_v5_max_k && c.d_ff <= k_v5_max_k) {   // 3 launches (v5: fp16 tensor cores)
         // v5_cfg's 1000s digit 1: the v6 kernels (cuda_options::moe_decode_v6) where their bounds hold, else v5.
-        if (o.v5_cfg / 1000 % 10 != 1 ||
-            !launch_v6_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E), err, st, o.v5_cfg))
+        // 2: the v7 kernels (cuda_options::moe_decode_v7) under the same bounds.
+        cudaError_t e = cudaSuccess;
+        const int ver = o.v5_cfg / 1000 % 10;
+        if ((ver != 1 && ver != 2) ||
+            !launch_v6_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E), err, st, o.v5_cfg, &e))
             launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
-        return cudaGetLastError();
+        return e != cudaSuccess ? e : cudaGetLastError();
     }
     if (one && o.dec_bf16 && vfmt == 1 && launch_moe_bf16_decode(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg))
         return cudaGetLastError();   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below

@@ -601,6 +601,23 @@ TEST(cuda_moe, decode_v6_t1) {
         std::printf("[%s/v6-vs-v5] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
         EXPECT_TRUE(same) << nm;
         tally(same);
+        {   // v7 (cuda_options::moe_decode_v7: v6's arithmetic, weights through a shared-memory ring) must be v6's bit for
+            // bit, eager and over graph replays (its rings and counters are re-filled / re-zeroed by every launch)
+            cuda_options v7 = v6;
+            v7.moe_decode_v7 = true;
+            const auto got7 = run_cuda(g, mc->y, v7);
+            cuda_options cap = v7;
+            cap.guard = false;
+            auto gpu = backend_cuda_init(0, cap);
+            gpu->run(g);
+            gpu->capture(g);
+            gpu->replay(3);
+            const auto rep7 = read_f32(*gpu, mc->y);
+            const bool same7 = bitwise(got7, got6) && bitwise(rep7, got6);
+            std::printf("[%s/v7-vs-v6 eager + graph replay x3] %s\n", nm.c_str(), same7 ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(same7) << nm;
+            tally(same7);
+        }
         {   // control: the bitwise comparator must see a one-ulp change
             auto bad = got6;
             bad[bad.size() / 2] = std::nextafter(bad[bad.size() / 2], INFINITY);
@@ -722,6 +739,15 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
         EXPECT_TRUE(same);
         tally(same && f6 != 0);
     }
+    for (int rep = 0; rep < 3; ++rep) {   // v7: the same kernels' structure with the ring (cfg 2000)
+        int f7 = 0;
+        const auto y7 = run(bad_ids, 2000, f7);
+        const bool same = bitwise(y5, y7);
+        std::printf("[moe-v7/invalid-ids/rep%d] flag %d, y %s\n", rep, f7, same ? "bitwise v5's: PASS" : "DIFFERS from v5: FAIL");
+        EXPECT_NE(f7, 0) << "v7 did not flag the invalid ids";
+        EXPECT_TRUE(same);
+        tally(same && f7 != 0);
+    }
     int fg = 0;
     const auto yg = run(good_ids, 1000, fg);
     const bool wrong = bitwise(y5, yg);
@@ -827,7 +853,15 @@ TEST(cuda_moe, bench_decode_k3_experts) {
                             {"v6", mk(false, true, 1000), all},       {"v6 gu2(PD2,2blk)", mk(false, true, 1200), all},
                             {"v6 dn2(PD3,2blk)", mk(false, true, 1020), all}, {"v6 dn4(PD2,3blk)", mk(false, true, 1040), all},
                             {"v6 gate/up only", mk(false, true, 1001), bytes_gu},
-                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn}};
+                            {"v6 down+combine only", mk(false, true, 1002), bytes_dn},
+                            {"v7", mk(false, true, 2000), all},
+                            {"v7 gu2(D4,2blk)", mk(false, true, 2200), all}, {"v7 gu3(D2,4blk)", mk(false, true, 2300), all},
+                            {"v7 dn2(D3,4blk)", mk(false, true, 2020), all}, {"v7 dn3(D6,3blk)", mk(false, true, 2030), all},
+                            {"v7 dn4(D8,2blk)", mk(false, true, 2040), all},
+                            {"v7 gate/up only", mk(false, true, 2001), bytes_gu},
+                            {"v7 gu3 gate/up only", mk(false, true, 2301), bytes_gu},
+                            {"v7 down+combine only", mk(false, true, 2002), bytes_dn},
+                            {"v7 dn3 down+combine only", mk(false, true, 2032), bytes_dn}};
     std::vector<float> y_v4;   // set 0's output by v4: every full variant must match it at the f32 tolerance
     for (const variant & v : vars) {
         auto launch = [&](int i) {
