@@ -42,6 +42,7 @@ struct opts {
     int prefill_fast = -1;   // cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: -1 the defaults, 0 off, N > 0
     int moe_mma_v2 = -1;     // cuda_options::moe_mma_v2: -1 the default, 0 off, 1 on
     int moe_v4 = -1;         // cuda_options::moe_decode_v4 + moe_small_v4: -1 the defaults, 0 both off, 1 both on
+    int moe_shared_slot = -1;   // cuda_options::moe_shared_slot: -1 the default, 0 off, 1 on
 };
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -190,6 +191,7 @@ int run_compare(const opts & o) {
     if (o.kda_chunk >= 0) co.kda_chunk_min_tokens = o.kda_chunk;
     if (o.moe_mma_v2 >= 0) co.moe_mma_v2 = o.moe_mma_v2 != 0;
     if (o.moe_v4 >= 0) co.moe_decode_v4 = co.moe_small_v4 = o.moe_v4 != 0;
+    if (o.moe_shared_slot >= 0) co.moe_shared_slot = o.moe_shared_slot != 0;
     if (o.prefill_fast >= 0) co.moe_route_gemm_tokens = co.mla_prefill_tokens = co.conv_prefill_tokens = co.attn_res_prefill_tokens = o.prefill_fast;
     auto gpu = backend_cuda_init(o.device, co);
     std::printf("compare-backends: model %s, cpu vs cuda (%s), prompt %zu tokens, %d decode steps, NMSE tolerance %.1e\n",
@@ -338,6 +340,9 @@ int run_compare(const opts & o) {
             }
         });
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (o.moe_shared_slot >= 0)   // whether the rule fired on this model (its shapes decide: fuse-plan.h)
+            std::printf("step %d: %d MOE_EXPERTS launches with the shared expert as a slot (moe_shared_slot %d)\n", step,
+                        gpu->fused_moe_shared(), o.moe_shared_slot);
         const tensor lc = cpu->read(gc.logits), lg = gpu->read(gg.logits);
         const int32_t tc = argmax_last(lc), tg = argmax_last(lg);
         std::printf("step %d (%s %zu tokens at pos %d): %d outputs compared, worst NMSE %.3e at '%s', first out of tolerance: %s; "
@@ -405,6 +410,10 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
             ->capture_default_str();
         sub.add_option("--moe-v4", o->moe_v4,
                        "cuda_options::moe_decode_v4 + moe_small_v4 (decode / few-token expert kernels): 1 on, 0 off, -1 the defaults")
+            ->capture_default_str();
+        sub.add_option("--moe-shared-slot", o->moe_shared_slot,
+                       "cuda_options::moe_shared_slot (the shared expert as a slot of the BF16 decode experts' launch): 1 on,"
+                       " 0 off, -1 the default")
             ->capture_default_str();
         sub.add_option("--prefill-fast", o->prefill_fast,
                        "cuda_options::{moe_route_gemm,mla_prefill,conv_prefill,attn_res_prefill}_tokens: N > 0 the prefill router GEMM,"

@@ -361,6 +361,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "mla_decode_v3") co.mla_decode_v3 = v != 0;
         else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
+        else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
         else if (k == "fuse_norm_max_mib") co.fuse_norm_max_weight_bytes = int64_t(v) << 20;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
         else if (k == "graph_decode") co.graph_decode = v != 0;
@@ -713,6 +714,18 @@ void dry_fusions(const graph & g) {
         const auto p = cuda_fuse::plan_fusions(g, co);
         std::printf("  defaults + fuse_kda_decode: %d KDA decode tails folded, %d node launches (%d fewer than the defaults)\n",
                     p.kda_decodes, n_launch - p.launches_saved(), p.launches_saved() - saved0);
+    }
+    {   // moe_shared_slot over the defaults (off by default): the shared expert as a slot of the routed experts' launch
+        cuda_options co;
+        co.moe_shared_slot = false;
+        const auto p0 = cuda_fuse::plan_fusions(g, co);
+        co.moe_shared_slot = true;
+        const auto p = cuda_fuse::plan_fusions(g, co);
+        std::printf("  defaults + moe_shared_slot: %d shared experts folded into MOE_EXPERTS (%d node launches), norms folded"
+                    " %d -> %d, adds folded %d -> %d, LINEARs grouped %d -> %d: %d node launches (%d fewer than the"
+                    " defaults)\n",
+                    p.moe_shareds, p.moe_shared_launches, p0.norms, p.norms, p0.adds, p.adds, p0.linear_grouped,
+                    p.linear_grouped, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
     }
     struct pass { const char * label; bool group, norm, add, conv = false, sig = false; };
     int base = -1;

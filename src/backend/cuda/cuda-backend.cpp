@@ -315,6 +315,7 @@ public:
     int fused_conv_l2s() const override { return n_conv_l2_; }
     int fused_sigmoids() const override { return n_fused_sig_; }
     int fused_kda_decodes() const override { return n_kda_fused_; }
+    int fused_moe_shared() const override { return n_moe_shared_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -937,6 +938,10 @@ private:
             run_kda_fused(g, id);
             return;
         }
+        if (!fplan_.moe_shared.empty() && fplan_.moe_shared[size_t(id)].add >= 0) {   // experts + shared slot (moe_shared_slot)
+            run_moe_shared(g, id);
+            return;
+        }
         if (!fplan_.mla_kv_norm.empty() && fplan_.mla_kv_norm[size_t(id)] >= 0) {   // the MLA kv_a split (fuse_mla_kv)
             run_mla_kv_split(g, id);
             return;
@@ -1263,12 +1268,14 @@ private:
         return n.p.chunk_size == 64 && opt_.kda_chunk_min_tokens > 0 && T >= opt_.kda_chunk_min_tokens &&
                n.p.head_dim_k <= 128 && n.p.head_dim_k % 4 == 0 && n.p.head_dim_v <= 128;
     }
-    // Whether node `id` is computed by a launch at a LATER node (fuse_kda_decode); the nodes launch `id` computes that
-    // come before it (in order). For the node callback and the guard: they report such nodes after that launch.
+    // Whether node `id` is computed by a launch at a LATER node (fuse_kda_decode; moe_shared_slot when a graph places a
+    // shared-expert node before its MOE_EXPERTS); the nodes launch `id` computes that come before it (in order). For the
+    // node callback and the guard: they report such nodes after that launch.
     bool done_later(int id) const { return !fplan_.done_by.empty() && fplan_.done_by[size_t(id)] > id; }
     std::vector<int> later_done(int id) const {
         std::vector<int> v;
-        if (!fplan_.kda.empty() && fplan_.kda[size_t(id)].scan >= 0)
+        if ((!fplan_.kda.empty() && fplan_.kda[size_t(id)].scan >= 0) ||
+            (!fplan_.moe_shared.empty() && fplan_.moe_shared[size_t(id)].add >= 0))
             for (int j = 0; j < id; ++j)
                 if (fplan_.done_by[size_t(j)] == id) v.push_back(j);
         return v;
@@ -1276,7 +1283,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1532,6 +1539,64 @@ private:
         ++n_kda_fused_;
     }
 
+    // MOE_EXPERTS node `id` (outputs allocated) with the shared expert the plan folds into it as slot k
+    // (moe_shared_slot): the BF16 decode pair writes y, the shared gate/up/GLU/down outputs, the ADD and the chained ADD.
+    // The planner allowed it only where the pair runs; anything else here is an error, never another kernel.
+    void run_moe_shared(const graph & g, int id) {
+        const node & n = g.nodes[size_t(id)];
+        const cuda_fuse::moe_shared_fold & f = fplan_.moe_shared[size_t(id)];
+        const dtensor & x = in(n, 0);
+        const dtensor & idt = in(n, 1);
+        PG_CHECK(x.shape.size() == 2 && x.shape[0] == 1 && in(n, 2).shape == idt.shape && idt.shape.size() == 2 &&
+                     idt.shape[0] == 1,
+                 "{}: shared slot for x {} / ids {} (one token only)", n.name, shape_str(x.shape), shape_str(idt.shape));
+        const auto & ex = *n.p.experts;
+        const int64_t Din = x.shape[1], k = idt.shape[1], F = ex[0].gate.out, Dout = n.outs.at(0).shape.at(1);
+        const cuda::dexpert * table = expert_table(n);
+        PG_CHECK(opt_.moe_grouped && opt_.moe_decode_bf16 && expert_vfmt_.at(n.p.experts.get()) == 1 && int64_t(ex.size()) <= 1024,
+                 "{}: the shared slot needs the grouped BF16 decode experts", n.name);
+        auto outp = [&](int j) {
+            auto & o = outs_[size_t(j)];
+            PG_CHECK(o.empty(), "shared-slot node '{}' already has outputs", g.nodes[size_t(j)].name);
+            for (const auto & oo : g.nodes[size_t(j)].outs) o.push_back(new_out(oo.type, oo.shape));
+            PG_CHECK(reinterpret_cast<uintptr_t>(o.at(0).p) % 16 == 0, "'{}': output not 16-byte aligned", g.nodes[size_t(j)].name);
+            return static_cast<float *>(o.at(0).p);
+        };
+        auto dense = [&](int lin) {   // the shared LINEAR's BF16 weight (bound here: its WEIGHT node comes later)
+            const node & l = g.nodes[size_t(lin)];
+            if (outs_[size_t(l.src[1].node)].empty()) run_node(g, l.src[1].node);
+            const dtensor & w = in(l, 1);
+            PG_CHECK(w.type == dtype::BF16 && w.shape.size() == 2, "shared-slot LINEAR '{}': weight {} {}", l.name,
+                     dtype_name(w.type), shape_str(w.shape));
+            cuda::dexpert_matrix m;
+            m.w = w.p;
+            m.type = cuda::wtype::BF16;
+            m.out = w.shape[0];
+            m.in = w.shape[1];
+            return m;
+        };
+        cuda::dmoe_shared sh;
+        sh.w.gate = dense(f.gate);
+        sh.w.up = dense(f.up);
+        sh.w.down = dense(f.down);
+        sh.gate = outp(f.gate);
+        sh.up = outp(f.up);
+        sh.act = outp(f.act);
+        sh.down = outp(f.down);
+        sh.sum = outp(f.add);
+        if (f.add2 >= 0) {
+            PG_CHECK(!outs_[size_t(f.res2.node)].empty(), "shared slot: residual '{}' is not computed yet", g.at(f.res2).name);
+            sh.res = static_cast<const float *>(outs_[size_t(f.res2.node)].at(size_t(f.res2.out)).p);
+            sh.sum2 = outp(f.add2);
+        }
+        const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
+        int * err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
+        float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
+        PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
+                                                          c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_));
+        ++n_moe_shared_;
+    }
+
     // COLS node `id` (outputs allocated), the RMS_NORM over it and the rope COLS the plan folds into it: one launch.
     void run_mla_kv_split(const graph & g, int id) {
         const node & n = g.nodes[size_t(id)];
@@ -1717,6 +1782,7 @@ private:
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
     int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;
     int n_kda_fused_ = 0;
+    int n_moe_shared_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

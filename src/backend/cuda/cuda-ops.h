@@ -218,6 +218,28 @@ bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, i
 bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
                             cudaStream_t st, int cfg = 0);
+// The shared expert as slot k of the BF16 decode pair (cuda_options::moe_shared_slot, fuse-plan.h): weight 1.0, added
+// after the routed sum. w: its dense BF16 matrices (gate/up [d_ff, Din], down [d_out, d_ff]: the routed widths). The pair
+// writes gate/up [d_ff] (its projections), act [d_ff] (the GLU product, read back by the down stage), down [d_out], the
+// routed sum into y (bit for bit launch_moe_bf16_decode's), sum = y + down, and with res: sum2 = sum + res (res and sum2
+// both set or both null). Device pointers, 16-byte aligned.
+struct dmoe_shared {
+    dexpert w;
+    float * gate = nullptr;
+    float * up = nullptr;
+    float * act = nullptr;
+    float * down = nullptr;
+    float * sum = nullptr;
+    const float * res = nullptr;
+    float * sum2 = nullptr;
+};
+// Whether the shared slot runs for these widths (the planner's rule; = moe_bf16_decode_supported at cfg 0). Declared
+// also in fuse-plan.h (which stays free of CUDA headers).
+bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k);
+// cudaErrorInvalidValue (nothing launched) when the shapes, dtypes or pointers are not the above. hbuf: k * d_ff floats.
+cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+                                          const dexpert * experts, int64_t E, const dexperts_cfg & c, const dmoe_shared & sh,
+                                          float * hbuf, float * y, int * err, cudaStream_t st, int cfg = 0);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,

@@ -34,12 +34,30 @@
 //                     KDA_SCAN and the GATED_RMS_NORM: one launch at the GATED_RMS_NORM's position (kda-fused-decode.cu)
 //                     writes every one of their outputs; 7-9 launches removed per KDA layer. Only when each folded
 //                     node's consumers are folded too or come after that position, and no input is computed later.
+//   moe_shared_slot   (planned FIRST, so the rules above never see its nodes) MOE_EXPERTS with T == 1, every expert dense
+//                     BF16, on the grouped BF16 decode pair (moe_grouped, moe_decode_bf16, E <= 1024, widths of
+//                     cuda::moe_bf16_shared_supported), whose output y meets a shared expert in ADD(y, s) (forward.cpp
+//                     moe_block, non-latent): s = LINEAR down(GLU(LINEAR gate(x), LINEAR up(x))) over the SAME input node x
+//                     as the experts, BF16 [F, Din] / [F, Din] / [Dout, F] at the experts' widths, GLU = SILU_MUL (act
+//                     SiLU) or SITU_MUL with the experts' betas. One launch pair at the MOE_EXPERTS node
+//                     (moe-bf16-decode.cu, the shared expert as slot k) writes y, the gate/up/GLU/down outputs, the ADD
+//                     and, when the ADD's only consumer is a second ADD(sum, r2) with r2 computed before, that one too
+//                     (l_out). The shared gate/up thereby leave the post-attention norm's GEMV group (the norm runs: the
+//                     router and the experts read it). Refused (nothing folded) when a folded node has a consumer outside
+//                     the group placed before the launch, an input computed after it, an output other than 0 read, a
+//                     dtype or width outside the kernel, or when the ADD's other operand is not y.
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
 
 #include <algorithm>
 #include <vector>
+
+namespace perigee::cuda {
+// moe-bf16-decode.cu (also declared in cuda-ops.h): whether the shared slot runs for these widths. The planner calls the
+// kernel file's own rule so the two cannot drift; declared here to keep this header free of CUDA headers.
+bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k);
+} // namespace perigee::cuda
 
 namespace perigee::cuda_fuse {
 
@@ -72,6 +90,18 @@ struct kda_fold {
     int n() const { return 7 + (f_b >= 0) + (g_b >= 0); }
 };
 
+// The nodes one MOE_EXPERTS launch computes with the shared expert as its extra slot (moe_shared_slot), launched at the
+// MOE_EXPERTS node.
+struct moe_shared_fold {
+    int gate = -1, up = -1;   // LINEARs gate_proj / up_proj of the shared expert
+    int act = -1;             // SILU_MUL / SITU_MUL
+    int down = -1;            // LINEAR down_proj
+    int add = -1;             // ADD(y, down)
+    int add2 = -1;            // ADD(add, res2) (l_out), -1: not folded
+    node_ref res2;
+    int n() const { return 5 + (add2 >= 0); }
+};
+
 struct plan {
     std::vector<int> done_by;        // per node: the node at whose position its output is computed; -1: its own
     std::vector<launch> at;          // per node: the fused launches it issues (empty: its ordinary kernel)
@@ -87,9 +117,14 @@ struct plan {
     std::vector<kda_fold> kda;       // per GATED_RMS_NORM node: the KDA tail its launch computes (scan < 0: none)
     int kda_decodes = 0;             // fused KDA decode launches
     int kda_launches = 0;            // launches they remove (conv_l2's folded L2_NORMs not counted twice)
+    std::vector<moe_shared_fold> moe_shared;   // per MOE_EXPERTS node: the shared expert its launch computes (add < 0: none)
+    int moe_shareds = 0;             // MOE_EXPERTS launches with the shared slot
+    int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
-    int launches_saved() const { return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches; }
+    int launches_saved() const {
+        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches;
+    }
 };
 
 // A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
@@ -107,6 +142,107 @@ inline bool gemv_linear(const graph & g, const node & n, int gemv_max_tokens, dt
     return wn.leaf->shape[1] == K;
 }
 
+// Rule moe_shared_slot (see the header), planned before the others: fills p.moe_shared / done_by for each MOE_EXPERTS
+// node whose launch can take its shared expert as an extra slot. cons: consumers of output 0 of each node.
+inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>> & cons, plan & p) {
+    const size_t N = g.nodes.size();
+    auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
+    auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
+    auto free_node = [&](int j) { return p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty() && p.moe_shared[size_t(j)].add < 0; };
+    auto f32_row = [&](const node_output & t, int64_t C) {
+        return t.type == dtype::F32 && t.shape.size() == 2 && t.shape[0] == 1 && t.shape[1] == C;
+    };
+    // LINEAR j over exactly x, with W a 2-D BF16 WEIGHT leaf [O, I] and output [1, O] F32
+    auto bf16_linear = [&](int j, node_ref x, int64_t O, int64_t I) {
+        const node & l = g.nodes[size_t(j)];
+        if (l.op != op_type::LINEAR || l.src.size() < 2 || !l.src[1].valid() || !same(l.src[0], x)) return false;
+        const node & wn = g.at(l.src[1]);
+        return wn.op == op_type::WEIGHT && wn.leaf && wn.leaf->type == dtype::BF16 && wn.leaf->shape.size() == 2 &&
+               wn.leaf->shape[0] == O && wn.leaf->shape[1] == I && f32_row(l.outs.at(0), O);
+    };
+    for (size_t e = 0; e < N; ++e) {
+        const node & m = g.nodes[e];
+        if (m.op != op_type::MOE_EXPERTS || !free_node(int(e)) || m.src.size() < 3 || !m.p.experts || m.p.experts->empty())
+            continue;
+        const node_ref x = m.src[0];
+        if (!x.valid() || !m.src[1].valid() || g.out(x).shape.size() != 2) continue;
+        const int64_t Din = g.out(x).shape[1];
+        if (!f32_row(g.out(x), Din) || m.outs.empty() || m.outs[0].shape.size() != 2) continue;   // T == 1
+        const int64_t Dout = m.outs[0].shape[1];
+        const auto & idt = g.out(m.src[1]);
+        if (!f32_row(m.outs[0], Dout) || idt.shape.size() != 2 || idt.shape[0] != 1) continue;
+        const int64_t k = idt.shape[1];
+        // the routed experts: every matrix dense BF16, one width (what the BF16 decode pair reads)
+        const auto & ex = *m.p.experts;
+        const int64_t F = ex[0].gate.out;
+        bool ok = ex.size() <= 1024;
+        for (const expert_weights & w : ex) {
+            for (const expert_matrix * mm : {&w.gate, &w.up, &w.down})
+                ok &= mm->format == fp4_format::NONE && mm->weight && mm->weight->type == dtype::BF16;
+            ok &= w.gate.out == F && w.gate.in == Din && w.up.out == F && w.up.in == Din && w.down.out == Dout && w.down.in == F;
+        }
+        if (!ok || !cuda::moe_bf16_shared_supported(Din, F, Dout, k)) continue;
+        // ADD(y, s) with s = down(GLU(gate(x), up(x))): the first ADD over y whose other operand has that shape
+        moe_shared_fold f;
+        for (int j : cons[e]) {
+            const node & a = g.nodes[size_t(j)];
+            if (a.op != op_type::ADD || a.src.size() != 2 || !free_node(j) || !f32_row(a.outs.at(0), Dout)) continue;
+            for (int side = 0; side < 2 && f.add < 0; ++side) {
+                const node_ref yr = a.src[size_t(side)], sr = a.src[size_t(1 - side)];
+                if (!same(yr, node_ref{int(e), 0}) || !sr.valid() || sr.out != 0 || sr.node == int(e)) continue;
+                const node & dn = g.nodes[size_t(sr.node)];
+                if (dn.op != op_type::LINEAR || dn.src.empty() || !dn.src[0].valid() || dn.src[0].out != 0) continue;
+                const int act = dn.src[0].node;
+                const node & an = g.nodes[size_t(act)];
+                const bool glu_ok = m.p.act == glu_act::SILU
+                                        ? an.op == op_type::SILU_MUL
+                                        : an.op == op_type::SITU_MUL && an.p.situ_beta == m.p.situ_beta &&
+                                              an.p.situ_linear_beta == m.p.situ_linear_beta;
+                if (!glu_ok || an.src.size() != 2 || !an.src[0].valid() || !an.src[1].valid() || an.src[0].out != 0 ||
+                    an.src[1].out != 0 || an.src[0].node == an.src[1].node || !f32_row(an.outs.at(0), F))
+                    continue;
+                if (!bf16_linear(sr.node, node_ref{act, 0}, Dout, F) || !bf16_linear(an.src[0].node, x, F, Din) ||
+                    !bf16_linear(an.src[1].node, x, F, Din))
+                    continue;
+                f = moe_shared_fold{an.src[0].node, an.src[1].node, act, sr.node, j, -1, {}};
+            }
+            if (f.add >= 0) break;
+        }
+        if (f.add < 0) continue;
+        // the chained residual ADD (l_out): the sum's only consumer, its other operand computed before the launch
+        if (cons[size_t(f.add)].size() == 1) {
+            const int j = cons[size_t(f.add)][0];
+            const node & a2 = g.nodes[size_t(j)];
+            if (a2.op == op_type::ADD && a2.src.size() == 2 && free_node(j) && f32_row(a2.outs.at(0), Dout))
+                for (int side = 0; side < 2; ++side) {
+                    const node_ref sr = a2.src[size_t(side)], rr = a2.src[size_t(1 - side)];
+                    if (!same(sr, node_ref{f.add, 0}) || !rr.valid() || rr.node == f.add || !f32_row(g.out(rr), Dout)) continue;
+                    if (at_pos(rr.node) >= int(e)) continue;
+                    f.add2 = j;
+                    f.res2 = rr;
+                    break;
+                }
+        }
+        std::vector<int> set{f.gate, f.up, f.act, f.down, f.add};
+        if (f.add2 >= 0) set.push_back(f.add2);
+        auto in_set = [&](int j) { return j == int(e) || std::find(set.begin(), set.end(), j) != set.end(); };
+        for (int j : set) {
+            ok &= free_node(j);
+            for (int u : cons[size_t(j)]) ok &= in_set(u) || at_pos(u) > int(e);   // consumers: folded or after the launch
+            for (const node_ref & r : g.nodes[size_t(j)].src)   // inputs from outside: computed before the launch
+                if (r.valid() && !in_set(r.node)) ok &= at_pos(r.node) < int(e) || g.nodes[size_t(r.node)].op == op_type::WEIGHT;
+        }
+        for (size_t j = 0; j < N && ok; ++j)   // outputs other than 0 of a folded node: none exist for these ops
+            for (const node_ref & r : g.nodes[j].src)
+                if (r.valid() && r.out != 0 && r.node != int(e) && in_set(r.node)) ok = false;
+        if (!ok) continue;
+        for (int j : set) p.done_by[size_t(j)] = int(e);
+        p.moe_shared[e] = f;
+        ++p.moe_shareds;
+        p.moe_shared_launches += f.n();
+    }
+}
+
 inline plan plan_fusions(const graph & g, const cuda_options & o) {
     const size_t N = g.nodes.size();
     plan p;
@@ -116,6 +252,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.mla_kv_norm.assign(N, -1);
     p.mla_kv_rope.assign(N, -1);
     p.kda.assign(N, {});
+    p.moe_shared.assign(N, {});
     auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
 
     // consumers of output 0 of each node, in graph order
@@ -124,6 +261,9 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         for (const node_ref & r : g.nodes[i].src)
             if (r.valid() && r.out == 0 && (cons[size_t(r.node)].empty() || cons[size_t(r.node)].back() != int(i)))
                 cons[size_t(r.node)].push_back(int(i));
+
+    // 0. the shared expert as a slot of the routed experts' launch (before the rules that would claim its nodes)
+    if (o.moe_shared_slot && o.moe_grouped && o.moe_decode_bf16) plan_moe_shared(g, cons, p);
 
     // LINEARs (in order) -> launches of at most k_group_max, one weight dtype each (first-seen dtype order)
     auto groups_of = [&](const std::vector<int> & lins) {
@@ -250,6 +390,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         for (size_t i = 0; i < N; ++i) {
             const node & n = g.nodes[i];
             if (n.op != op_type::ADD || n.src.size() != 2 || !n.src[0].valid() || !n.src[1].valid()) continue;
+            if (p.done_by[i] >= 0) continue;   // computed by another launch (moe_shared_slot)
             const int64_t numel = shape_numel(n.outs.at(0).shape);
             int best_side = -1, best_lin = -1, best_slot = -1, best_pos = -1;
             for (int s = 0; s < 2; ++s) {
@@ -260,7 +401,8 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 int lin = -1, slot = -1;
                 dtype wt;
                 int64_t K;
-                if (an.op == op_type::LINEAR && gemv_linear(g, an, o.gemv_max_tokens, wt, K)) {
+                if (an.op == op_type::LINEAR && p.moe_shared[size_t(ready(a.node))].add < 0 &&   // not in a shared-slot launch
+                    gemv_linear(g, an, o.gemv_max_tokens, wt, K)) {
                     lin = a.node;
                     slot = 0;
                 } else if (an.op == op_type::ADD && add_lin[size_t(a.node)] >= 0) {

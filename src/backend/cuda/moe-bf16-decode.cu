@@ -21,6 +21,17 @@
 // Arithmetic: exactly v4's (fp32; per lane the units lane + 32 i in increasing i, each unit an fma chain over its 8 columns
 // from 0 added to the lane's sum; warp_sum; the activation; down's partial rows summed over slots in slot order), so y is
 // bit for bit v4's (test-moe-cuda decode_bf16_t1 checks it).
+//
+// The shared expert as slot k (cuda_options::moe_shared_slot, launch_moe_bf16_decode_shared): the same pair with one more
+// slot, SH = true. gate/up: grid (F / 4, k + 1), blockIdx.y == k reads the shared expert's rows and writes its gate and up
+// projections and the GLU product to the graph's own outputs (sh.gate / sh.up / sh.act; the down stage reads sh.act).
+// down + combine: a ninth warp per block takes the shared slot's R rows (the 8 routed warps and their slots unchanged);
+// the combine sums the routed slots exactly as before (y, written: the MOE_EXPERTS node), then adds the shared row last:
+// sum = y + down_shared, and optionally sum2 = sum + res (the chained residual ADD). The shared expert's weights travel
+// as a dexpert by value in the kernel arguments, not as entry E of the routed table: the table is cached per experts
+// vector and uploaded once; an entry E would make id == E (the error the kernels flag) a valid read, and a table per
+// (experts, shared expert) pair would be one more device allocation to keep in step with the weights. With SH false the
+// kernels are the code above, unchanged (the template adds nothing), so the unfused path is bit for bit what it was.
 #include "backend/cuda/common.cuh"
 
 namespace perigee::cuda {
@@ -52,25 +63,28 @@ __device__ __forceinline__ float dot8_bf(const uint4 & q, const float4 & x0, con
     return a;
 }
 
-// hbuf [k, F]: hbuf[j, row] = act(gate_e . x, up_e . x), e = ids[j]; grid (F / 4, k), block 4 warps, warp = row.
-// Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks).
-template <int NU>
+// hbuf [k, F]: hbuf[j, row] = act(gate_e . x, up_e . x), e = ids[j]; grid (F / 4, k + SH), block 4 warps, warp = row.
+// Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks). SH: slot k is the shared expert (sh).
+template <int NU, bool SH>
 __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(const float * __restrict__ x,
-                                                                         const int32_t * __restrict__ ids,
+                                                                         const int32_t * __restrict__ ids, int k,
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ hbuf,
-                                                                         int * err) {
+                                                                         int * err, dmoe_shared sh) {
     pdl_enter();
     const int j = blockIdx.y;
-    const int32_t e = ids[j];
-    if (e < 0 || e >= E) {
+    const bool shared = SH && j == k;
+    const int32_t e = shared ? 0 : ids[j];
+    if (!shared && (e < 0 || e >= E)) {
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
         return;
     }
     const int lane = threadIdx.x & 31;
     const int row = int(blockIdx.x) * k_bgu_warps + int(threadIdx.x >> 5);
-    const uint4 * gp = static_cast<const uint4 *>(ex[e].gate.w) + (row * (32 * NU) + lane);
-    const uint4 * up = static_cast<const uint4 *>(ex[e].up.w) + (row * (32 * NU) + lane);
+    const void * gw = shared ? sh.w.gate.w : ex[e].gate.w;
+    const void * uw = shared ? sh.w.up.w : ex[e].up.w;
+    const uint4 * gp = static_cast<const uint4 *>(gw) + (row * (32 * NU) + lane);
+    const uint4 * up = static_cast<const uint4 *>(uw) + (row * (32 * NU) + lane);
     uint4 qg[NU], qu[NU];
 #pragma unroll
     for (int i = 0; i < NU; ++i) {
@@ -87,60 +101,96 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     }
     ag = warp_sum(ag);
     au = warp_sum(au);
-    if (lane == 0)
-        hbuf[int64_t(j) * c.d_ff + row] = c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+    if (lane == 0) {
+        const float h = c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+        if (shared) {   // the shared LINEARs' and the GLU node's outputs (the GLU product is the down stage's input)
+            sh.gate[row] = ag;
+            sh.up[row] = au;
+            sh.act[row] = h;
+        } else {
+            hbuf[int64_t(j) * c.d_ff + row] = h;
+        }
+    }
 }
 
 // y [Dout] = sum_j w[j] down_{ids[j]} h_j in slot order (an invalid id contributes 0); grid Dout / R, block of 8 warps:
 // warp wd takes slots wd + 8 s (s < NS, k <= 8 NS) and R rows of each, every unit in flight together; the partial rows
 // meet in shared memory and R threads sum them in slot order. Rows of nu = 32 NU units (F = 256 NU), Dout % R == 0.
-template <int NU, int R, int NS, int MINB>
-__global__ void __launch_bounds__(k_bdn_warps * 32, MINB) k_moe_bf16_down_d1(const float * __restrict__ hbuf,
-                                                                        const int32_t * __restrict__ ids,
-                                                                        const float * __restrict__ w, int k,
-                                                                        const dexpert * __restrict__ ex, int64_t E,
-                                                                        dexperts_cfg c, float * __restrict__ y) {
+// SH: a ninth warp computes the shared expert's R rows from sh.act; the combine then also writes sh.down, sh.sum = y +
+// down_shared and (sh.sum2 != nullptr) sh.sum2 = sh.sum + sh.res.
+template <int NU, int R, int NS, int MINB, bool SH>
+__global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down_d1(const float * __restrict__ hbuf,
+                                                                                const int32_t * __restrict__ ids,
+                                                                                const float * __restrict__ w, int k,
+                                                                                const dexpert * __restrict__ ex, int64_t E,
+                                                                                dexperts_cfg c, float * __restrict__ y,
+                                                                                dmoe_shared sh) {
     pdl_enter();
-    __shared__ float part[k_bdn_warps * NS][R];
+    __shared__ float part[k_bdn_warps * NS + SH][R];
     const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r0 = int(blockIdx.x) * R;
-    const uint4 * base[NS];
-    bool ok[NS];
-#pragma unroll
-    for (int s = 0; s < NS; ++s) {
-        const int jj = wd + k_bdn_warps * s;
-        const int32_t e = jj < k ? ids[jj] : -1;
-        ok[s] = e >= 0 && e < E;
-        base[s] = ok[s] ? static_cast<const uint4 *>(ex[e].down.w) + (r0 * (32 * NU) + lane) : nullptr;
-    }
-    uint4 q[NS][R][NU];
-#pragma unroll
-    for (int s = 0; s < NS; ++s)
-        if (ok[s]) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i));
+    if (!SH || wd < k_bdn_warps) {   // the routed slots (SH false: the whole kernel body, as before)
+        const uint4 * base[NS];
+        bool ok[NS];
+    #pragma unroll
+        for (int s = 0; s < NS; ++s) {
+            const int jj = wd + k_bdn_warps * s;
+            const int32_t e = jj < k ? ids[jj] : -1;
+            ok[s] = e >= 0 && e < E;
+            base[s] = ok[s] ? static_cast<const uint4 *>(ex[e].down.w) + (r0 * (32 * NU) + lane) : nullptr;
         }
+        uint4 q[NS][R][NU];
+    #pragma unroll
+        for (int s = 0; s < NS; ++s)
+            if (ok[s]) {
+    #pragma unroll
+                for (int r = 0; r < R; ++r)
+    #pragma unroll
+                    for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i));
+            }
+    #pragma unroll
+        for (int s = 0; s < NS; ++s) {
+            float acc[R];
+    #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+            if (ok[s]) {
+                const float4 * hv = reinterpret_cast<const float4 *>(hbuf + int64_t(wd + k_bdn_warps * s) * c.d_ff) + 2 * lane;
+    #pragma unroll
+                for (int i = 0; i < NU; ++i) {
+                    const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
+    #pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[s][r][i], x0, x1);
+                }
+            }
+    #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+            if (lane == 0) {
+    #pragma unroll
+                for (int r = 0; r < R; ++r) part[wd + k_bdn_warps * s][r] = acc[r];
+            }
+        }
+    } else {   // SH: the shared slot, R rows of its down projection over the GLU product
+        const uint4 * base = static_cast<const uint4 *>(sh.w.down.w) + (r0 * (32 * NU) + lane);
+        uint4 q[R][NU];
 #pragma unroll
-    for (int s = 0; s < NS; ++s) {
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < NU; ++i) q[r][i] = ld_stream_bf(base + (r * (32 * NU) + 32 * i));
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-        if (ok[s]) {
-            const float4 * hv = reinterpret_cast<const float4 *>(hbuf + int64_t(wd + k_bdn_warps * s) * c.d_ff) + 2 * lane;
+        const float4 * hv = reinterpret_cast<const float4 *>(sh.act) + 2 * lane;
 #pragma unroll
-            for (int i = 0; i < NU; ++i) {
-                const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
+        for (int i = 0; i < NU; ++i) {
+            const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
 #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[s][r][i], x0, x1);
-            }
+            for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[r][i], x0, x1);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
         if (lane == 0) {
 #pragma unroll
-            for (int r = 0; r < R; ++r) part[wd + k_bdn_warps * s][r] = acc[r];
+            for (int r = 0; r < R; ++r) part[k_bdn_warps * NS][r] = acc[r];
         }
     }
     __syncthreads();
@@ -152,21 +202,29 @@ __global__ void __launch_bounds__(k_bdn_warps * 32, MINB) k_moe_bf16_down_d1(con
             o += w[jj] * v;
         }
         y[r0 + int(threadIdx.x)] = o;
+        if (SH) {   // the shared expert added last, after the routed sum (forward.cpp moe_block: y = add(y, shared))
+            const float d = part[k_bdn_warps * NS][threadIdx.x];
+            const float sum = o + d;
+            sh.down[r0 + int(threadIdx.x)] = d;
+            sh.sum[r0 + int(threadIdx.x)] = sum;
+            if (sh.sum2) sh.sum2[r0 + int(threadIdx.x)] = sum + sh.res[r0 + int(threadIdx.x)];
+        }
     }
 }
 
-template <int NU>
+// sh: the shared slot when SH (else ignored: a zero dmoe_shared).
+template <int NU, bool SH>
 void launch_bf16_gate_up(const float * x, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E, const dexperts_cfg & c,
-                         float * hbuf, int * err, cudaStream_t st) {
-    launch_k(k_moe_bf16_gate_up_d1<NU>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(k)), k_bgu_warps * 32, 0, st, x, ids, ex,
-             E, c, hbuf, err);
+                         float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh) {
+    launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(k + SH)), k_bgu_warps * 32, 0, st, x,
+             ids, int(k), ex, E, c, hbuf, err, sh);
 }
 
-template <int NU, int R, int NS, int MINB>
+template <int NU, int R, int NS, int MINB, bool SH>
 void launch_bf16_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                      const dexperts_cfg & c, float * y, cudaStream_t st) {
-    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB>, unsigned(c.d_out / R), k_bdn_warps * 32, 0, st, hbuf, ids, w, int(k), ex, E,
-             c, y);
+                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh) {
+    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, unsigned(c.d_out / R), (k_bdn_warps + SH) * 32, 0, st, hbuf, ids, w,
+             int(k), ex, E, c, y, sh);
 }
 
 // Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
@@ -177,12 +235,32 @@ int down_form(int64_t k, int64_t d_out, int cfg) {
     return 0;
 }
 
-template <int NU>
+template <int NU, bool SH>
 void launch_bf16_down_nu(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                         const dexperts_cfg & c, float * y, cudaStream_t st, int form) {
-    if (form == 1) launch_bf16_down<NU, 3, 1, 2>(hbuf, ids, w, k, ex, E, c, y, st);
-    else if (form == 2) launch_bf16_down<NU, 2, 1, 3>(hbuf, ids, w, k, ex, E, c, y, st);
-    else launch_bf16_down<NU, 2, 2, 1>(hbuf, ids, w, k, ex, E, c, y, st);
+                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh);
+    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh);
+}
+
+// Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false) or with the shared slot.
+template <bool SH>
+void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
+                      int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st, int cfg,
+                      const dmoe_shared & sh) {
+    const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
+    if (stage != 2) {
+        switch (Din / 256) {
+            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh); break;
+            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh); break;
+        }
+    }
+    if (stage != 1) {
+        const int form = down_form(k, c.d_out, cfg % 100 / 10);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh);
+        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh);
+    }
 }
 
 } // namespace
@@ -201,20 +279,31 @@ bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, c
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
                             cudaStream_t st, int cfg) {
     if (!moe_bf16_decode_supported(Din, k, c, cfg)) return false;
-    const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
-    if (stage != 2) {
-        switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4>(x, ids, k, experts, E, c, hbuf, err, st); break;
-            case 8: launch_bf16_gate_up<8>(x, ids, k, experts, E, c, hbuf, err, st); break;
-            default: launch_bf16_gate_up<9>(x, ids, k, experts, E, c, hbuf, err, st); break;
-        }
-    }
-    if (stage != 1) {
-        const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4>(hbuf, ids, w, k, experts, E, c, y, st, form);
-        else launch_bf16_down_nu<8>(hbuf, ids, w, k, experts, E, c, y, st, form);
-    }
+    launch_bf16_pair<false>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{});
     return true;
+}
+
+bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k) {
+    // the routed pair's shapes (the shared slot reuses its NU / R / NS instantiations) and 16-byte aligned rows
+    const dexperts_cfg c{0, 1.0f, 0.0f, d_ff, d_out};
+    return moe_bf16_decode_supported(Din, k, c, 0);
+}
+
+cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+                                          const dexpert * experts, int64_t E, const dexperts_cfg & c, const dmoe_shared & sh,
+                                          float * hbuf, float * y, int * err, cudaStream_t st, int cfg) {
+    if (!moe_bf16_shared_supported(Din, c.d_ff, c.d_out, k) || !moe_bf16_decode_supported(Din, k, c, cfg))
+        return cudaErrorInvalidValue;
+    if (sh.w.gate.type != wtype::BF16 || sh.w.up.type != wtype::BF16 || sh.w.down.type != wtype::BF16 || sh.w.gate.fmt != 0 ||
+        sh.w.up.fmt != 0 || sh.w.down.fmt != 0 || !sh.w.gate.w || !sh.w.up.w || !sh.w.down.w)
+        return cudaErrorInvalidValue;
+    if (sh.w.gate.out != c.d_ff || sh.w.gate.in != Din || sh.w.up.out != c.d_ff || sh.w.up.in != Din || sh.w.down.out != c.d_out ||
+        sh.w.down.in != c.d_ff)
+        return cudaErrorInvalidValue;
+    if (!sh.gate || !sh.up || !sh.act || !sh.down || !sh.sum || (sh.sum2 != nullptr) != (sh.res != nullptr))
+        return cudaErrorInvalidValue;
+    launch_bf16_pair<true>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh);
+    return cudaGetLastError();
 }
 
 } // namespace perigee::cuda

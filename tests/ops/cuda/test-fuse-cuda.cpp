@@ -8,9 +8,12 @@
 // fused output against a CPU graph with a wrong eps, the fused y + r against y alone (a dropped residual), the second
 // chain ADD against the first, and the comparator's perturbation/negative-threshold controls. Every fused case also
 // asserts the backend's counters (fused_norms / fused_adds / linear_grouped), so a fusion that did not fire fails.
-// The planner itself (host code) is checked without a GPU. The run ends with "N passed, N failed".
+// The planner itself (host code) is checked without a GPU. moe_shared_slot (the shared expert as a slot of the routed
+// experts' launch): moe_shared_slot (GPU) and planner_moe_shared (no GPU), with their own controls and refusals.
+// The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/fuse-ops.h"
 #include "backend/cuda/fuse-plan.h"
 #include "harness.h"
@@ -18,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <numeric>
 
@@ -958,6 +962,223 @@ TEST(cuda_fuse, planner_rules) {
         const auto p = cuda_fuse::plan_fusions(g, fuse_opts(true, true, false));
         EXPECT_EQ(p.norms, 0);
         tally(p.norms == 0);
+    }
+}
+
+// ---- the shared expert as a slot of the routed experts' launch (moe_shared_slot) ----
+// The MoE block as forward.cpp moe_block builds it for Kimi-Linear (non-latent): x [T, D] (the residual stream), h =
+// rms_norm(x); the router over h (top-k of E, sigmoid, renormalized, scale 2.446); the routed experts (BF16, d_ff F) over
+// h; the shared expert over h (gate/up BF16 [F, D], GLU, down [D, F]); ffn = y + shared; l_out = x + ffn. Forms:
+//   plain       the model's order (the rule folds: anchor = MOE_EXPERTS, every folded node after it)
+//   early       the shared expert built BEFORE the router/experts (its gate/up/GLU/down are computed by a LATER launch:
+//               the done_later path of the node callback and the guard)
+//   early_use   early, plus a consumer of the GLU output placed before the experts (must NOT fold)
+//   add_other   ffn = (shared + x) + y: the ADD over y has no LINEAR operand (must NOT fold)
+//   shared_f32  the shared expert's weights F32 (must NOT fold: the kernel reads BF16)
+//   shared_2f   the shared expert twice as wide as a routed one (2 shared experts; must NOT fold)
+//   latent      the experts read scale(h), the shared expert h (different inputs; must NOT fold)
+//   situ_mix    the shared GLU SiTU while the experts use SiLU (must NOT fold)
+//   swap_gu     plain with the shared gate and up weights exchanged (a CPU control graph)
+enum class msh_form { plain, early, early_use, add_other, shared_f32, shared_2f, latent, situ_mix, swap_gu };
+struct msh_graph {
+    arena a;
+    graph g;
+    std::vector<node_ref> outs;   // h, ids, experts, gate, up, act, down, ffn, l_out
+};
+void build_msh_graph(msh_graph & mg, msh_form form, int T, int D, int F, int E, int k, int act, uint32_t seed) {
+    rng r(seed);
+    builder bd(batch_simple(T));
+    auto xv = r.vec(size_t(T) * size_t(D), -1.0f, 1.0f), nwv = r.vec(size_t(D), 0.8f, 1.2f);
+    auto rw = r.vec(size_t(E) * size_t(D), -0.3f, 0.3f);
+    auto ex = std::make_shared<std::vector<expert_weights>>(size_t(E));
+    auto mat = [&](int O, int I) {
+        expert_matrix m;
+        m.out = O;
+        m.in = I;
+        auto v = r.vec(size_t(O) * size_t(I), -0.1f, 0.1f);
+        m.weight = &mg.a.bf16({O, I}, v);
+        return m;
+    };
+    for (auto & e : *ex) e = {mat(F, D), mat(F, D), mat(D, F)};
+    const int Fs = form == msh_form::shared_2f ? 2 * F : F;
+    const dtype st = form == msh_form::shared_f32 ? dtype::F32 : dtype::BF16;
+    auto gv = r.vec(size_t(Fs) * size_t(D), -0.1f, 0.1f), uv = r.vec(size_t(Fs) * size_t(D), -0.1f, 0.1f);
+    auto dv = r.vec(size_t(D) * size_t(Fs), -0.1f, 0.1f);
+    if (form == msh_form::swap_gu) std::swap(gv, uv);
+    const node_ref x = bd.name(bd.scale(bd.weight(mg.a.f32({T, D}, xv), "x_leaf"), 1.0f), "attn_residual");
+    const node_ref h = bd.name(bd.rms_norm(x, bd.weight(mg.a.bf16({D}, nwv), "post_attention_layernorm"), 1e-5f), "ffn_norm");
+    const glu_act ea = act == 1 ? glu_act::SITU : glu_act::SILU;
+    auto shared = [&](node_ref in) {
+        node_ref sg = bd.name(bd.linear(in, bd.weight(mg.a.typed(st, {Fs, D}, gv), "shared.gate_proj")), "shared_gate");
+        node_ref su = bd.name(bd.linear(in, bd.weight(mg.a.typed(st, {Fs, D}, uv), "shared.up_proj")), "shared_up");
+        const bool situ = form == msh_form::situ_mix ? true : act == 1;
+        node_ref sa = bd.name(situ ? bd.situ_mul(sg, su, 2.0f, 3.0f) : bd.silu_mul(sg, su), "shared_act");
+        node_ref so = bd.name(bd.linear(sa, bd.weight(mg.a.typed(st, {D, Fs}, dv), "shared.down_proj")), "shared_out");
+        return std::array<node_ref, 4>{sg, su, sa, so};
+    };
+    const bool early = form == msh_form::early || form == msh_form::early_use;
+    std::array<node_ref, 4> s{};
+    node_ref use;
+    if (early) {
+        s = shared(h);
+        if (form == msh_form::early_use) use = bd.name(bd.sigmoid(s[2]), "shared_act_other");
+    }
+    auto [ids, w] = bd.moe_route(h, bd.weight(mg.a.bf16({E, D}, rw), "gate"), {}, {k, 1, 1, true, 2.446f, router_act::SIGMOID});
+    bd.name(ids, "moe_route");
+    const node_ref xe = form == msh_form::latent ? bd.name(bd.scale(h, 0.5f), "moe_latent_in") : h;
+    const node_ref y = bd.name(bd.moe_experts(xe, ids, w, {ea, 2.0f, 3.0f, D, ex}), "moe_experts");
+    if (!early) s = shared(h);
+    node_ref ffn = form == msh_form::add_other ? bd.add(bd.add(s[3], x), y) : bd.add(y, s[3]);
+    bd.name(ffn, "ffn_moe_out");
+    node_ref lo = bd.name(bd.add(x, ffn), "l_out");
+    if (use.valid()) lo = bd.add(lo, bd.cols(bd.linear(use, bd.weight(mg.a.bf16({D, Fs}, dv), "other_proj")), 0, D));
+    mg.outs = {h, ids, y, s[0], s[1], s[2], s[3], ffn, lo};
+    mg.g = bd.finish(lo);
+}
+
+cuda_options msh_opts(bool on) {
+    cuda_options o = fuse_opts(true, true);   // the decode defaults around it: norm folded, ADDs into epilogues
+    o.fuse_conv_l2 = o.fuse_sigmoid = o.fuse_kda_decode = true;
+    o.moe_grouped = o.moe_decode_bf16 = true;
+    o.moe_shared_slot = on;
+    return o;
+}
+
+// GPU: every output of the block against the CPU (NMSE k_tol_f32) with the switch on and off, in guard mode (NaN-poisoned
+// outputs framed by sentinels: an unwritten or overrun output of a folded node fails), each node also seen by the node
+// callback exactly once with the value read back; the routed sum y bit for bit the unfused pair's (same kernel
+// arithmetic); shared-slot launches counted. Shapes: the 48B (D 2304, F 1024, top-8 of 16: gate/up NU 9, down R 3),
+// D 1024 / F 1024 top-4 SiTU (NU 4), D 2048 / F 1024 top-6 (d_out not a multiple of 3: down R 2), D 1024 / F 2048
+// top-12 of 20 (down 2 slots per warp); the 48B shape also in the early form (folded nodes before the launch). Controls
+// that must FAIL: the fused ffn_moe_out against the CPU's routed sum alone (a dropped shared slot / shared weight 0);
+// the fused GLU output against a CPU graph with the shared gate and up exchanged; the comparator family.
+TEST(cuda_fuse, moe_shared_slot) {
+    NEED_GPU();
+    struct tc { int D, F, E, k, act; msh_form form; };
+    for (const tc & c : {tc{2304, 1024, 16, 8, 0, msh_form::plain}, tc{1024, 1024, 12, 4, 1, msh_form::plain},
+                         tc{2048, 1024, 8, 6, 0, msh_form::plain}, tc{1024, 2048, 20, 12, 1, msh_form::plain},
+                         tc{2304, 1024, 16, 8, 0, msh_form::early}}) {
+        const uint32_t seed = 31000 + uint32_t(c.D + c.F + c.k);
+        const std::string nm = fmt::format("moe_shared/D{}/F{}/k{}/{}{}", c.D, c.F, c.k, c.act ? "situ" : "silu",
+                                           c.form == msh_form::early ? "/early" : "");
+        ASSERT_TRUE(cuda::moe_bf16_shared_supported(c.D, c.F, c.D, c.k)) << nm << ": the kernel would not run";
+        msh_graph mg;
+        build_msh_graph(mg, c.form, 1, c.D, c.F, c.E, c.k, c.act, seed);
+        const auto p = cuda_fuse::plan_fusions(mg.g, msh_opts(true));
+        ASSERT_EQ(p.moe_shareds, 1) << nm << ": the planner did not fold";
+        std::vector<std::vector<float>> ref;   // index 1 (the ids, I32) left empty: ref_ids
+        std::vector<int32_t> ref_ids;
+        {
+            auto cpu = backend_cpu_init();
+            cpu->check_supported(mg.g);
+            cpu->run(mg.g);
+            for (size_t i = 0; i < mg.outs.size(); ++i) ref.push_back(i == 1 ? std::vector<float>{} : read_f32(*cpu, mg.outs[i]));
+            ref_ids = read_i32(*cpu, mg.outs[1]);
+        }
+        std::vector<std::vector<float>> got[2];
+        for (int on = 1; on >= 0; --on) {
+            const std::string m = nm + (on ? "/fused" : "/unfused");
+            auto gpu = backend_cuda_init(0, msh_opts(on != 0));
+            gpu->check_supported(mg.g);
+            std::vector<int> seen(mg.g.nodes.size(), 0);
+            bool cb_ok = true;
+            gpu->run(mg.g, [&](const graph & g, int id, const std::vector<tensor> & outs) {
+                ++seen[size_t(id)];
+                for (size_t i = 0; i < mg.outs.size(); ++i)   // the callback's copy = what read() returns afterwards
+                    if (mg.outs[i].node == id && i != 1 && outs.at(0).numel() != int64_t(ref[i].size())) cb_ok = false;
+                (void)g;
+            });
+            for (size_t i = 0; i < mg.outs.size(); ++i) cb_ok &= seen[size_t(mg.outs[i].node)] == 1;
+            EXPECT_TRUE(cb_ok) << m << ": a folded node was not reported exactly once by the node callback";
+            tally(cb_ok);
+            const bool ids_ok = check_exact_i32(m + "/ids", ref_ids, read_i32(*gpu, mg.outs[1]));
+            tally(ids_ok);
+            for (size_t i = 0; i < mg.outs.size(); ++i) {
+                if (i == 1) {
+                    got[on].push_back({});
+                    continue;
+                }
+                got[on].push_back(read_f32(*gpu, mg.outs[i]));
+                const bool ok = check(m + "/" + mg.g.at(mg.outs[i]).name, to_f64(ref[i]), got[on].back(), metric::NMSE, k_tol_f32);
+                EXPECT_TRUE(ok) << m;
+                tally(ok);
+            }
+            const int want = on ? 1 : 0;
+            EXPECT_EQ(gpu->fused_moe_shared(), want) << m;
+            tally(gpu->fused_moe_shared() == want);
+            std::printf("[%s] fused_moe_shared %d, fused_norms %d, fused_adds %d\n", m.c_str(), gpu->fused_moe_shared(),
+                        gpu->fused_norms(), gpu->fused_adds());
+        }
+        {   // the routed sum: the same kernel arithmetic fused or not
+            const bool same = got[1][2].size() == got[0][2].size() &&
+                              std::memcmp(got[1][2].data(), got[0][2].data(), got[0][2].size() * 4) == 0;
+            std::printf("[%s/routed sum bitwise fused == unfused] %s\n", nm.c_str(), same ? "yes" : "NO");
+            EXPECT_TRUE(same) << nm;
+            tally(same);
+        }
+        // controls that must FAIL
+        must_fail(nm + "/control(dropped shared slot: ffn vs the routed sum)", ref[7], got[1][2]);
+        {
+            msh_graph sw;
+            build_msh_graph(sw, msh_form::swap_gu, 1, c.D, c.F, c.E, c.k, c.act, seed);
+            must_fail(nm + "/control(shared gate/up exchanged)", cpu_outputs(sw.g, {sw.outs[5]})[0], got[1][5]);
+        }
+        comparator_controls(nm + "/ffn_moe_out", ref[7], got[1][7]);
+        comparator_controls(nm + "/shared_out", ref[6], got[1][6]);
+    }
+}
+
+// The planner on its own (no GPU): the rule folds the plain and early forms (6 nodes: gate, up, GLU, down, ADD, l_out),
+// takes the shared gate/up out of the norm's GEMV group (the norm then has no LINEAR: not folded) and the ADDs out of
+// the down GEMV's epilogue; it refuses every form that must not fold, T 2, the switch off, and moe_decode_bf16 off
+// (the routed experts would not run the BF16 pair). Each refusal's graph differs from a folding one in that one respect.
+TEST(cuda_fuse, planner_moe_shared) {
+    auto plan_of = [](msh_form form, int T, const cuda_options & o) {
+        msh_graph mg;
+        build_msh_graph(mg, form, T, 1024, 1024, 8, 4, 0, 9990);
+        auto p = cuda_fuse::plan_fusions(mg.g, o);
+        return std::make_pair(p, std::vector<node_ref>(mg.outs));
+    };
+    {
+        const auto [off, outs0] = plan_of(msh_form::plain, 1, msh_opts(false));
+        const auto [on, outs] = plan_of(msh_form::plain, 1, msh_opts(true));
+        bool ok = on.moe_shareds == 1 && on.moe_shared_launches == 6 && off.moe_shareds == 0;
+        const int anchor = outs[2].node;
+        for (int i : {3, 4, 5, 6, 7, 8}) ok &= on.done_by[size_t(outs[size_t(i)].node)] == anchor;
+        ok &= off.norms == 1 && on.norms == 0;   // the norm's only LINEARs were the shared gate/up
+        ok &= off.adds == 2 && on.adds == 0;     // ffn_moe_out and l_out chained on the down GEMV before
+        ok &= on.launches_saved() == off.launches_saved() - 1 - 1 - 2 + 6;   // norm fold, gate/up grouping, 2 adds lost
+        EXPECT_TRUE(ok) << "plain: moe_shareds " << on.moe_shareds << ", launches " << on.moe_shared_launches << ", norms "
+                        << off.norms << " -> " << on.norms << ", adds " << off.adds << " -> " << on.adds << ", saved "
+                        << off.launches_saved() << " -> " << on.launches_saved();
+        tally(ok);
+    }
+    {
+        const auto [on, outs] = plan_of(msh_form::early, 1, msh_opts(true));
+        const int anchor = outs[2].node;
+        bool ok = on.moe_shareds == 1 && on.done_by[size_t(outs[3].node)] == anchor && outs[3].node < anchor;
+        EXPECT_TRUE(ok) << "early: the shared nodes before the experts fold (computed by the later launch)";
+        tally(ok);
+    }
+    struct refusal { msh_form form; int T; const char * why; };
+    for (const refusal & rf : {refusal{msh_form::early_use, 1, "the GLU output has a consumer before the launch"},
+                               refusal{msh_form::add_other, 1, "the ADD over y has no shared-expert operand"},
+                               refusal{msh_form::shared_f32, 1, "shared weights F32"},
+                               refusal{msh_form::shared_2f, 1, "shared expert wider than a routed one"},
+                               refusal{msh_form::latent, 1, "experts and shared expert read different inputs"},
+                               refusal{msh_form::situ_mix, 1, "shared GLU SiTU, experts SiLU"},
+                               refusal{msh_form::plain, 2, "two tokens"}}) {
+        const auto [p, outs] = plan_of(rf.form, rf.T, msh_opts(true));
+        EXPECT_EQ(p.moe_shareds, 0) << rf.why;
+        std::printf("[planner_moe_shared/refusal: %s] %s\n", rf.why, p.moe_shareds == 0 ? "not folded: PASS" : "FOLDED: FAIL");
+        tally(p.moe_shareds == 0);
+    }
+    {
+        cuda_options nb = msh_opts(true);
+        nb.moe_decode_bf16 = false;
+        const auto [p, outs] = plan_of(msh_form::plain, 1, nb);
+        EXPECT_EQ(p.moe_shareds, 0) << "moe_decode_bf16 off";
+        tally(p.moe_shareds == 0);
     }
 }
 

@@ -2,7 +2,8 @@
 // decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch decode router,
 // decode v4, and decode v5 (MXFP4 expert GEMVs on fp16 tensor cores) with a microbenchmark of K3's expert node
 // (bench_decode_k3_experts: us per node, GB/s, % of the copy rate for v2 / v4 / v5 forms; prints, asserts only a clean run),
-// and the BF16 decode pair (moe-bf16-decode.cu: decode_bf16_t1, decode_bf16_direct, bench_decode_48b_experts).
+// and the BF16 decode pair (moe-bf16-decode.cu: decode_bf16_t1, decode_bf16_direct, bench_decode_48b_experts) with the
+// shared expert as its extra slot (decode_bf16_shared_direct; cuda_options::moe_shared_slot).
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend (fp32, fp64 reductions) is the
 // reference; the CUDA backend runs in guard mode (outputs poisoned with NaN, sentinel words checked after each node);
@@ -1172,6 +1173,189 @@ TEST(cuda_moe, bench_decode_48b_experts) {
     EXPECT_EQ(herr[cuda::ERR_EXPERT_ID], 0) << "expert id error flagged during the benchmark";
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
+    for (void * p : allocs) cudaFree(p);
+    cudaStreamDestroy(st);
+}
+
+// ---- The shared expert as slot k of the BF16 decode pair (cuda_options::moe_shared_slot, launch_moe_bf16_decode_shared) ----
+// Straight through the launcher, weights filled on the device (48B geometry: D 2304, F 1024, E 32, top-8, SiLU), down
+// forms cfg 0 (R 3) and 10 (R 2). Checks: y (the routed sum) bit for bit launch_moe_bf16_decode's; the shared gate, up,
+// GLU, down, sum = y + down and sum2 = sum + res against an fp64 host reference from the same bf16 weights (NMSE at the
+// f32 tolerance); with invalid ids (-1, E) in the routed slots the error flag is set and the shared outputs are unchanged
+// (bitwise); inconsistent arguments return cudaErrorInvalidValue. Controls that must FAIL: the shared down weights zeroed
+// (shared weight 0) against the reference sum; the shared gate and up exchanged against the reference GLU; the
+// reference sum against y alone (a dropped shared slot); the comparator family.
+TEST(cuda_moe, decode_bf16_shared_direct) {
+    NEED_GPU();
+    const int64_t D = 2304, F = 1024, E = 32, k = 8;
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<void *> allocs;
+    auto dalloc = [&](size_t n) {
+        void * p = nullptr;
+        EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess) << "cudaMalloc " << n;
+        allocs.push_back(p);
+        return p;
+    };
+    auto mat = [&](int64_t out, int64_t in, uint64_t seed) {
+        cuda::dexpert_matrix m;
+        void * p = dalloc(size_t(out * in * 2));
+        EXPECT_EQ(cuda::launch_fill_random(p, out * in, 1, seed, -0.1f, 0.1f, st), cudaSuccess);
+        m.w = p;
+        m.type = cuda::wtype::BF16;
+        m.out = out;
+        m.in = in;
+        return m;
+    };
+    auto host_f = [&](const void * p, int64_t n, bool bf16) {   // device -> host floats
+        std::vector<float> v(static_cast<size_t>(n));
+        if (bf16) {
+            std::vector<uint16_t> b(static_cast<size_t>(n));
+            EXPECT_EQ(cudaMemcpy(b.data(), p, size_t(n) * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+            for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_f32(b[i]);
+        } else {
+            EXPECT_EQ(cudaMemcpy(v.data(), p, size_t(n) * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        }
+        return v;
+    };
+    std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, 500 + 10 * e), mat(F, D, 503 + 10 * e), mat(D, F, 506 + 10 * e)};
+    const cuda::dexpert shw{mat(F, D, 4001), mat(F, D, 4002), mat(D, F, 4003)};
+    auto * dex = static_cast<cuda::dexpert *>(dalloc(hex.size() * sizeof(cuda::dexpert)));
+    auto * dids = static_cast<int32_t *>(dalloc(size_t(k) * 4));
+    const std::vector<float> hw{0.3f, 0.2f, 0.15f, 0.1f, 0.1f, 0.08f, 0.04f, 0.03f};
+    auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
+    auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * dres = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * hbuf = static_cast<float *>(dalloc(size_t(k * F) * 4));
+    auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
+    auto * err = static_cast<int *>(dalloc(64));
+    float * o_gate = static_cast<float *>(dalloc(size_t(F) * 4)), * o_up = static_cast<float *>(dalloc(size_t(F) * 4));
+    float * o_act = static_cast<float *>(dalloc(size_t(F) * 4)), * o_down = static_cast<float *>(dalloc(size_t(D) * 4));
+    float * o_sum = static_cast<float *>(dalloc(size_t(D) * 4)), * o_sum2 = static_cast<float *>(dalloc(size_t(D) * 4));
+    ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 41, -1.0f, 1.0f, st), cudaSuccess);
+    ASSERT_EQ(cuda::launch_fill_random(dres, D, 0, 43, -2.0f, 2.0f, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
+    ASSERT_TRUE(cuda::moe_bf16_shared_supported(D, F, D, k));
+    // fp64 reference of the shared expert from the device's own bf16 weights and x
+    const auto x = host_f(dx, D, false), res = host_f(dres, D, false);
+    const auto wg = host_f(shw.gate.w, F * D, true), wu = host_f(shw.up.w, F * D, true), wd = host_f(shw.down.w, D * F, true);
+    std::vector<float> r_gate(static_cast<size_t>(F)), r_up(static_cast<size_t>(F)), r_act(static_cast<size_t>(F));
+    std::vector<float> r_down(static_cast<size_t>(D));
+    for (int64_t f = 0; f < F; ++f) {
+        double g = 0.0, u = 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+            g += double(wg[size_t(f * D + d)]) * x[size_t(d)];
+            u += double(wu[size_t(f * D + d)]) * x[size_t(d)];
+        }
+        r_gate[size_t(f)] = float(g);
+        r_up[size_t(f)] = float(u);
+        r_act[size_t(f)] = float(g / (1.0 + std::exp(-g)) * u);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+        double a = 0.0;
+        for (int64_t f = 0; f < F; ++f) a += double(wd[size_t(d * F + f)]) * double(r_act[size_t(f)]);
+        r_down[size_t(d)] = float(a);
+    }
+    struct outs { std::vector<float> y, gate, up, act, down, sum, sum2; int flag = 0; cudaError_t rc = cudaSuccess; };
+    auto run = [&](const std::vector<int32_t> & ids, int bcfg, const cuda::dmoe_shared & sh, bool with_shared) {
+        outs o;
+        EXPECT_EQ(cudaMemcpyAsync(dids, ids.data(), size_t(k) * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+        for (float * p : {y, o_down, o_sum, o_sum2}) EXPECT_EQ(cudaMemsetAsync(p, 0xff, size_t(D) * 4, st), cudaSuccess);   // NaN
+        for (float * p : {o_gate, o_up, o_act}) EXPECT_EQ(cudaMemsetAsync(p, 0xff, size_t(F) * 4, st), cudaSuccess);
+        if (with_shared) {
+            o.rc = cuda::launch_moe_bf16_decode_shared(dx, D, dids, dw, k, dex, E, cfg, sh, hbuf, y, err, st, bcfg);
+        } else {
+            EXPECT_TRUE(cuda::launch_moe_bf16_decode(dx, D, dids, dw, k, dex, E, cfg, hbuf, y, err, st, bcfg));
+        }
+        EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        o.y = host_f(y, D, false);
+        o.gate = host_f(o_gate, F, false), o.up = host_f(o_up, F, false), o.act = host_f(o_act, F, false);
+        o.down = host_f(o_down, D, false), o.sum = host_f(o_sum, D, false), o.sum2 = host_f(o_sum2, D, false);
+        int herr[16] = {};
+        EXPECT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
+        o.flag = herr[cuda::ERR_EXPERT_ID];
+        return o;
+    };
+    cuda::dmoe_shared sh;
+    sh.w = shw;
+    sh.gate = o_gate, sh.up = o_up, sh.act = o_act, sh.down = o_down, sh.sum = o_sum, sh.res = dres, sh.sum2 = o_sum2;
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    const std::vector<int32_t> good{5, 17, 2, 30, 11, 8, 23, 0}, bad{5, -1, 2, 30, int32_t(E), 8, 23, 0};
+    for (int bcfg : {0, 10}) {
+        const std::string nm = fmt::format("moe-bf16d-shared/cfg{}", bcfg);
+        const outs base = run(good, bcfg, sh, false);
+        const outs o = run(good, bcfg, sh, true);
+        ASSERT_EQ(o.rc, cudaSuccess) << nm;
+        EXPECT_EQ(o.flag, 0) << nm << ": valid ids flagged";
+        const bool same = bitwise(base.y, o.y);
+        std::printf("[%s/routed y vs the pair without the slot] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        EXPECT_TRUE(same) << nm;
+        tally(same && o.flag == 0);
+        std::vector<float> r_sum(static_cast<size_t>(D)), r_sum2(static_cast<size_t>(D));
+        for (int64_t d = 0; d < D; ++d) {   // the routed part from the GPU (checked above and by decode_bf16_t1)
+            r_sum[size_t(d)] = float(double(o.y[size_t(d)]) + r_down[size_t(d)]);
+            r_sum2[size_t(d)] = float(double(r_sum[size_t(d)]) + res[size_t(d)]);
+        }
+        const std::pair<const char *, std::pair<const std::vector<float> *, const std::vector<float> *>> cmp[] = {
+            {"gate", {&r_gate, &o.gate}}, {"up", {&r_up, &o.up}},     {"act", {&r_act, &o.act}},
+            {"down", {&r_down, &o.down}}, {"sum", {&r_sum, &o.sum}}, {"sum2", {&r_sum2, &o.sum2}}};
+        for (const auto & [what, pr] : cmp) {
+            const bool ok = check(nm + "/" + what, to_f64(*pr.first), *pr.second, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(ok) << nm << " " << what;
+            tally(ok);
+        }
+        // invalid routed ids: flagged; the shared outputs do not depend on them (bitwise)
+        const outs ob = run(bad, bcfg, sh, true);
+        const bool shared_same = bitwise(ob.gate, o.gate) && bitwise(ob.up, o.up) && bitwise(ob.act, o.act) && bitwise(ob.down, o.down);
+        std::printf("[%s/invalid-ids] flag %d, shared outputs %s\n", nm.c_str(), ob.flag,
+                    shared_same ? "unchanged: PASS" : "CHANGED: FAIL");
+        EXPECT_NE(ob.flag, 0);
+        EXPECT_TRUE(shared_same);
+        tally(ob.flag != 0 && shared_same);
+        // controls that must FAIL
+        {
+            cuda::dmoe_shared z = sh;   // shared weight 0: a zeroed copy of the down matrix
+            void * zd = dalloc(size_t(D * F * 2));
+            EXPECT_EQ(cudaMemset(zd, 0, size_t(D * F * 2)), cudaSuccess);
+            z.w.down.w = zd;
+            const outs oz = run(good, bcfg, z, true);
+            const bool pz = check(nm + "/control(shared down weights 0)", to_f64(r_sum), oz.sum, metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(pz);
+            tally(!pz);
+            cuda::dmoe_shared sw = sh;   // gate and up exchanged
+            std::swap(sw.w.gate, sw.w.up);
+            const outs os = run(good, bcfg, sw, true);
+            const bool ps = check(nm + "/control(shared gate/up exchanged)", to_f64(r_act), os.act, metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(ps);
+            tally(!ps);
+            const bool pd = check(nm + "/control(dropped shared slot: sum vs y)", to_f64(r_sum), o.y, metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(pd);
+            tally(!pd);
+            controls(nm + "/sum2", r_sum2, o.sum2, metric::NMSE, k_tol_f32);
+        }
+    }
+    {   // inconsistent arguments: nothing launched, cudaErrorInvalidValue
+        cuda::dmoe_shared w1 = sh;
+        w1.w.down.out = D + 8;
+        cuda::dmoe_shared w2 = sh;
+        w2.sum2 = nullptr;   // res without sum2
+        cuda::dmoe_shared w3 = sh;
+        w3.w.gate.type = cuda::wtype::F32;
+        bool all = true;
+        for (const cuda::dmoe_shared * b : {&w1, &w2, &w3})
+            all &= cuda::launch_moe_bf16_decode_shared(dx, D, dids, dw, k, dex, E, cfg, *b, hbuf, y, err, st) == cudaErrorInvalidValue;
+        all &= !cuda::moe_bf16_shared_supported(64, 32, 64, 2);   // kimi-linear-tiny's widths: outside the kernel
+        std::printf("[moe-bf16d-shared/invalid arguments] %s\n", all ? "refused: PASS" : "ACCEPTED: FAIL");
+        EXPECT_TRUE(all);
+        tally(all);
+    }
     for (void * p : allocs) cudaFree(p);
     cudaStreamDestroy(st);
 }
