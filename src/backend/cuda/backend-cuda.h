@@ -140,12 +140,17 @@ struct cuda_options {
     // CPU parity, invalid ids flagged; bench_decode_k3_experts node 159.4 -> 132.3 us (41% -> 50% of copy: gate/up 94.9 ->
     // 83.9, down+combine 65.1 -> 46.2); k3-layers-4 B=1 graph step 2.712 -> 2.653 ms. On.
     bool moe_decode_v6 = true;
-    // With moe_decode_v6 and its bounds: the v7 kernels (moe.cu "Decode v7"): v6's arithmetic (y bit for bit v6's) with each
-    // lane's weight stream through a ring of D stages in shared memory (cp.async; gate/up D 3 at 3 blocks per SM, down
-    // D 4 at 4) instead of PD + 1 register buffers: ~2x the weight bytes in flight per SM at a lower register count.
-    // Predicted (session 6, before its first GPU run): K3 expert node 132 -> ~90 us (gate/up 84 -> ~58, down + combine
-    // 46 -> ~32), k3-layers-4 B=1 graph step -0.10..-0.13 ms (2.53 -> ~2.41 ms, ~88% of the floor). Off until its H200 run.
-    bool moe_decode_v7 = false;
+    // With moe_decode_v6 and its bounds (also K / 32 a multiple of 4U): the v7 kernels (moe.cu "Decode v7"): v6's
+    // arithmetic (y bit for bit v6's) with the weight stream through a per-warp ring in shared memory (cp.async), each
+    // issue asking for U consecutive steps of a row (U x 64 contiguous bytes instead of 64), blocks of W warps; gate/up
+    // (W 4, U 2, 3 batches, 3 blocks per SM), down + combine (W 8, U 2, 2 batches, 4 per SM).
+    // Predicted (session 6, before the first GPU run, for the first ring form: one step per issue, D stages): K3 expert
+    // node 132 -> ~90 us, k3-layers-4 B=1 graph step -0.10..-0.13 ms. Measured (H200, K3 node microbenchmark, v6 on the same
+    // machine 131.8 us): call A, the first form, SLOWER (135.3 us: gate/up 89.8 vs 77.8) -> the batched issue; call C,
+    // batches of U 2: 115.3-117.5 us (gate/up 75.7, down + combine 40.1; 57% of copy), k3-layers-4 B=1 graph step 2.576 ->
+    // 2.500 ms (81.7% -> 84.0% of the floor, same binary, two runs each); test-moe-cuda: every form bitwise v5/v6 (invalid
+    // ids, K3 shape eager + graph replays), memcheck / racecheck / synccheck 0. On.
+    bool moe_decode_v7 = true;
     // MOE_EXPERTS grouped, T == 1, BF16 experts (Kimi-Linear-48B) in the shapes of cuda::moe_bf16_decode_supported: the
     // moe-bf16-decode.cu pair (gate/up: one warp per (slot, row), all of the lane's units of both rows in flight in one
     // pass, no bounds, L1::no_allocate; down + combine: v4's slots-on-warps block with 3 rows per block, 2.91 waves

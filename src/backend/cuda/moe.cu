@@ -1216,24 +1216,31 @@ __host__ __device__ constexpr size_t v5_smem(int64_t K) { return size_t(K) * 4 +
 
 // x [K] (f32, global) -> shared hi / lo [K / 2] fp16 pairs, scaled by 2^e (returned), permuted: entry u*16 + w*4 + i =
 // (column 32u + 8w + i | column 32u + 8w + i + 4), the order of fp4x8_f16_v5's pairs. Every thread of the block calls it.
+template <int W = k_v5_warps>   // warps of the block
 __device__ __forceinline__ int v5_stage_x(const float * __restrict__ x, int64_t K, uint32_t * xs_hi, uint32_t * xs_lo) {
-    __shared__ float red[k_v5_warps];
+    __shared__ float red[W];
+    // Both passes unrolled 8 so that a thread's loads of x are independent and in flight together: rolled, each pass is
+    // a chain of dependent L2 round trips (28 + 14 per thread for K3's gate/up at 4 warps, ~10 us before the block's
+    // first mma). fmaxf is exact and order-free; the entries are computed as before: the staged words are unchanged.
     float m = 0.0f;
-    for (int64_t c = threadIdx.x; c < K; c += blockDim.x) m = fmaxf(m, fabsf(x[c]));
+    const int Ki = int(K);
+#pragma unroll 8
+    for (int c = threadIdx.x; c < Ki; c += blockDim.x) m = fmaxf(m, fabsf(x[c]));
     m = warp_max(m);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
     __syncthreads();
     m = red[0];
 #pragma unroll
-    for (int i = 1; i < k_v5_warps; ++i) m = fmaxf(m, red[i]);
+    for (int i = 1; i < W; ++i) m = fmaxf(m, red[i]);
     int e = 0;
     if (m > 0.0f && m <= 3.0e38f) {   // finite and non-zero: max |x| 2^e in [2^14, 2^15)
         int ex;
         frexpf(m, &ex);
         e = 15 - ex;
     }
-    for (int64_t idx = threadIdx.x; idx < K / 2; idx += blockDim.x) {
-        const int64_t c0 = (idx >> 4) * 32 + ((idx >> 2) & 3) * 8 + (idx & 3);
+#pragma unroll 8
+    for (int idx = threadIdx.x; idx < Ki / 2; idx += blockDim.x) {
+        const int c0 = (idx >> 4) * 32 + ((idx >> 2) & 3) * 8 + (idx & 3);
         const float a = ldexpf(x[c0], e), b = ldexpf(x[c0 + 4], e);
         const __half ah = __float2half_rn(a), bh = __float2half_rn(b);
         const __half al = __float2half_rn(a - __half2float(ah)), bl = __float2half_rn(b - __half2float(bh));
@@ -1595,89 +1602,128 @@ __device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uin
         }
 }
 
-// ---- Decode v7 (cuda_options::moe_decode_v7; v5_cfg 1000s digit 2): v6 with each lane's weight stream through a ring
-// of D stages in shared memory (cp.async) instead of PD + 1 register buffers. Why: v6's gate/up holds one step ahead in
-// registers (PD 1; 80 registers at 3 blocks per SM), i.e. ~48 KB of weights in flight per SM, and runs at ~52% of the
-// copy rate (session 4, Nsight: DRAM 41%, issue 0.51 per scheduler); a deeper register pipeline costs occupancy (PD 2 at
-// 2 blocks per SM was slower). A cp.async lands in shared memory without holding a register, so D - 1 steps stay in
-// flight (D 3 at 3 blocks per SM: ~96 KB per SM) at a lower register count. The ring is private to each lane: a lane
-// copies exactly the 16-byte units it later reads (v6's units, same addresses), so cp.async.wait_group alone orders its
-// reads; no barrier and no cross-lane traffic. Layout per warp and stage: [matrix][row half][lane] uint4 (512
-// contiguous bytes per (matrix, half): the copies and the reads of a warp are conflict-free). The scale bytes keep their
-// __ldg (L1-resident: a 32-byte sector serves 8 steps), issued with the step's copies into a register ring of D. The
-// dequant, mmas and sums are v6_group's in v6's order: y is v6's (and so v5's) bit for bit.
-__device__ __forceinline__ void cp_async16_v7(uint4 * dst, const uint4 * src) {
+// ---- Decode v7 (cuda_options::moe_decode_v7; v5_cfg 1000s digit 2): v6's arithmetic with the weight stream through a
+// per-warp ring in shared memory (cp.async), issued in batches of U steps, and blocks of W warps (16 W rows).
+// Why. v6's gate/up reads, per warp and step, 64 bytes of each of its 32 rows (16 rows x gate/up; rows 1792 bytes apart
+// at K3): every warp load is 16 scattered 64-byte pieces, and the next 64 bytes of the same rows are requested one step
+// (~2.8 us at the measured 2.4 TB/s) later, so the DRAM sees ~100k independent 64-byte streams. Session 6, call A
+// measured the first ring form (one step per issue, D = 3 steps in flight, twice v6's bytes in flight): SLOWER (gate/up
+// 77.8 -> 89.8 us), i.e. the limit is not the bytes in flight but how they are asked for. So here each issue asks for U
+// consecutive steps of a row at once (U x 64 contiguous bytes per row, back to back), and the ring holds NB such batches
+// (NB - 1 in flight while one is computed).
+// Layout per warp and batch slot: the weights [U steps][matrix][row half][lane] uint4 (512 contiguous bytes per (step,
+// matrix, half): conflict-free copies and reads), then the scale bytes [matrix][16 rows][4 U bytes] (the U steps' units of
+// a row are 4 U contiguous bytes: lane 16 m + r copies those of row r of matrix m with one 4U-byte cp.async). Lanes read
+// scale bytes other lanes copied, so each batch is: wait_group (own copies done) + __syncwarp (everyone's visible),
+// compute, and the __syncwarp at the next batch's top orders every lane's reads of a slot before its refill.
+// Bounds (the launcher's): Din, d_ff, d_out multiples of 128 and nu = K / 32 a multiple of 4 U (whole batches; the
+// 4U-byte scale copies aligned). The dequant, mmas and sums are v6_group's in v6's order: y is v6's bit for bit.
+__device__ __forceinline__ void cp_async16_v7(void * dst, const void * src) {
     const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+template <int BYTES>   // 4 or 8 (L1-allocating form: .cg takes 16 only)
+__device__ __forceinline__ void cp_async_small_v7(void * dst, const void * src) {
+    const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(BYTES) : "memory");
+}
+// Shared-space loads by address (ld.shared, not generic ld: the ring pointers pass through reinterpret_casts); volatile
+// with a memory clobber so that they stay after the cp.async.wait_group that makes their data valid.
+__device__ __forceinline__ uint4 lds128_v7(const uint4 * p) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+                 : "memory");
+    return r;
+}
+__device__ __forceinline__ uint32_t lds8_v7(const uint8_t * p) {
+    uint32_t r;
+    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(r) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))) : "memory");
+    return r;
 }
 __device__ __forceinline__ void cp_async_commit_v7() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait_v7() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// Uint4 per warp and stage of the ring: NM matrices x 2 row halves x 32 lanes.
-template <int NM>
-constexpr int v7_stage_u4() { return NM * 2 * 32; }
-// Dynamic shared bytes of a v7 block: v6's x staging (v5_smem(K), a multiple of 16) + the warps' rings.
-template <int NM, int D>
-constexpr size_t v7_smem(int64_t K) { return v5_smem(K) + size_t(k_v5_warps) * D * v7_stage_u4<NM>() * 16; }
+// Bytes of one batch slot of a warp's ring: U steps of NM x 2 x 32 uint4, then NM x 16 rows x 4 U scale bytes.
+template <int NM, int U>
+constexpr int v7_slot_bytes() { return U * NM * 1024 + NM * 64 * U; }
+// Dynamic shared bytes of a v7 block: the x staging (v5_smem(K), a multiple of 16) + W warps' rings of NB slots.
+template <int NM, int W, int U, int NB>
+constexpr size_t v7_smem(int64_t K) { return v5_smem(K) + size_t(W) * NB * v7_slot_bytes<NM, U>(); }
 
-// This warp's ring: after the x staging of K columns (v5_smem(K) bytes from the dynamic shared base).
-template <int NM, int D>
-__device__ __forceinline__ uint4 * v7_ring(uint32_t * smem, int64_t K) {
-    return reinterpret_cast<uint4 *>(smem + v5_smem(K) / 4) + (threadIdx.x >> 5) * (D * v7_stage_u4<NM>());
-}
-
-// Step s of the lane's streams into ring stage `slot` (the warp's stage base), its scale bytes into sc.
+// The lane's copy streams: its weight units (v6_lane, v6's addresses) and, for lanes < 16 NM, the scale bytes of row
+// (warp's first row + lane % 16) of matrix lane / 16.
 template <int NM>
-__device__ __forceinline__ void v7_issue(uint4 * slot, const v6_lane<NM> & p, int s, uint32_t (&sc)[NM][2]) {
+struct v7_lane {
+    v6_lane<NM> w;
+    const uint8_t * sc;   // this lane's scale row (nullptr: the lane copies no scales)
+};
+
+// Batch bt (steps U bt .. U bt + U - 1) of the lane's streams into ring slot `slot`.
+template <int NM, int U>
+__device__ __forceinline__ void v7_issue(uint8_t * slot, const v7_lane<NM> & p, int bt) {
     const int lane = threadIdx.x & 31;
+    uint4 * q = reinterpret_cast<uint4 *>(slot);
 #pragma unroll
     for (int m = 0; m < NM; ++m)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            cp_async16_v7(slot + (2 * m + h) * 32 + lane, p.q[m] + (h ? p.rs : 0) + 4 * s);
-            sc[m][h] = __ldg(p.sc[m] + (h ? p.rs : 0) + 4 * s);
-        }
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int u = 0; u < U; ++u)   // a row's U steps back to back: U x 64 contiguous bytes over the quad
+                cp_async16_v7(q + ((u * NM + m) * 2 + h) * 32 + lane, p.w.q[m] + (h ? p.w.rs : 0) + 4 * (U * bt + u));
+    if (p.sc) {
+        uint8_t * d = slot + U * NM * 1024 + lane * 4 * U;
+        if constexpr (U == 4) cp_async16_v7(d, p.sc + 4 * U * bt);
+        else cp_async_small_v7<4 * U>(d, p.sc + 4 * U * bt);
+    }
 }
 
-// v6_rows with the weight stream through the lane's ring (ring: this warp's D stages). One commit group per step (empty
-// groups near the end keep the count uniform): after the commit at step s, s + D groups exist and wait_group D - 1
-// completes the first s + 1, i.e. step s's copies. Stage (s + D - 1) % D is refilled at step s: it held step s - 1,
-// whose shared loads this lane has already consumed (the mmas of step s - 1 used them).
-template <int NM, int D, typename STAGE>
-__device__ __forceinline__ void v7_rows(const v6_lane<NM> & p, int ns, const uint32_t * xl, uint4 * ring, STAGE stage,
+// v6_rows over the ring. One commit group per batch (empty ones near the end keep the count uniform): after the
+// commit at batch b, b + NB groups exist and wait_group NB - 1 completes the first b + 1, i.e. batch b's copies.
+template <int NM, int U, int NB, typename STAGE>
+__device__ __forceinline__ void v7_rows(const v7_lane<NM> & p, int ns, const uint32_t * xl, uint8_t * ring, STAGE stage,
                                         float (&acc)[NM][2]) {
-    static_assert(D >= 2, "v7: at least one step in flight");
-    constexpr int SU = v7_stage_u4<NM>();
+    static_assert(NB >= 2 && (U == 1 || U == 2 || U == 4), "v7: one batch in flight at least; 4U-byte scale copies");
+    constexpr int SB = v7_slot_bytes<NM, U>();
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const bool act = (g >> 1) == t;
+    const int nb = ns / U;   // whole batches (the launcher's bound)
     uint4 xb = make_uint4(0, 0, 0, 0);   // B words: loaded by active lanes only, zero for the others throughout
-    uint32_t sc[D][NM][2];
 #pragma unroll
-    for (int i = 0; i < D - 1; ++i) {
-        if (i < ns) v7_issue<NM>(ring + i * SU, p, i, sc[i]);
+    for (int i = 0; i < NB - 1; ++i) {
+        if (i < nb) v7_issue<NM, U>(ring + i * SB, p, i);
         cp_async_commit_v7();
     }
     const int e = stage();
 #pragma unroll
     for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.0f;
-    for (int s0 = 0; s0 < ns; s0 += D) {
+    for (int b0 = 0; b0 < nb; b0 += NB) {
 #pragma unroll
-        for (int i = 0; i < D; ++i) {
-            const int s = s0 + i;
-            if (s + D - 1 < ns) v7_issue<NM>(ring + ((i + D - 1) % D) * SU, p, s + D - 1, sc[(i + D - 1) % D]);
+        for (int i = 0; i < NB; ++i) {
+            const int bt = b0 + i;
+            __syncwarp();   // every lane's reads of slot (i + NB - 1) % NB (batch bt - 1) are done
+            if (bt + NB - 1 < nb) v7_issue<NM, U>(ring + ((i + NB - 1) % NB) * SB, p, bt + NB - 1);
             cp_async_commit_v7();
-            cp_async_wait_v7<D - 1>();
-            if (s < ns) {
-                v5_buf<NM, 1> b;
+            cp_async_wait_v7<NB - 1>();
+            __syncwarp();   // batch bt's copies, the scale bytes of other lanes included, visible to the warp
+            if (bt < nb) {
+                const uint8_t * slot = ring + i * SB;
+                const uint4 * q = reinterpret_cast<const uint4 *>(slot);
+                const uint8_t * sc = slot + U * NM * 1024;
 #pragma unroll
-                for (int m = 0; m < NM; ++m)
+                for (int u = 0; u < U; ++u) {
+                    v5_buf<NM, 1> b;
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        b.q[m][h][0] = ring[i * SU + (2 * m + h) * 32 + lane];
-                        b.sc[m][h][0] = sc[i][m][h];
-                    }
-                v6_group<NM>(b, xl + 64 * s, act, xb, acc);
+                    for (int m = 0; m < NM; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            b.q[m][h][0] = lds128_v7(q + ((u * NM + m) * 2 + h) * 32 + lane);
+                            b.sc[m][h][0] = lds8_v7(sc + (m * 16 + g + 8 * h) * 4 * U + 4 * u + t);
+                        }
+                    v6_group<NM>(b, xl + 64 * (U * bt + u), act, xb, acc);
+                }
             }
         }
     }
@@ -1690,6 +1736,21 @@ __device__ __forceinline__ void v7_rows(const v6_lane<NM> & p, int ns, const uin
             v += __shfl_xor_sync(0xffffffffu, v, 2);
             acc[m][h] = ldexpf(v, -e);
         }
+}
+
+// This warp's ring: after the x staging of K columns (v5_smem(K) bytes from the dynamic shared base).
+template <int NM, int U, int NB>
+__device__ __forceinline__ uint8_t * v7_ring(uint32_t * smem, int64_t K) {
+    return reinterpret_cast<uint8_t *>(smem) + v5_smem(K) + (threadIdx.x >> 5) * (NB * v7_slot_bytes<NM, U>());
+}
+
+// The scale row a lane copies: row (warp's first row + lane % 16) of matrix lane / 16, for lanes < 16 NM.
+template <int NM>
+__device__ __forceinline__ const uint8_t * v7_scale_row(const uint8_t * const * scl, int64_t warp_row0, int64_t nu) {
+    const int lane = threadIdx.x & 31;
+    const uint8_t * m = scl[0];   // a select, not scl[lane >> 4]: a runtime index puts scl in local memory
+    if (NM > 1 && lane >= 16) m = scl[NM - 1];
+    return lane < 16 * NM ? m + (warp_row0 + (lane & 15)) * nu : nullptr;
 }
 
 // The lane's streams for rows row_g, row_g + 8 of NM matrices with nu units per row, and its B pointer into xs.
@@ -1706,15 +1767,15 @@ __device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint
     return ((g & 1) ? xs_lo : xs_hi) + t * 16;
 }
 
-// hbuf [k, F] for T == 1: grid (F / 128, k), F and Din multiples of 128; dynamic shared v5_smem(Din) (D == 0: v6's
-// register pipeline of PD steps) or v7_smem<2, D>(Din) (D > 0: v7's ring of D stages; PD unused). Block (0, 0) zeroes
-// the n_cnt combine counters of the down kernel that follows.
-template <int PD, int MINB, int D = 0>
-__global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const float * __restrict__ x, int64_t Din,
-                                                                      const int32_t * __restrict__ ids,
-                                                                      const dexpert * __restrict__ ex, int64_t E,
-                                                                      dexperts_cfg c, float * __restrict__ hbuf, int * err,
-                                                                      int * __restrict__ cnt, int n_cnt) {
+// hbuf [k, F] for T == 1: grid (F / (16 W), k), F and Din multiples of 128; block W warps (16 W rows). U == 0: v6's
+// register pipeline of PD steps, dynamic shared v5_smem(Din); U > 0: v7's ring of NB batches of U steps (PD unused),
+// dynamic shared v7_smem<2, W, U, NB>(Din). Block (0, 0) zeroes the n_cnt combine counters of the down kernel that follows.
+template <int PD, int MINB, int W = k_v5_warps, int U = 0, int NB = 0>
+__global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * __restrict__ x, int64_t Din,
+                                                                const int32_t * __restrict__ ids,
+                                                                const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
+                                                                float * __restrict__ hbuf, int * err, int * __restrict__ cnt,
+                                                                int n_cnt) {
     pdl_enter();
     if (blockIdx.x == 0 && blockIdx.y == 0)
         for (int i = threadIdx.x; i < n_cnt; i += blockDim.x) cnt[i] = 0;
@@ -1727,17 +1788,22 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const 
     }
     uint32_t * xs_hi = xs_v5;
     uint32_t * xs_lo = xs_v5 + Din / 2 + k_v5_lo_pad;
-    const int64_t row_g = int64_t(blockIdx.x) * k_v5_rows + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+    const int64_t warp_row0 = int64_t(blockIdx.x) * (16 * W) + (threadIdx.x >> 5) * 16;
+    const int64_t row_g = warp_row0 + ((threadIdx.x & 31) >> 2);
     const uint8_t * const base[2] = {ex[e].gate.packed, ex[e].up.packed};
     const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
-    v6_lane<2> p;
-    const uint32_t * xl = v6_setup<2>(p, base, scl, row_g, Din / 32, xs_hi, xs_lo);
     float acc[2][2];
-    const auto stage = [&] { return v5_stage_x(x, Din, xs_hi, xs_lo); };
-    if constexpr (D > 0)
-        v7_rows<2, D>(p, int(Din / 128), xl, v7_ring<2, D>(xs_v5, Din), stage, acc);
-    else
+    const auto stage = [&] { return v5_stage_x<W>(x, Din, xs_hi, xs_lo); };
+    if constexpr (U > 0) {
+        v7_lane<2> p;
+        const uint32_t * xl = v6_setup<2>(p.w, base, scl, row_g, Din / 32, xs_hi, xs_lo);
+        p.sc = v7_scale_row<2>(scl, warp_row0, Din / 32);
+        v7_rows<2, U, NB>(p, int(Din / 128), xl, v7_ring<2, U, NB>(xs_v5, Din), stage, acc);
+    } else {
+        v6_lane<2> p;
+        const uint32_t * xl = v6_setup<2>(p, base, scl, row_g, Din / 32, xs_hi, xs_lo);
         v6_rows<2, PD>(p, int(Din / 128), xl, stage, acc);
+    }
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -1748,38 +1814,43 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_gate_up_v6(const 
     }
 }
 
-// ybuf [k, Dout] = down_{ids[j]} h_j (unweighted), then y = sum_j w_j ybuf_j by the last block of each 128-row tile:
-// grid (Dout / 128, k), Dout and F multiples of 128; dynamic shared v5_smem(F) (D == 0) or v7_smem<1, D>(F) (D > 0: the
-// v7 ring, PD unused); cnt [Dout / 128] zeroed by the gate/up
-// kernel. A slot with an invalid id writes nothing and contributes 0 (as k_moe_combine_g), but its block still counts.
-template <int PD, int MINB, int D = 0>
-__global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(const float * __restrict__ hbuf,
-                                                                        const int32_t * __restrict__ ids,
-                                                                        const dexpert * __restrict__ ex, int64_t E,
-                                                                        dexperts_cfg c, float * __restrict__ ybuf,
-                                                                        const float * __restrict__ w, int64_t k,
-                                                                        int * __restrict__ cnt, float * __restrict__ y) {
+// ybuf [k, Dout] = down_{ids[j]} h_j (unweighted), then y = sum_j w_j ybuf_j by the last block of each 16 W-row tile:
+// grid (Dout / (16 W), k), Dout and F multiples of 128; block W warps; dynamic shared v5_smem(F) (U == 0: v6) or
+// v7_smem<1, W, U, NB>(F) (U > 0: the v7 ring, PD unused); cnt [Dout / (16 W)] zeroed by the gate/up kernel. A slot with an
+// invalid id writes nothing and contributes 0 (as k_moe_combine_g), but its block still counts.
+template <int PD, int MINB, int W = k_v5_warps, int U = 0, int NB = 0>
+__global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float * __restrict__ hbuf,
+                                                                  const int32_t * __restrict__ ids,
+                                                                  const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
+                                                                  float * __restrict__ ybuf, const float * __restrict__ w,
+                                                                  int64_t k, int * __restrict__ cnt, float * __restrict__ y) {
     pdl_enter();
     extern __shared__ uint32_t xs_v5[];
     __shared__ int last;
+    constexpr int R = 16 * W;   // rows per block
     const int j = blockIdx.y;
     const int32_t e = ids[j];
     const int64_t Dout = c.d_out;
     if (e >= 0 && e < E) {   // uniform over the block
         uint32_t * xs_hi = xs_v5;
         uint32_t * xs_lo = xs_v5 + c.d_ff / 2 + k_v5_lo_pad;
-        const int64_t row_g = int64_t(blockIdx.x) * k_v5_rows + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+        const int64_t warp_row0 = int64_t(blockIdx.x) * R + (threadIdx.x >> 5) * 16;
+        const int64_t row_g = warp_row0 + ((threadIdx.x & 31) >> 2);
         const uint8_t * const base[1] = {ex[e].down.packed};
         const uint8_t * const scl[1] = {ex[e].down.scale};
         const float * h = hbuf + int64_t(j) * c.d_ff;
-        v6_lane<1> p;
-        const uint32_t * xl = v6_setup<1>(p, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
         float acc[1][2];
-        const auto stage = [&] { return v5_stage_x(h, c.d_ff, xs_hi, xs_lo); };
-        if constexpr (D > 0)
-            v7_rows<1, D>(p, int(c.d_ff / 128), xl, v7_ring<1, D>(xs_v5, c.d_ff), stage, acc);
-        else
+        const auto stage = [&] { return v5_stage_x<W>(h, c.d_ff, xs_hi, xs_lo); };
+        if constexpr (U > 0) {
+            v7_lane<1> p;
+            const uint32_t * xl = v6_setup<1>(p.w, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
+            p.sc = v7_scale_row<1>(scl, warp_row0, c.d_ff / 32);
+            v7_rows<1, U, NB>(p, int(c.d_ff / 128), xl, v7_ring<1, U, NB>(xs_v5, c.d_ff), stage, acc);
+        } else {
+            v6_lane<1> p;
+            const uint32_t * xl = v6_setup<1>(p, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
             v6_rows<1, PD>(p, int(c.d_ff / 128), xl, stage, acc);
+        }
         if ((threadIdx.x & 3) == 0) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) ybuf[int64_t(j) * Dout + row_g + 8 * hh] = acc[0][hh];
@@ -1791,8 +1862,8 @@ __global__ void __launch_bounds__(k_v5_warps * 32, MINB) k_moe_down_comb_v6(cons
     __syncthreads();
     if (!last) return;
     __threadfence();   // the other slots' rows (their fence came before their count)
-    if (threadIdx.x < k_v5_rows) {
-        const int64_t r = int64_t(blockIdx.x) * k_v5_rows + threadIdx.x;
+    if (threadIdx.x < R) {
+        const int64_t r = int64_t(blockIdx.x) * R + threadIdx.x;
         float a = 0.0f;
         for (int64_t j0 = 0; j0 < k; j0 += 8) {   // k_moe_combine_g's sum (T == 1), in slot order; 8 loads in flight
             float v[8], wv[8];
@@ -1823,27 +1894,39 @@ cudaError_t v7_attr(KERNEL kern, size_t max_smem) {
         e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
     return e;
 }
-template <int MINB, int D>
-cudaError_t launch_v7_gate_up(dim3 grid, const float * x, int64_t Din, const int32_t * ids, const dexpert * experts, int64_t E,
+template <int W, int U, int NB, int MINB>
+cudaError_t launch_v7_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                               const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
-    static const cudaError_t attr = v7_attr(k_moe_gate_up_v6<1, MINB, D>, v7_smem<2, D>(k_v5_max_k));
+    constexpr auto kern = k_moe_gate_up_v6<1, MINB, W, U, NB>;
+    static const cudaError_t attr = v7_attr(kern, v7_smem<2, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
-    return launch_k(k_moe_gate_up_v6<1, MINB, D>, grid, k_v5_warps * 32, v7_smem<2, D>(Din), st, x, Din, ids, experts, E, c,
-                    hbuf, err, cnt, n_cnt);
+    return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din, ids,
+                    experts, E, c, hbuf, err, cnt, n_cnt);
 }
-template <int MINB, int D>
-cudaError_t launch_v7_down(dim3 grid, const float * hbuf, const int32_t * ids, const dexpert * experts, int64_t E,
-                           const dexperts_cfg & c, float * ybuf, const float * w, int64_t k, int * cnt, float * y,
-                           cudaStream_t st) {
-    static const cudaError_t attr = v7_attr(k_moe_down_comb_v6<1, MINB, D>, v7_smem<1, D>(k_v5_max_k));
+template <int W, int U, int NB, int MINB>
+cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
+                           const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, float * y, cudaStream_t st) {
+    constexpr auto kern = k_moe_down_comb_v6<1, MINB, W, U, NB>;
+    static const cudaError_t attr = v7_attr(kern, v7_smem<1, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
-    return launch_k(k_moe_down_comb_v6<1, MINB, D>, grid, k_v5_warps * 32, v7_smem<1, D>(c.d_ff), st, hbuf, ids, experts, E, c,
-                    ybuf, w, k, cnt, y);
+    return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf, ids,
+                    experts, E, c, ybuf, w, k, cnt, y);
 }
 
+// The v7 forms, (warps W, steps per batch U, batches NB, blocks per SM), gate/up by cfg / 100 % 10, down + combine by
+// cfg / 10 % 10. K3 node microbenchmark (session 6 calls B, C, H200; v6: gate/up 83.7 us, down + combine 46.2):
+//   gate/up 0/1 = (4, 2, 3, 3): 75.7-75.9 us; 2 = (4, 4, 2, 2): 76.9-77.1 (84 KB, 768 blocks = 2.9 waves of 264);
+//           3 = (2, 4, 2, 4): 90.7; 4 = (8, 2, 2, 2): 80.1.
+//   down    0/1 = (8, 2, 2, 4): 39.9-40.1 us; 2 = (8, 4, 2, 2): 44.9; 3 = (4, 4, 2, 4): 60.0.
+// Measured and removed: call A's one step per issue, (8, 1, 3, 3) / (8, 1, 4, 4): 89.8 / 47.6 us (slower than v6); call C's
+// batch steps as interleaved mma chains: 76.6 / 41.1 us (no gain).
+struct v7_form { int W, U; };
+inline v7_form v7_gu_form(int gu) { return gu == 2 ? v7_form{4, 4} : gu == 3 ? v7_form{2, 4} : gu == 4 ? v7_form{8, 2} : v7_form{4, 2}; }
+inline v7_form v7_dn_form(int dn) { return dn == 2 ? v7_form{8, 4} : dn == 3 ? v7_form{4, 4} : v7_form{8, 2}; }
+
 // v6 when every bound holds (else v5): Din, d_ff, d_out multiples of 128, the Dout / 128 counters fit in gw (n_gw ints).
-// cfg / 1000 % 10 == 2: the v7 kernels (forms: gate/up 0/1 = ring D 3 at 3 blocks/SM, 2 = D 4 at 2, 3 = D 2 at 4; down
-// 0/1 = D 4 at 4, 2 = D 3 at 4, 3 = D 6 at 3, 4 = D 8 at 2); *launch_err gets a failed attribute call or launch.
+// cfg / 1000 % 10 == 2: the v7 kernels (v7_gu_form / v7_dn_form) where also nu % 4U == 0 for both K (else v6); *launch_err
+// gets a failed attribute call or launch.
 // Forms (cfg / 100 % 10, cfg / 10 % 10 as v5's digits): gate/up 0/1 = PD 1 at 3 blocks/SM, 2 = PD 2 at 2; down 0/1 = PD 2
 // at 4, 2 = PD 3 at 2, 4 = PD 2 at 3. Stages (cfg % 10): 0 both, 1 gate/up only, 2 down (+ combine) only.
 bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
@@ -1853,20 +1936,22 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || tiles > n_gw || k < 1 || k > 65535) return false;
     const int gu = cfg / 100 % 10, dn = cfg / 10 % 10, stages = cfg % 10;
     int * cnt = reinterpret_cast<int *>(gw);
-    if (cfg / 1000 % 10 == 2) {   // v7: the weight stream through a shared-memory ring (same grids, same outputs)
+    const v7_form fg = v7_gu_form(gu), fd = v7_dn_form(dn);
+    const int64_t vt = c.d_out / (16 * fd.W);   // the v7 down form's tiles = combine counters
+    // v7: the weight stream through a shared-memory ring in batches (same outputs); outside its bounds v6 below runs.
+    if (cfg / 1000 % 10 == 2 && (Din / 32) % (4 * fg.U) == 0 && (c.d_ff / 32) % (4 * fd.U) == 0 && vt <= n_gw) {
         cudaError_t e = cudaSuccess;
+        const int nc = int(vt);
         if (stages != 2) {
-            const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
-            if (gu == 2) e = launch_v7_gate_up<2, 4>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
-            else if (gu == 3) e = launch_v7_gate_up<4, 2>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
-            else e = launch_v7_gate_up<3, 3>(grid, x, Din, ids, experts, E, c, hbuf, err, cnt, int(tiles), st);
+            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else e = launch_v7_gate_up<4, 2, 3, 3>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
         }
         if (stages != 1 && e == cudaSuccess) {
-            const dim3 grid{unsigned(tiles), unsigned(k)};
-            if (dn == 2) e = launch_v7_down<4, 3>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-            else if (dn == 3) e = launch_v7_down<3, 6>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-            else if (dn == 4) e = launch_v7_down<2, 8>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
-            else e = launch_v7_down<4, 4>(grid, hbuf, ids, experts, E, c, ybuf, w, k, cnt, y, st);
+            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, y, st);
+            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, y, st);
+            else e = launch_v7_down<8, 2, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, y, st);
         }
         *launch_err = e;
         return true;
