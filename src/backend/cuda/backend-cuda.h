@@ -255,7 +255,17 @@ struct cuda_options {
     // gate/up 10, SILU_MUL 4, down + ADDs 7) becomes a plain RMS_NORM (~3 us) plus ~5 us more in MOE_EXPERTS (9 slots:
     // 2304 gate/up blocks = 4.36 waves of 528 instead of 3.88; a ninth warp in the down blocks), ~13 us saved per layer:
     // 48B B=1 graph step 2.61 -> ~2.30 ms (-0.2 to -0.35 ms); k3 unchanged (latent MXFP4 experts: the rule does not fire).
-    // Off until its H200 run.
+    // Measured (session 6 call B, H200, 48B B=1): bench graph off 2.620 / 2.621 ms, on 2.575 / 2.581 ms; engine path
+    // (graph_decode=1) off 2.619, on 2.576 ms: -0.04 ms, ~1/5 of the prediction's low end (~1.7 us per MoE layer, not
+    // ~13). Why: bench-cuda-decode --dry shows 224 -> 172 node launches, 52 = 2 per MoE layer (26): the shared expert's
+    // 3 launches (norm + gate/up GEMV, SILU_MUL, down + ADDs GEMV) become a standalone RMS_NORM (before, it rode in the
+    // gate/up GEMV's staged prologue) while its 14.2 MB of BF16 weights per layer still stream, now inside MOE_EXPERTS
+    // (gate/up 2048 -> 2304 blocks: 3.88 -> 4.36 waves of 528, a fifth partial wave); so the saving is about two launch
+    // gaps per layer, not the shared expert's time (per-kernel split not profiled). The call's test-fuse-cuda
+    // moe_shared_slot failure at D 2304 (routed sum not bitwise the unfused one) was the test's: the default unfused plan
+    // computes h in the GEMV's norm prologue (another sum(x^2) order: an ulp off at that seed), the fused plan in k_norm;
+    // the test now compares against an unfused run with the norm alone (bitwise) - to be re-run on the H200.
+    // Off until that re-run (the measured gain is small but positive).
     bool moe_shared_slot = false;
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
