@@ -346,6 +346,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;
         else if (k == "moe_decode_v7") co.moe_decode_v7 = v != 0;
+        else if (k == "moe_decode_v7_form") co.moe_decode_v7_form = v;
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
@@ -715,15 +716,15 @@ void dry_fusions(const graph & g) {
         std::printf("  defaults + fuse_kda_decode: %d KDA decode tails folded, %d node launches (%d fewer than the defaults)\n",
                     p.kda_decodes, n_launch - p.launches_saved(), p.launches_saved() - saved0);
     }
-    {   // moe_shared_slot over the defaults (off by default): the shared expert as a slot of the routed experts' launch
+    {   // moe_shared_slot on vs off (on by default since session 6): the shared expert as a slot of the routed experts' launch
         cuda_options co;
         co.moe_shared_slot = false;
         const auto p0 = cuda_fuse::plan_fusions(g, co);
         co.moe_shared_slot = true;
         const auto p = cuda_fuse::plan_fusions(g, co);
-        std::printf("  defaults + moe_shared_slot: %d shared experts folded into MOE_EXPERTS (%d node launches), norms folded"
-                    " %d -> %d, adds folded %d -> %d, LINEARs grouped %d -> %d: %d node launches (%d fewer than the"
-                    " defaults)\n",
+        std::printf("  moe_shared_slot off -> on: %d shared experts folded into MOE_EXPERTS (%d node launches), norms folded"
+                    " %d -> %d, adds folded %d -> %d, LINEARs grouped %d -> %d: %d node launches (%d fewer than with it"
+                    " off)\n",
                     p.moe_shareds, p.moe_shared_launches, p0.norms, p.norms, p0.adds, p.adds, p0.linear_grouped,
                     p.linear_grouped, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
     }

@@ -151,6 +151,8 @@ struct cuda_options {
     // 2.500 ms (81.7% -> 84.0% of the floor, same binary, two runs each); test-moe-cuda: every form bitwise v5/v6 (invalid
     // ids, K3 shape eager + graph replays), memcheck / racecheck / synccheck 0. On.
     bool moe_decode_v7 = true;
+    // Benchmarks: the v7 kernel forms as moe.cu's cfg digits (100 x gate/up form + 10 x down form; 0 = the defaults above).
+    int moe_decode_v7_form = 0;
     // MOE_EXPERTS grouped, T == 1, BF16 experts (Kimi-Linear-48B) in the shapes of cuda::moe_bf16_decode_supported: the
     // moe-bf16-decode.cu pair (gate/up: one warp per (slot, row), all of the lane's units of both rows in flight in one
     // pass, no bounds, L1::no_allocate; down + combine: v4's slots-on-warps block with 3 rows per block, 2.91 waves
@@ -264,9 +266,11 @@ struct cuda_options {
     // gaps per layer, not the shared expert's time (per-kernel split not profiled). The call's test-fuse-cuda
     // moe_shared_slot failure at D 2304 (routed sum not bitwise the unfused one) was the test's: the default unfused plan
     // computes h in the GEMV's norm prologue (another sum(x^2) order: an ulp off at that seed), the fused plan in k_norm;
-    // the test now compares against an unfused run with the norm alone (bitwise) - to be re-run on the H200.
-    // Off until that re-run (the measured gain is small but positive).
-    bool moe_shared_slot = false;
+    // the test now compares against an unfused run with the norm alone (bitwise). Call E (H200, the fixed test): h and the
+    // routed sum bitwise the norm-alone unfused run on every shape, CPU parity, controls fail as required (test-fuse-cuda
+    // 3 062/0), memcheck 0; 48B B=1 bench graph 2.607 -> 2.568 ms (383.6 -> 389.4 tok/s), engine path 2.606 -> 2.569 ms;
+    // k3 unchanged (2.464 / 2.463). On.
+    bool moe_shared_slot = true;
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
     // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV

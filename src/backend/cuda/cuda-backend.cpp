@@ -1202,7 +1202,7 @@ private:
                                                                                    opt_.moe_mma_large_step,
                                                                                    opt_.moe_mma_large_tokens,
                                                                                    opt_.moe_decode_v5,
-                                                                                   opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 : 1000) : 0,
+                                                                                   opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0,
                                                                                    opt_.moe_decode_bf16}));
                     break;
                 }

@@ -1919,7 +1919,8 @@ cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, c
 //           3 = (2, 4, 2, 4): 90.7; 4 = (8, 2, 2, 2): 80.1.
 //   down    0/1 = (8, 2, 2, 4): 39.9-40.1 us; 2 = (8, 4, 2, 2): 44.9; 3 = (4, 4, 2, 4): 60.0.
 // Measured and removed: call A's one step per issue, (8, 1, 3, 3) / (8, 1, 4, 4): 89.8 / 47.6 us (slower than v6); call C's
-// batch steps as interleaved mma chains: 76.6 / 41.1 us (no gain).
+// batch steps as interleaved mma chains: 76.6 / 41.1 us (no gain); call E's prefetch of the packed rows into L2 2 or 4
+// batches beyond the ring: node 123.6 / 127.8 us vs 113.9, k3 step 2.492 / 2.506 vs 2.464 ms (slower).
 struct v7_form { int W, U; };
 inline v7_form v7_gu_form(int gu) { return gu == 2 ? v7_form{4, 4} : gu == 3 ? v7_form{2, 4} : gu == 4 ? v7_form{8, 2} : v7_form{4, 2}; }
 inline v7_form v7_dn_form(int dn) { return dn == 2 ? v7_form{8, 4} : dn == 3 ? v7_form{4, 4} : v7_form{8, 2}; }
