@@ -239,6 +239,13 @@ struct cuda_options {
     // 2.790 -> 2.593 ms (358.5 -> 385.7 tok/s; ~10 us per layer saved, half the prediction), k3 2.602 -> 2.576 ms (81.5% ->
     // 82.4% of the floor); test-fuse-cuda kda_decode_tail: CPU NMSE <= 2.1e-11 over two steps, bitwise the unfused
     // kernels when f and z are inputs; memcheck 0, racecheck 0. On.
+    // Measured and reverted (session 6 call G): the launch as a thread-block cluster of K / 32 blocks per (head,
+    // sequence), each owning 32 value columns of the state, the g rows and the norm partials exchanged through
+    // distributed shared memory (two cluster barriers per token). Predicted: the fused node 48B ~12 -> ~5-6 us, k3 ~13 ->
+    // ~5 us. Measured: outputs bit for bit the single-block form's (test-fuse-cuda kda_decode_tail 784/0, compare-backends
+    // PASS, memcheck / racecheck / synccheck 0) but the node SLOWER: 48B 12.9 us (eager, per layer), k3 22 us; 48B B=1
+    // step 2.593 ms (2.574 with the single block in call F). The tail is latency-bound on its serial phases (conv -> norms
+    // -> low-rank GEMVs -> gate -> step -> norm), which the cluster's barriers lengthen; the state bytes were not the limit.
     bool fuse_kda_decode = true;
     // SIGMOID over the output of a LINEAR on the GEMV path (the KDA beta): the GEMV epilogue writes sigmoid(y) too; the
     // SIGMOID launch is removed (fuse-plan.h). On (round 2: +fsig 48B 4.646 -> 4.599 ms, k3 3.475 -> 3.462).
