@@ -1332,6 +1332,21 @@ __device__ __forceinline__ void v5_step(const v5_buf<NM, UL> & b, const uint32_t
     for (int l = 0; l < UL; ++l) v5_group<NM>(b.q, b.sc, l, xs_hi, xs_lo, nu, 4 * UL * s + 4 * l, g, t, acc);
 }
 
+// The end of every v5/v6/v7 K loop: acc[m][h] summed over the quad's 4 lanes (each lane's units; every lane of the quad
+// gets the same bits) and scaled back by 2^-e (the x staging's power of two).
+template <int NM>
+__device__ __forceinline__ void quad_sum_unscale(float (&acc)[NM][2], int e) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = acc[m][h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            acc[m][h] = ldexpf(v, -e);
+        }
+}
+
 // The K loop of one warp: acc[m][h] = dot of row (row_g + 8 h) of matrix m with x (the quad's partial sums added, on every
 // lane of the quad), scaled back by 2^-e. PD steps in flight ahead of the one being computed; the first PD are issued
 // before x is staged (the caller passes `stage`, run between the first loads and the loop).
@@ -1356,15 +1371,7 @@ __device__ __forceinline__ void v5_rows(const uint8_t * const * base, const uint
             if (s < ns) v5_step<NM, UL>(buf[i], xs_hi, xs_lo, nu, s, g, t, acc);
         }
     }
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float v = acc[m][h];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            acc[m][h] = ldexpf(v, -e);
-        }
+    quad_sum_unscale<NM>(acc, e);
 }
 
 // hbuf [k, F] for T == 1: grid (F / 128, k); slot j = blockIdx.y with expert ids[j]; dynamic shared v5_smem(Din) bytes.
@@ -1591,15 +1598,7 @@ __device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uin
             if (s < ns) v6_group<NM>(buf[i], xl + 64 * s, act, xb, acc);
         }
     }
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float v = acc[m][h];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            acc[m][h] = ldexpf(v, -e);
-        }
+    quad_sum_unscale<NM>(acc, e);
 }
 
 // ---- Decode v7 (cuda_options::moe_decode_v7; v5_cfg 1000s digit 2): v6's arithmetic with the weight stream through a
@@ -1727,15 +1726,7 @@ __device__ __forceinline__ void v7_rows(const v7_lane<NM> & p, int ns, const uin
             }
         }
     }
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float v = acc[m][h];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            acc[m][h] = ldexpf(v, -e);
-        }
+    quad_sum_unscale<NM>(acc, e);
 }
 
 // This warp's ring: after the x staging of K columns (v5_smem(K) bytes from the dynamic shared base).
