@@ -346,7 +346,11 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;
         else if (k == "moe_decode_v7") co.moe_decode_v7 = v != 0;
-        else if (k == "moe_decode_v7_form") co.moe_decode_v7_form = v;
+        else if (k == "moe_decode_v7_form") {
+            PG_CHECK(v >= 0 && v % 10 == 0 && v / 100 <= 4 && v / 10 % 10 <= 3,
+                     "--set moe_decode_v7_form={}: 100 x gate/up form (0-4) + 10 x down form (0-3)", v);
+            co.moe_decode_v7_form = v;
+        }
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;

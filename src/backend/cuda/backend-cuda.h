@@ -145,13 +145,17 @@ struct cuda_options {
     // issue asking for U consecutive steps of a row (U x 64 contiguous bytes instead of 64), blocks of W warps; gate/up
     // (W 4, U 2, 3 batches, 3 blocks per SM), down + combine (W 8, U 2, 2 batches, 4 per SM).
     // Predicted (session 6, before the first GPU run, for the first ring form: one step per issue, D stages): K3 expert
-    // node 132 -> ~90 us, k3-layers-4 B=1 graph step -0.10..-0.13 ms. Measured (H200, K3 node microbenchmark, v6 on the same
-    // machine 131.8 us): call A, the first form, SLOWER (135.3 us: gate/up 89.8 vs 77.8) -> the batched issue; call C,
-    // batches of U 2: 115.3-117.5 us (gate/up 75.7, down + combine 40.1; 57% of copy), k3-layers-4 B=1 graph step 2.576 ->
-    // 2.500 ms (81.7% -> 84.0% of the floor, same binary, two runs each); test-moe-cuda: every form bitwise v5/v6 (invalid
-    // ids, K3 shape eager + graph replays), memcheck / racecheck / synccheck 0. On.
+    // node 132 -> ~90 us, k3-layers-4 B=1 graph step -0.10..-0.13 ms. Measured (H200, K3 node microbenchmark; v6 in the
+    // same binary): call A, that first form, SLOWER (135.3 vs 124.2 us) -> batched issue (call B: 116 us best forms);
+    // call D, the shipped form (+ unrolled x staging, ld.shared ring reads): node 123.9 -> 113.7 us (gate/up 74.5, down +
+    // combine 39.8; 58% of copy), k3-layers-4 B=1 graph step 2.530 -> 2.464-2.469 ms (83.6-83.9% -> 86.0-86.4% of the
+    // floor); call E 2.529 -> 2.464; call F's machine 2.491-2.494 ms (84.4-85.0%). Parity: every form bit for bit v5's
+    // at D = F = 1024 with invalid ids (decode_v6_invalid_ids), the default form bit for bit v6's eager and over graph
+    // replays at the K3 shape and two more (decode_v6_t1), every form bit for bit v6's at the K3 shape eager and replayed
+    // (decode_v7_forms_k3); memcheck / racecheck / synccheck 0. On.
     bool moe_decode_v7 = true;
-    // Benchmarks: the v7 kernel forms as moe.cu's cfg digits (100 x gate/up form + 10 x down form; 0 = the defaults above).
+    // Benchmarks: the v7 kernel forms as moe.cu's cfg digits (100 x gate/up form 0-4 + 10 x down form 0-3; 0 = the
+    // defaults above; bench-cuda-decode rejects other values).
     int moe_decode_v7_form = 0;
     // MOE_EXPERTS grouped, T == 1, BF16 experts (Kimi-Linear-48B) in the shapes of cuda::moe_bf16_decode_supported: the
     // moe-bf16-decode.cu pair (gate/up: one warp per (slot, row), all of the lane's units of both rows in flight in one

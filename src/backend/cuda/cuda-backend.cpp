@@ -1722,6 +1722,7 @@ private:
             PG_CHECK(m.weight->numel() == m.out * m.in, "{}: weight {} for [{}, {}]", what, shape_str(m.weight->shape), m.out,
                      m.in);
             d.w = weight_dev(*m.weight);
+            PG_CHECK(reinterpret_cast<uintptr_t>(d.w) % 16 == 0, "{}: device weight not 16-byte aligned", what);
             d.type = wtype_of(m.weight->type, what);
             return d;
         }
@@ -1740,6 +1741,8 @@ private:
         }
         d.packed = static_cast<const uint8_t *>(weight_dev(*m.packed));
         d.scale = static_cast<const uint8_t *>(weight_dev(*m.scale));
+        PG_CHECK(reinterpret_cast<uintptr_t>(d.packed) % 16 == 0 && reinterpret_cast<uintptr_t>(d.scale) % 16 == 0,
+                 "{}: device packed/scale not 16-byte aligned (the expert kernels' 16-byte copies)", what);
         d.fmt = mx ? 1 : 2;
         d.global_scale = m.global_scale;
         return d;

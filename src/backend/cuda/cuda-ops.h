@@ -173,6 +173,8 @@ cudaError_t launch_moe_route_fast(const float * x, int64_t T, int64_t D, dweight
 cudaError_t launch_moe_route_fused(const float * x, int64_t D, dweight gate, dweight bias, const droute & c, float * logits,
                                    unsigned * counter, int32_t * ids, float * w, cudaStream_t st);
 // One expert matrix on the device: dense (F32/BF16/F16) or FP4 (fmt 1 = MXFP4, 2 = NVFP4).
+// Device pointers 16-byte aligned (the decode kernels read 16-byte units; v7 copies the packed rows and the scale bytes
+// with cp.async of 16 / 4U bytes from row offsets that are multiples of those): expert_table checks it.
 struct dexpert_matrix {
     const void * w = nullptr;          // dense [out, in]
     const uint8_t * packed = nullptr;  // [out, in/2]

@@ -453,7 +453,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 for (auto & s : gr)
                     if (s.linear == lin) sg = &s;
             if (!sg) {
-                if (pos != lin) continue;   // (cannot happen: a LINEAR done by another node is in that node's launch)
+                if (pos != lin) continue;   // a LINEAR done by another launch (a group, or the shared-slot MOE_EXPERTS)
                 p.at[size_t(lin)].groups.push_back({seg{lin, {-1, -1}, {}}});
                 sg = &p.at[size_t(lin)].groups.back().back();
             }

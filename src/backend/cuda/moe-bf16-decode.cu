@@ -305,6 +305,14 @@ cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const in
         return cudaErrorInvalidValue;
     if (!sh.gate || !sh.up || !sh.act || !sh.down || !sh.sum || (sh.sum2 != nullptr) != (sh.res != nullptr))
         return cudaErrorInvalidValue;
+    // The kernels read x, h, act and the weights as float4 / uint4 and write the outputs by float4 where they can.
+    auto a16 = [](const void * p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+    for (const void * p : {static_cast<const void *>(x), static_cast<const void *>(hbuf), static_cast<const void *>(y),
+                           static_cast<const void *>(sh.gate), static_cast<const void *>(sh.up),
+                           static_cast<const void *>(sh.act), static_cast<const void *>(sh.down),
+                           static_cast<const void *>(sh.sum), sh.w.gate.w, sh.w.up.w, sh.w.down.w})
+        if (!a16(p)) return cudaErrorInvalidValue;
+    if (sh.res && (!a16(sh.res) || !a16(sh.sum2))) return cudaErrorInvalidValue;
     launch_bf16_pair<true>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh);
     return cudaGetLastError();
 }

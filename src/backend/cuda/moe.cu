@@ -4,6 +4,7 @@
 #include "backend/cuda/fp4.cuh"
 
 #include <climits>
+#include <mutex>
 #include <mma.h>
 
 namespace perigee::cuda {
@@ -1645,6 +1646,8 @@ __device__ __forceinline__ void cp_async_commit_v7() { asm volatile("cp.async.co
 template <int N>
 __device__ __forceinline__ void cp_async_wait_v7() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+constexpr int k_v7_max_devices = 64;   // v7_attr's per-device cache
+
 // Bytes of one batch slot of a warp's ring: U steps of NM x 2 x 32 uint4, then NM x 16 rows x 4 U scale bytes.
 template <int NM, int U>
 constexpr int v7_slot_bytes() { return U * NM * 1024 + NM * 64 * U; }
@@ -1876,29 +1879,53 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
     }
 }
 
-// A v7 kernel's dynamic shared limit, raised once per instantiation to its largest use (K = k_v5_max_k), and the carveout
-// set to the most shared memory (3 blocks of ~62 KB per SM for K3's gate/up; L1 keeps ~60 KB for the scale bytes).
-template <typename KERNEL>
-cudaError_t v7_attr(KERNEL kern, size_t max_smem) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_smem));
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-    return e;
+// A v7 kernel's dynamic shared limit, raised to its largest use (K = k_v5_max_k) once per (instantiation, device): the
+// attribute is per device, so a backend on a second GPU sets it again. The carveout asks for the most shared memory:
+// K3's gate/up block takes 66 576 bytes (x staging 14 352 + 4 warps' rings 52 224), 3 per SM with their 1 KB reserves
+// ~198 KiB, so the SM runs the 228 KiB carveout and L1 keeps ~28 KiB (the scale bytes no longer go through L1: they are
+// in the ring).
+// KERN is a template argument (not a function argument) so that each kernel has its own cache: every gate/up form has
+// the same function type, and a cache per type set the first form's limit only (session 6 call H: the 84 KB form then
+// failed to launch).
+template <auto KERN>
+cudaError_t v7_attr(size_t max_smem) {
+    static std::mutex mu;
+    static cudaError_t done[k_v7_max_devices];
+    static bool tried[k_v7_max_devices] = {};
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev < 0 || dev >= k_v7_max_devices) return cudaErrorInvalidDevice;
+    const std::lock_guard<std::mutex> lock(mu);
+    if (!tried[dev]) {
+        e = cudaFuncSetAttribute(KERN, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_smem));
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(KERN, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+        done[dev] = e;
+        tried[dev] = true;
+    }
+    return done[dev];
 }
+// Each launcher checks the bounds its own (W, U) needs, so that a form table and a dispatch that disagreed could only
+// fail the launch, never run partial batches or a mismatched set of combine counters.
 template <int W, int U, int NB, int MINB>
 cudaError_t launch_v7_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                               const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
+    if ((Din / 32) % (4 * U) != 0 || Din % 128 != 0 || c.d_ff % (16 * W) != 0) return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_gate_up_v6<1, MINB, W, U, NB>;
-    static const cudaError_t attr = v7_attr(kern, v7_smem<2, W, U, NB>(k_v5_max_k));
+    const cudaError_t attr = v7_attr<kern>(v7_smem<2, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din, ids,
                     experts, E, c, hbuf, err, cnt, n_cnt);
 }
 template <int W, int U, int NB, int MINB>
 cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
-                           const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, float * y, cudaStream_t st) {
+                           const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, int n_cnt, float * y,
+                           cudaStream_t st) {
+    if ((c.d_ff / 32) % (4 * U) != 0 || c.d_ff % 128 != 0 || c.d_out % (16 * W) != 0 || n_cnt != c.d_out / (16 * W))
+        return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_down_comb_v6<1, MINB, W, U, NB>;
-    static const cudaError_t attr = v7_attr(kern, v7_smem<1, W, U, NB>(k_v5_max_k));
+    const cudaError_t attr = v7_attr<kern>(v7_smem<1, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf, ids,
                     experts, E, c, ybuf, w, k, cnt, y);
@@ -1926,12 +1953,16 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
                    int * err, cudaStream_t st, int cfg, cudaError_t * launch_err) {
     const int64_t tiles = c.d_out / k_v5_rows;
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || tiles > n_gw || k < 1 || k > 65535) return false;
-    const int gu = cfg / 100 % 10, dn = cfg / 10 % 10, stages = cfg % 10;
+    int gu = cfg / 100 % 10, dn = cfg / 10 % 10;
+    const int stages = cfg % 10;
     int * cnt = reinterpret_cast<int *>(gw);
     const v7_form fg = v7_gu_form(gu), fd = v7_dn_form(dn);
     const int64_t vt = c.d_out / (16 * fd.W);   // the v7 down form's tiles = combine counters
-    // v7: the weight stream through a shared-memory ring in batches (same outputs); outside its bounds v6 below runs.
-    if (cfg / 1000 % 10 == 2 && (Din / 32) % (4 * fg.U) == 0 && (c.d_ff / 32) % (4 * fd.U) == 0 && vt <= n_gw) {
+    // v7: the weight stream through a shared-memory ring in batches (same outputs); outside its bounds v6 below runs
+    // with its default forms (v7's form digits name other forms there).
+    bool v7 = cfg / 1000 % 10 == 2;
+    if (v7 && !((Din / 32) % (4 * fg.U) == 0 && (c.d_ff / 32) % (4 * fd.U) == 0 && vt <= n_gw)) v7 = false, gu = dn = 0;
+    if (v7) {
         cudaError_t e = cudaSuccess;
         const int nc = int(vt);
         if (stages != 2) {
@@ -1941,9 +1972,9 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
             else e = launch_v7_gate_up<4, 2, 3, 3>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
         }
         if (stages != 1 && e == cudaSuccess) {
-            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, y, st);
-            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, y, st);
-            else e = launch_v7_down<8, 2, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, y, st);
+            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            else e = launch_v7_down<8, 2, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
         }
         *launch_err = e;
         return true;

@@ -594,6 +594,7 @@ TEST(cuda_moe, decode_v6_t1) {
         cuda_options v6{true, 8};
         v6.moe_decode_v5 = true;
         v6.moe_decode_v6 = true;
+        v6.moe_decode_v7 = false;   // v6 itself (v7 is the default since session 6; it is checked against this below)
         EXPECT_TRUE(parity(nm, g, oc, v6)) << nm;
         cuda_options v5 = v6;
         v5.moe_decode_v6 = false;
@@ -661,6 +662,47 @@ TEST(cuda_moe, decode_v6_t1) {
         tally(!swapped);
         controls(nm, ref, got6, metric::NMSE, k_tol_f32);
     }
+}
+
+// Decode v7's forms at K3's shape (Din 3584, d_ff 3072: nu 112 / 96, inside every form's bounds), through the backend
+// (cuda_options::moe_decode_v7_form): each gate/up form with the default down form and each down form with the default
+// gate/up form must give y bit for bit v6's, eagerly and over two graph replays (the rings and the combine counters are
+// refilled / re-zeroed by every launch). Control that must FAIL: the bitwise comparator on one form's y with one element
+// moved by one ulp.
+TEST(cuda_moe, decode_v7_forms_k3) {
+    NEED_GPU();
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && !a.empty() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    auto mc = moe_graph(1, 1, 3584, 3072, 18, 16, 1, 118, 121, 16999, 1.0f, 1.0f);
+    graph & g = mc->g;
+    cuda_options v6{true, 8};
+    v6.moe_decode_v5 = v6.moe_decode_v6 = true;
+    v6.moe_decode_v7 = false;
+    v6.guard = false;
+    const auto y6 = run_cuda(g, mc->y, v6);
+    std::vector<float> last;
+    for (int form : {0, 100, 200, 300, 400, 10, 20, 30}) {
+        cuda_options v7 = v6;
+        v7.moe_decode_v7 = true;
+        v7.moe_decode_v7_form = form;
+        auto gpu = backend_cuda_init(0, v7);
+        gpu->run(g);
+        const auto eager = read_f32(*gpu, mc->y);
+        gpu->capture(g);
+        gpu->replay(2);
+        const auto rep = read_f32(*gpu, mc->y);
+        const bool same = bitwise(eager, y6) && bitwise(rep, y6);
+        std::printf("[moe-v7/K3/form %03d eager + graph replay x2 vs v6] %s\n", form, same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+        EXPECT_TRUE(same) << form;
+        tally(same);
+        last = eager;
+    }
+    last[last.size() / 3] = std::nextafter(last[last.size() / 3], -INFINITY);
+    const bool caught = !bitwise(last, y6);
+    std::printf("[moe-v7/K3/control(one ulp vs bitwise)] %s\n", caught ? "differs as required: PASS" : "NOT caught: FAIL");
+    EXPECT_TRUE(caught);
+    tally(caught);
 }
 
 // Decode v6 with invalid expert ids (-1 and E) among the slots, straight through launch_moe_experts_grouped (the router
