@@ -980,7 +980,8 @@ TEST(cuda_fuse, planner_rules) {
 //   latent      the experts read scale(h), the shared expert h (different inputs; must NOT fold)
 //   situ_mix    the shared GLU SiTU while the experts use SiLU (must NOT fold)
 //   swap_gu     plain with the shared gate and up weights exchanged (a CPU control graph)
-enum class msh_form { plain, early, early_use, add_other, shared_f32, shared_2f, latent, situ_mix, swap_gu };
+enum class msh_form { plain, early, early_use, add_other, shared_f32, shared_2f, latent, situ_mix, swap_gu, add_swapped, res_late,
+                      situ_betas };
 struct msh_graph {
     arena a;
     graph g;
@@ -1013,7 +1014,8 @@ void build_msh_graph(msh_graph & mg, msh_form form, int T, int D, int F, int E, 
         node_ref sg = bd.name(bd.linear(in, bd.weight(mg.a.typed(st, {Fs, D}, gv), "shared.gate_proj")), "shared_gate");
         node_ref su = bd.name(bd.linear(in, bd.weight(mg.a.typed(st, {Fs, D}, uv), "shared.up_proj")), "shared_up");
         const bool situ = form == msh_form::situ_mix ? true : act == 1;
-        node_ref sa = bd.name(situ ? bd.situ_mul(sg, su, 2.0f, 3.0f) : bd.silu_mul(sg, su), "shared_act");
+        const float sb = form == msh_form::situ_betas ? 2.5f : 2.0f;   // situ_betas: the experts keep 2.0
+        node_ref sa = bd.name(situ ? bd.situ_mul(sg, su, sb, 3.0f) : bd.silu_mul(sg, su), "shared_act");
         node_ref so = bd.name(bd.linear(sa, bd.weight(mg.a.typed(st, {D, Fs}, dv), "shared.down_proj")), "shared_out");
         return std::array<node_ref, 4>{sg, su, sa, so};
     };
@@ -1029,9 +1031,13 @@ void build_msh_graph(msh_graph & mg, msh_form form, int T, int D, int F, int E, 
     const node_ref xe = form == msh_form::latent ? bd.name(bd.scale(h, 0.5f), "moe_latent_in") : h;
     const node_ref y = bd.name(bd.moe_experts(xe, ids, w, {ea, 2.0f, 3.0f, D, ex}), "moe_experts");
     if (!early) s = shared(h);
-    node_ref ffn = form == msh_form::add_other ? bd.add(bd.add(s[3], x), y) : bd.add(y, s[3]);
+    node_ref ffn = form == msh_form::add_other     ? bd.add(bd.add(s[3], x), y)
+                   : form == msh_form::add_swapped ? bd.add(s[3], y)   // the shared output first: side 1 of the ADD
+                                                   : bd.add(y, s[3]);
     bd.name(ffn, "ffn_moe_out");
-    node_ref lo = bd.name(bd.add(x, ffn), "l_out");
+    // res_late: l_out's other operand is computed after the experts' launch (so l_out must stay unfolded)
+    const node_ref res = form == msh_form::res_late ? bd.name(bd.scale(x, 1.0f), "late_residual") : x;
+    node_ref lo = bd.name(bd.add(res, ffn), "l_out");
     if (use.valid()) lo = bd.add(lo, bd.cols(bd.linear(use, bd.weight(mg.a.bf16({D, Fs}, dv), "other_proj")), 0, D));
     mg.outs = {h, ids, y, s[0], s[1], s[2], s[3], ffn, lo};
     mg.g = bd.finish(lo);
@@ -1172,9 +1178,9 @@ TEST(cuda_fuse, moe_shared_slot) {
 // the down GEMV's epilogue; it refuses every form that must not fold, T 2, the switch off, and moe_decode_bf16 off
 // (the routed experts would not run the BF16 pair). Each refusal's graph differs from a folding one in that one respect.
 TEST(cuda_fuse, planner_moe_shared) {
-    auto plan_of = [](msh_form form, int T, const cuda_options & o) {
+    auto plan_of = [](msh_form form, int T, const cuda_options & o, int act = 0) {
         msh_graph mg;
-        build_msh_graph(mg, form, T, 1024, 1024, 8, 4, 0, 9990);
+        build_msh_graph(mg, form, T, 1024, 1024, 8, 4, act, 9990);
         auto p = cuda_fuse::plan_fusions(mg.g, o);
         return std::make_pair(p, std::vector<node_ref>(mg.outs));
     };
@@ -1197,6 +1203,29 @@ TEST(cuda_fuse, planner_moe_shared) {
         const int anchor = outs[2].node;
         bool ok = on.moe_shareds == 1 && on.done_by[size_t(outs[3].node)] == anchor && outs[3].node < anchor;
         EXPECT_TRUE(ok) << "early: the shared nodes before the experts fold (computed by the later launch)";
+        tally(ok);
+    }
+    {   // the ADD written (shared, routed): folds as (routed, shared), l_out chained
+        const auto [on, outs] = plan_of(msh_form::add_swapped, 1, msh_opts(true));
+        const bool ok = on.moe_shareds == 1 && on.moe_shared_launches == 6 && on.done_by[size_t(outs[7].node)] == outs[2].node;
+        EXPECT_TRUE(ok) << "add_swapped: moe_shareds " << on.moe_shareds << ", launches " << on.moe_shared_launches;
+        std::printf("[planner_moe_shared/ADD(shared, routed)] %s\n", ok ? "folded with l_out: PASS" : "FAIL");
+        tally(ok);
+    }
+    {   // l_out's residual computed after the launch: everything but l_out folds (5 nodes), l_out launches itself
+        const auto [on, outs] = plan_of(msh_form::res_late, 1, msh_opts(true));
+        const bool ok = on.moe_shareds == 1 && on.moe_shared_launches == 5 && on.done_by[size_t(outs[8].node)] < 0 &&
+                        on.done_by[size_t(outs[7].node)] == outs[2].node;
+        EXPECT_TRUE(ok) << "res_late: moe_shareds " << on.moe_shareds << ", launches " << on.moe_shared_launches;
+        std::printf("[planner_moe_shared/late residual] %s\n", ok ? "l_out kept, the rest folded: PASS" : "FAIL");
+        tally(ok);
+    }
+    {   // SiTU on both sides: equal betas fold (the control that makes the refusal below meaningful), different betas not
+        const auto [eq, o1] = plan_of(msh_form::plain, 1, msh_opts(true), 1);
+        const auto [ne, o2] = plan_of(msh_form::situ_betas, 1, msh_opts(true), 1);
+        const bool ok = eq.moe_shareds == 1 && ne.moe_shareds == 0;
+        EXPECT_TRUE(ok) << "SiTU betas: equal " << eq.moe_shareds << ", different " << ne.moe_shareds;
+        std::printf("[planner_moe_shared/SiTU betas equal folds, different refused] %s\n", ok ? "PASS" : "FAIL");
         tally(ok);
     }
     struct refusal { msh_form form; int T; const char * why; };
