@@ -3,6 +3,7 @@
 // softmax over the causal (or selected) positions; o_lat = sum p_s c_s; out = W_UV_h o_lat. The CPU reference
 // expands k and v per position instead; both are the same function (fp32 rounding differs).
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/cp-async.cuh"
 
 #include <algorithm>
 
@@ -198,14 +199,9 @@ constexpr int k_v2_keys = 32;    // keys per tile (= lanes)
 constexpr int k_v2_warps = 4;    // warps of the attention block
 constexpr int k_v2_max_split = 64;
 
-__device__ __forceinline__ uint32_t smem_u32(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
-// 16 bytes global -> shared; src_bytes 0 zero-fills the destination.
-__device__ __forceinline__ void cp_async16_zfill(void * dst, const void * src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_commit_wait_all() {
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    cp_async_commit();
+    cp_async_wait<0>();
 }
 
 // Four consecutive weight elements (i a multiple of 4), one 8- or 16-byte read-only load.

@@ -1,6 +1,7 @@
 // MOE_EXPERTS on bf16 tensor cores (cuda_options::moe_mma_tokens): the grouped path's experts with at least n_min
 // tokens (the grouped GEMV kernels in moe.cu take the others). Moved out of moe.cu; declarations in cuda-ops.h.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
 
 #include <mma.h>
@@ -267,18 +268,6 @@ __device__ __forceinline__ void fp4x8_pairs2(uint32_t q, uint32_t (&p)[4]) {
     p[3] = __byte_perm(lB, hB, 0x7362u) | (__byte_perm(q4, q, 0x7030u) & 0x80008000u);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(void * dst, const void * src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async8(void * dst, const void * src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async4(void * dst, const void * src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // D += A B, m16n8k16, bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -360,8 +349,8 @@ __global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __re
             if (ssrc) {
                 const uint8_t * src = ssrc + k0 / (FMT == 2 ? 32 : 16);
                 if (s_al) {
-                    if constexpr (FMT == 2) cp_async4(Sst + tid * k_m2_sld, src);
-                    else cp_async8(Sst + tid * k_m2_sld, src);
+                    if constexpr (FMT == 2) cp_async_small<4>(Sst + tid * k_m2_sld, src);
+                    else cp_async_small<8>(Sst + tid * k_m2_sld, src);
                 } else {
 #pragma unroll
                     for (int i = 0; i < SPR; ++i) Sst[tid * k_m2_sld + i] = __ldg(src + i);

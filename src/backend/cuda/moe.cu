@@ -1,6 +1,7 @@
 // MOE_ROUTE (router logits, sigmoid/softmax, bias-steered grouped top-k) and MOE_EXPERTS (only the selected
 // experts are read; MXFP4/NVFP4 weights are dequantized in registers: Hopper has no FP4 tensor cores).
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
 
 #include <climits>
@@ -1618,34 +1619,7 @@ __device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uin
 // compute, and the __syncwarp at the next batch's top orders every lane's reads of a slot before its refill.
 // Bounds (the launcher's): Din, d_ff, d_out multiples of 128 and nu = K / 32 a multiple of 4 U (whole batches; the
 // 4U-byte scale copies aligned). The dequant, mmas and sums are v6_group's in v6's order: y is v6's bit for bit.
-__device__ __forceinline__ void cp_async16_v7(void * dst, const void * src) {
-    const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-template <int BYTES>   // 4 or 8 (L1-allocating form: .cg takes 16 only)
-__device__ __forceinline__ void cp_async_small_v7(void * dst, const void * src) {
-    const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(BYTES) : "memory");
-}
-// Shared-space loads by address (ld.shared, not generic ld: the ring pointers pass through reinterpret_casts); volatile
-// with a memory clobber so that they stay after the cp.async.wait_group that makes their data valid.
-__device__ __forceinline__ uint4 lds128_v7(const uint4 * p) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
-                 : "memory");
-    return r;
-}
-__device__ __forceinline__ uint32_t lds8_v7(const uint8_t * p) {
-    uint32_t r;
-    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(r) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))) : "memory");
-    return r;
-}
-__device__ __forceinline__ void cp_async_commit_v7() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_v7() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
+// cp.async and the ring's shared loads: cp-async.cuh.
 constexpr int k_v7_max_devices = 64;   // v7_attr's per-device cache
 
 // Bytes of one batch slot of a warp's ring: U steps of NM x 2 x 32 uint4, then NM x 16 rows x 4 U scale bytes.
@@ -1674,11 +1648,11 @@ __device__ __forceinline__ void v7_issue(uint8_t * slot, const v7_lane<NM> & p, 
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int u = 0; u < U; ++u)   // a row's U steps back to back: U x 64 contiguous bytes over the quad
-                cp_async16_v7(q + ((u * NM + m) * 2 + h) * 32 + lane, p.w.q[m] + (h ? p.w.rs : 0) + 4 * (U * bt + u));
+                cp_async16(q + ((u * NM + m) * 2 + h) * 32 + lane, p.w.q[m] + (h ? p.w.rs : 0) + 4 * (U * bt + u));
     if (p.sc) {
         uint8_t * d = slot + U * NM * 1024 + lane * 4 * U;
-        if constexpr (U == 4) cp_async16_v7(d, p.sc + 4 * U * bt);
-        else cp_async_small_v7<4 * U>(d, p.sc + 4 * U * bt);
+        if constexpr (U == 4) cp_async16(d, p.sc + 4 * U * bt);
+        else cp_async_small<4 * U>(d, p.sc + 4 * U * bt);
     }
 }
 
@@ -1696,7 +1670,7 @@ __device__ __forceinline__ void v7_rows(const v7_lane<NM> & p, int ns, const uin
 #pragma unroll
     for (int i = 0; i < NB - 1; ++i) {
         if (i < nb) v7_issue<NM, U>(ring + i * SB, p, i);
-        cp_async_commit_v7();
+        cp_async_commit();
     }
     const int e = stage();
 #pragma unroll
@@ -1707,8 +1681,8 @@ __device__ __forceinline__ void v7_rows(const v7_lane<NM> & p, int ns, const uin
             const int bt = b0 + i;
             __syncwarp();   // every lane's reads of slot (i + NB - 1) % NB (batch bt - 1) are done
             if (bt + NB - 1 < nb) v7_issue<NM, U>(ring + ((i + NB - 1) % NB) * SB, p, bt + NB - 1);
-            cp_async_commit_v7();
-            cp_async_wait_v7<NB - 1>();
+            cp_async_commit();
+            cp_async_wait<NB - 1>();
             __syncwarp();   // batch bt's copies, the scale bytes of other lanes included, visible to the warp
             if (bt < nb) {
                 const uint8_t * slot = ring + i * SB;
@@ -1721,8 +1695,8 @@ __device__ __forceinline__ void v7_rows(const v7_lane<NM> & p, int ns, const uin
                     for (int m = 0; m < NM; ++m)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            b.q[m][h][0] = lds128_v7(q + ((u * NM + m) * 2 + h) * 32 + lane);
-                            b.sc[m][h][0] = lds8_v7(sc + (m * 16 + g + 8 * h) * 4 * U + 4 * u + t);
+                            b.q[m][h][0] = lds128(q + ((u * NM + m) * 2 + h) * 32 + lane);
+                            b.sc[m][h][0] = lds_u8(sc + (m * 16 + g + 8 * h) * 4 * U + 4 * u + t);
                         }
                     v6_group<NM>(b, xl + 64 * (U * bt + u), act, xb, acc);
                 }
