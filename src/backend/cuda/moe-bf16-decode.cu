@@ -135,7 +135,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
     if (!SH || wd < k_bdn_warps) {   // the routed slots (SH false: the whole kernel body, as before)
         const uint4 * base[NS];
         bool ok[NS];
-    #pragma unroll
+#pragma unroll
         for (int s = 0; s < NS; ++s) {
             const int jj = wd + k_bdn_warps * s;
             const int32_t e = jj < k ? ids[jj] : -1;
@@ -143,32 +143,32 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
             base[s] = ok[s] ? static_cast<const uint4 *>(ex[e].down.w) + (r0 * (32 * NU) + lane) : nullptr;
         }
         uint4 q[NS][R][NU];
-    #pragma unroll
+#pragma unroll
         for (int s = 0; s < NS; ++s)
             if (ok[s]) {
-    #pragma unroll
+#pragma unroll
                 for (int r = 0; r < R; ++r)
-    #pragma unroll
+#pragma unroll
                     for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i));
             }
-    #pragma unroll
+#pragma unroll
         for (int s = 0; s < NS; ++s) {
             float acc[R];
-    #pragma unroll
+#pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
             if (ok[s]) {
                 const float4 * hv = reinterpret_cast<const float4 *>(hbuf + int64_t(wd + k_bdn_warps * s) * c.d_ff) + 2 * lane;
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < NU; ++i) {
                     const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
-    #pragma unroll
+#pragma unroll
                     for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[s][r][i], x0, x1);
                 }
             }
-    #pragma unroll
+#pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
             if (lane == 0) {
-    #pragma unroll
+#pragma unroll
                 for (int r = 0; r < R; ++r) part[wd + k_bdn_warps * s][r] = acc[r];
             }
         }
@@ -295,8 +295,7 @@ bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t
 cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                           const dexpert * experts, int64_t E, const dexperts_cfg & c, const dmoe_shared & sh,
                                           float * hbuf, float * y, int * err, cudaStream_t st, int cfg) {
-    if (!moe_bf16_shared_supported(Din, c.d_ff, c.d_out, k) || !moe_bf16_decode_supported(Din, k, c, cfg))
-        return cudaErrorInvalidValue;
+    if (!moe_bf16_decode_supported(Din, k, c, cfg)) return cudaErrorInvalidValue;   // (moe_bf16_shared_supported at cfg 0)
     if (sh.w.gate.type != wtype::BF16 || sh.w.up.type != wtype::BF16 || sh.w.down.type != wtype::BF16 || sh.w.gate.fmt != 0 ||
         sh.w.up.fmt != 0 || sh.w.down.fmt != 0 || !sh.w.gate.w || !sh.w.up.w || !sh.w.down.w)
         return cudaErrorInvalidValue;
