@@ -712,12 +712,13 @@ void dry_fusions(const graph & g) {
         n_launch += n.op != op_type::WEIGHT && n.op != op_type::STATE && n.op != op_type::IDS;
     }
     std::printf("  B=1 graph: %d launching nodes; %d LINEAR, %d RMS_NORM, %d ADD\n", n_launch, n_lin, n_norm, n_add);
-    {   // fuse_kda_decode over the defaults
+    {   // fuse_kda_decode off -> on (on by default since session 5)
         cuda_options co;
+        co.fuse_kda_decode = false;
         const int saved0 = cuda_fuse::plan_fusions(g, co).launches_saved();
         co.fuse_kda_decode = true;
         const auto p = cuda_fuse::plan_fusions(g, co);
-        std::printf("  defaults + fuse_kda_decode: %d KDA decode tails folded, %d node launches (%d fewer than the defaults)\n",
+        std::printf("  fuse_kda_decode off -> on: %d KDA decode tails folded, %d node launches (%d fewer than with it off)\n",
                     p.kda_decodes, n_launch - p.launches_saved(), p.launches_saved() - saved0);
     }
     {   // moe_shared_slot on vs off (on by default since session 6): the shared expert as a slot of the routed experts' launch

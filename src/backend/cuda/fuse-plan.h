@@ -142,11 +142,13 @@ inline bool gemv_linear(const graph & g, const node & n, int gemv_max_tokens, dt
     return wn.leaf->shape[1] == K;
 }
 
+// The same output of the same node.
+inline bool same(node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; }
+
 // Rule moe_shared_slot (see the header), planned before the others: fills p.moe_shared / done_by for each MOE_EXPERTS
 // node whose launch can take its shared expert as an extra slot. cons: consumers of output 0 of each node.
 inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>> & cons, plan & p) {
     const size_t N = g.nodes.size();
-    auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
     auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
     auto free_node = [&](int j) { return p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty() && p.moe_shared[size_t(j)].add < 0; };
     auto f32_row = [&](const node_output & t, int64_t C) {
@@ -253,7 +255,6 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.mla_kv_rope.assign(N, -1);
     p.kda.assign(N, {});
     p.moe_shared.assign(N, {});
-    auto same = [](node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; };
 
     // consumers of output 0 of each node, in graph order
     std::vector<std::vector<int>> cons(N);
