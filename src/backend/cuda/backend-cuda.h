@@ -188,6 +188,13 @@ struct cuda_options {
     // --moe-mma-v2 1 PASS on all 14; k3-layers-4 prefill (with the prefill kernels) T=512 87.3 -> 81.6 ms, T=2048 202.2 ->
     // 180.9 ms at threshold 8.
     bool moe_mma_v2 = true;
+    // The tensor-core experts, MXFP4 with Din and d_ff multiples of 512: v3 (moe-mma.cu k_moe_mma3: v2's inner loop with
+    // the activations split into bf16 hi + lo planes once per stage instead of once per (block, K-tile), 64-column
+    // K-tiles through a 3-stage pipeline with one barrier per tile, the block's scales copied once, two blocks per SM;
+    // y bit for bit v2's). Prediction (before its first H200 run): MOE_EXPERTS at k3-layers-4 prefill T=2048 ~84 ->
+    // ~45 ms (2 blocks per SM and no per-tile conversion: ~1.8x), prefill step 164 -> ~125 ms, GEMM share 23% -> ~30%.
+    // Off until measured.
+    bool moe_mma_v3 = false;
     // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
     // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
     // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens

@@ -1193,17 +1193,22 @@ private:
                 const int vfmt = opt_.moe_grouped ? expert_vfmt_.at(n.p.experts.get()) : 0;
                 if (vfmt > 0 && int64_t(ex.size()) <= 1024) {
                     auto * gw = static_cast<int32_t *>(alloc(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
+                    cuda::dmoe_opts mo;
+                    mo.fp4_v2 = opt_.moe_fp4_v2;
+                    mo.fp4_v3 = opt_.moe_fp4_v3;
+                    mo.mma_tokens = opt_.moe_mma_tokens;
+                    mo.mma_split = opt_.moe_mma_split;
+                    mo.mma_v2 = opt_.moe_mma_v2;
+                    mo.mma_v3 = opt_.moe_mma_v3;
+                    mo.dec_v4 = opt_.moe_decode_v4;
+                    mo.small_v4 = opt_.moe_small_v4;
+                    mo.mma_large_step = opt_.moe_mma_large_step;
+                    mo.mma_large_tokens = opt_.moe_mma_large_tokens;
+                    mo.dec_v5 = opt_.moe_decode_v5;
+                    mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0;
+                    mo.dec_bf16 = opt_.moe_decode_bf16;
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
-                                                                   table, int64_t(ex.size()), c, scratch, gw, y, err, st_,
-                                                                   cuda::dmoe_opts{opt_.moe_fp4_v2, opt_.moe_fp4_v3,
-                                                                                   opt_.moe_mma_tokens, opt_.moe_mma_split,
-                                                                                   opt_.moe_mma_v2,
-                                                                                   opt_.moe_decode_v4, opt_.moe_small_v4,
-                                                                                   opt_.moe_mma_large_step,
-                                                                                   opt_.moe_mma_large_tokens,
-                                                                                   opt_.moe_decode_v5,
-                                                                                   opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0,
-                                                                                   opt_.moe_decode_bf16}));
+                                                                   table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));
                     break;
                 }
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,

@@ -3,7 +3,10 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
+#include "backend/cuda/smem-attr.cuh"
 
+#include <algorithm>
+#include <atomic>
 #include <mma.h>
 
 namespace perigee::cuda {
@@ -493,22 +496,297 @@ __global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __re
 template <int FMT, int NM>
 void launch_mma2(const float * xin, int64_t ldx, int64_t k_div, const dexpert * experts, int64_t A, int64_t S,
                  const int32_t * gw, const dexperts_cfg & c, int n_min, bool xsplit, float * out, cudaStream_t st) {
-    static bool attr = false;   // one-time opt-in above 48 KB of dynamic shared memory (per instantiation)
-    if (!attr) {
-        cudaFuncSetAttribute(k_moe_mma2<FMT, NM>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_m2_smem);
-        attr = true;
-    }
+    smem_attr<k_moe_mma2<FMT, NM>>(k_m2_smem);   // above 48 KB of dynamic shared memory: once per device
     constexpr int BN = k_m2_rows / NM;
     const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
     launch_k(k_moe_mma2<FMT, NM>, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m2_threads, k_m2_smem, st,
         xin, ldx, k_div, experts, A, S, gw, c, n_min, xsplit, out);
 }
 
+// ---- v3 (cuda_options::moe_mma_v3): MXFP4 stages, y bit for bit v2's. Limiter model of v2 (session 6, k3-layers-4
+// prefill T=2048: MOE_EXPERTS ~84 ms = 77 TFLOP/s of model FLOPs, ~154 TFLOP/s of mma work with the hi + lo split, a
+// quarter of what mma.sync sustains): one block of 8 warps per SM (169 KB of pipeline: a stage holds 64 tokens' fp32
+// activations, 32 KB, twice the raw weights), two barriers per K-tile, and every block converting its tokens' fp32
+// activations to bf16 hi + lo once per tile (each of an expert's 24 gate/up row blocks repeats that work) while the tensor
+// cores wait. v3:
+//  - the activations are split into bf16 hi + lo planes once per stage, not once per (block, tile): gate/up reads x's
+//    planes (k_split_planes, written into ybuf's memory, which the down stage overwrites only afterwards), down reads
+//    h's planes, which the gate/up epilogue writes in place of fp32 h (into hbuf's memory). Same values as v2's in-kernel
+//    split (hi = rn(v), lo = rn(v - hi)), so every mma sees v2's operands in v2's order: y is v2's bit for bit;
+//  - K-tiles of 64 columns through a 3-stage cp.async pipeline with one barrier per tile; a stage is 24 KB (256 rows x
+//    32 B of FP4, 64 tokens x 128 B of each plane), the block's E8M0 scales (256 rows x K / 32 B) are copied once at
+//    the start, so a block takes ~100 KB and two blocks (16 warps) share an SM;
+//  - shared layouts without bank conflicts: a weight row's two 16-byte halves swap for rows 4..7 mod 8 (the A-fragment
+//    LDS.32 of 8 rows x 4 lanes), a token row's 16-byte chunks XOR 4 for odd tokens (the B-fragment LDS.128 of two
+//    tokens x 4 lanes per quarter warp).
+// The inner loop is v2's: each warp owns 32 rows (two m16 tiles), A fragments dequantized from one 32-bit word per row
+// and scale block (E2M1 pairs x the E8M0 scale, exact in bf16), tokens 8 per mma (n side), hi then lo into the same fp32
+// accumulators. NVFP4 keeps v2 (its scales are twice the bytes: two blocks would not fit an SM).
+constexpr int k_m3_rows = 256, k_m3_kt = 64, k_m3_tok = 64, k_m3_threads = 256, k_m3_stages = 3;
+constexpr int k_m3_wbytes = k_m3_rows * k_m3_kt / 2;   // raw FP4 of a stage
+constexpr int k_m3_xbytes = k_m3_tok * k_m3_kt * 2;    // one bf16 plane of a stage
+constexpr int k_m3_stage_bytes = k_m3_wbytes + 2 * k_m3_xbytes;
+constexpr int k_m3_pipe_bytes = k_m3_stages * k_m3_stage_bytes;   // 72 KB
+constexpr int k_m3_cld = k_m3_rows + 4;                           // floats per token row of the epilogue tile
+static_assert(k_m3_tok * k_m3_cld * 4 <= k_m3_pipe_bytes, "v3: the epilogue tile lives in the pipeline's memory");
+constexpr int64_t k_m3_max_smem = 113 * 1024;   // two blocks per SM (228 KB, 1 KB reserved per block)
+
+// Bytes per row of the block's scale copy: K / 32 rounded up to 16 (16-byte copies), then to an odd multiple of 4
+// words (rows g = 0..7 read in one LDS.8 land on distinct banks; e.g. K = 3072: 96 -> 112).
+constexpr int64_t m3_scale_ld(int64_t K) {
+    int64_t s = (K / 32 + 15) / 16 * 16;
+    return (s / 4) % 8 == 0 ? s + 16 : s;
+}
+constexpr int64_t m3_smem(int64_t K) { return k_m3_pipe_bytes + k_m3_rows * m3_scale_ld(K); }
+
+// x [n] (fp32) -> bf16 hi [n], lo [n] with x = hi + lo to ~16 mantissa bits (lo = 0 when !xsplit). n % 4 == 0.
+__global__ void k_split_planes(const float * __restrict__ x, int64_t n, bool xsplit, __nv_bfloat16 * __restrict__ hi,
+                               __nv_bfloat16 * __restrict__ lo) {
+    pdl_enter();
+    for (int64_t i = 4 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += 4 * int64_t(gridDim.x) * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4 *>(x + i);
+        const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+        const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
+        const __nv_bfloat162 l0 = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+        const __nv_bfloat162 l1 = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+        *reinterpret_cast<__nv_bfloat162 *>(hi + i) = h0;
+        *reinterpret_cast<__nv_bfloat162 *>(hi + i + 2) = h1;
+        *reinterpret_cast<__nv_bfloat162 *>(lo + i) = l0;
+        *reinterpret_cast<__nv_bfloat162 *>(lo + i + 2) = l1;
+    }
+}
+
+// NM == 2: gate/up; xh / xl = x's planes [T, ldx], token row = slot / k_div; writes h's planes oh / ol [S, d_ff] (GLU
+// applied, split as v2's down stage splits it). NM == 1: down; xh / xl = h's planes [S, ldx], token row = slot; writes
+// of32 = ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m3_smem(K).
+template <int NM>
+__global__ void __launch_bounds__(k_m3_threads, 2)
+    k_moe_mma3(const __nv_bfloat16 * __restrict__ xh, const __nv_bfloat16 * __restrict__ xl, int64_t ldx, int64_t k_div,
+               const dexpert * __restrict__ ex, int64_t A, int64_t S, const int32_t * __restrict__ gw, dexperts_cfg c,
+               int n_min, bool xsplit, __nv_bfloat16 * __restrict__ oh, __nv_bfloat16 * __restrict__ ol,
+               float * __restrict__ of32) {
+    pdl_enter();
+    extern __shared__ __align__(128) unsigned char sm3[];
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int n = gw[2 + 2 * A + S + a];
+    if (n < n_min) return;
+    const int e = gw[1 + a];
+    const int32_t * slots = gw + 2 + 2 * A + gw[1 + A + a];
+    constexpr int BN = k_m3_rows / NM;   // output rows per block
+    const int64_t n_rows = NM == 2 ? c.d_ff : c.d_out;
+    const int64_t r0 = int64_t(blockIdx.x) * BN;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const dexpert_matrix m0 = NM == 2 ? ex[e].gate : ex[e].down;
+    const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
+    const int64_t K = m0.in, ksc = K / 32, sld = m3_scale_ld(K);
+    const int nk = int(K / k_m3_kt);
+    unsigned char * Ssm = sm3 + k_m3_pipe_bytes;   // [256][sld]: the block's E8M0 scales, all of K
+    float * Cs = reinterpret_cast<float *>(sm3);   // [64][k_m3_cld]: the epilogue tile, after the K loop
+
+    // this thread's weight copies: 2 of the stage's 512 16-byte halves (row ch / 2, half ch % 2)
+    const uint8_t * wsrc[2];
+    int wdst[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int ch = tid + i * k_m3_threads, row = ch >> 1, half = ch & 1;
+        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+        const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
+        wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + half * 16 : nullptr;
+        wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
+    }
+    // the scales of every row of the block, once (with the first stage's group); rows past the matrix are left unset
+    // (their outputs are never stored)
+    for (int ch = tid; ch < k_m3_rows * int(ksc / 16); ch += k_m3_threads) {
+        const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
+        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+        if (wr >= n_rows) continue;
+        const uint8_t * sc = (NM == 2 && row >= BN) ? m1.scale : m0.scale;
+        const uint8_t * src = sc + wr * ksc + part * 16;
+        unsigned char * dst = Ssm + row * sld + part * 16;
+        if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) cp_async16(dst, src);
+        else
+            for (int i = 0; i < 16; ++i) dst[i] = src[i];
+    }
+
+    __shared__ int64_t xoff[k_m3_tok];
+    for (int t0 = 0; t0 < n; t0 += k_m3_tok) {
+        const int nt = min(k_m3_tok, n - t0);   // tokens of this pass
+        const int nj = (nt + 7) >> 3;            // 8-token mma tiles
+        if (tid < nt) xoff[tid] = int64_t(slots[t0 + tid] / k_div) * ldx;
+        __syncthreads();
+        // stage st <- K-tile kt: raw weights, and the pass's tokens' hi (and lo) chunks
+        auto issue = [&](int kt, int st) {
+            unsigned char * W = sm3 + st * k_m3_stage_bytes;
+            unsigned char * X = W + k_m3_wbytes;
+            const int64_t k0 = int64_t(kt) * k_m3_kt;
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                if (wsrc[i]) cp_async16(W + wdst[i], wsrc[i] + k0 / 2);
+            const int nch = nt * 8 * (xsplit ? 2 : 1);
+            for (int ch = tid; ch < nch; ch += k_m3_threads) {
+                const int p = ch / (nt * 8), r = ch % (nt * 8), t = r >> 3, cc = r & 7;
+                const __nv_bfloat16 * src = (p ? xl : xh) + xoff[t] + k0 + cc * 8;
+                cp_async16(X + p * k_m3_xbytes + t * 128 + ((cc ^ ((t & 1) << 2)) << 4), src);
+            }
+        };
+
+        float acc[2][8][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[mi][j][r] = 0.0f;
+
+#pragma unroll
+        for (int s = 0; s < k_m3_stages - 1; ++s) {
+            if (s < nk) issue(s, s);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < nk; ++kt) {
+            cp_async_wait<k_m3_stages - 2>();
+            __syncthreads();   // stage kt (and the scales) landed for every thread; every warp is done with tile kt - 1
+            if (kt + k_m3_stages - 1 < nk) issue(kt + k_m3_stages - 1, (kt + k_m3_stages - 1) % k_m3_stages);
+            cp_async_commit();
+            const unsigned char * W = sm3 + (kt % k_m3_stages) * k_m3_stage_bytes;
+            const unsigned char * Xh = W + k_m3_wbytes;
+            const unsigned char * Xl = Xh + k_m3_xbytes;
+#pragma unroll
+            for (int kb = 0; kb < k_m3_kt / 32; ++kb) {
+                // A fragments of this warp's two m16 tiles for the two k16 steps of scale block kt * 2 + kb (v2's)
+                uint32_t af[2][2][4];   // [mi][step][reg]
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
+                        const int row = warp * 32 + mi * 16 + g + 8 * hr;
+                        const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
+                        const uint32_t sb = Ssm[row * sld + kt * 2 + kb];
+                        // E8M0 as bf16 bits: exponent field b (b = 0: 2^-127, the subnormal 0x0040)
+                        const uint32_t b16 = sb ? sb << 7 : 0x40u, b2 = b16 | (b16 << 16);
+                        const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&b2);
+                        uint32_t p[4];
+                        fp4x8_pairs2(wv, p);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
+                            p[i] = *reinterpret_cast<const uint32_t *>(&b);
+                        }
+                        af[mi][0][hr] = p[0];
+                        af[mi][0][2 + hr] = p[1];
+                        af[mi][1][hr] = p[2];
+                        af[mi][1][2 + hr] = p[3];
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (j < nj) {
+                        const int tok = 8 * j + g, cc = kb * 4 + q;
+                        const int off = tok * 128 + ((cc ^ ((tok & 1) << 2)) << 4);
+                        const uint4 bh = *reinterpret_cast<const uint4 *>(Xh + off);
+#pragma unroll
+                        for (int mi = 0; mi < 2; ++mi) {
+                            mma_bf16(acc[mi][j], af[mi][0], bh.x, bh.y);
+                            mma_bf16(acc[mi][j], af[mi][1], bh.z, bh.w);
+                        }
+                        if (xsplit) {
+                            const uint4 bl = *reinterpret_cast<const uint4 *>(Xl + off);
+#pragma unroll
+                            for (int mi = 0; mi < 2; ++mi) {
+                                mma_bf16(acc[mi][j], af[mi][0], bl.x, bl.y);
+                                mma_bf16(acc[mi][j], af[mi][1], bl.z, bl.w);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();   // the pipeline's memory becomes the epilogue tile
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j < nj) {
+                    const int row = warp * 32 + mi * 16 + g, tok = 8 * j + 2 * q;
+                    Cs[tok * k_m3_cld + row] = acc[mi][j][0];
+                    Cs[(tok + 1) * k_m3_cld + row] = acc[mi][j][1];
+                    Cs[tok * k_m3_cld + row + 8] = acc[mi][j][2];
+                    Cs[(tok + 1) * k_m3_cld + row + 8] = acc[mi][j][3];
+                }
+            }
+        __syncthreads();
+        for (int i = tid; i < nt * BN; i += k_m3_threads) {
+            const int t = i / BN, rr = i % BN;
+            if (r0 + rr >= n_rows) continue;
+            const int64_t o = int64_t(slots[t0 + t]) * n_rows + r0 + rr;
+            if constexpr (NM == 2) {
+                const float gt = Cs[t * k_m3_cld + rr], up = Cs[t * k_m3_cld + BN + rr];
+                const float v = c.act == 1 ? situ_d(gt, up, c.situ_beta, c.situ_linear_beta) : silu_d(gt) * up;
+                const __nv_bfloat16 h = __float2bfloat16_rn(v);
+                oh[o] = h;
+                ol[o] = __float2bfloat16_rn(xsplit ? v - __bfloat162float(h) : 0.0f);
+            } else {
+                of32[o] = Cs[t * k_m3_cld + rr];
+            }
+        }
+        __syncthreads();   // Cs is the next pass's pipeline; xoff is rewritten
+    }
+}
+
+// v3's bounds: MXFP4 (vfmt 2), K of both stages a multiple of 512 (whole 64-column tiles, 16-byte scale copies), x's
+// planes fit in ybuf (Din <= k d_out), the block's shared memory within two blocks per SM.
+bool mma3_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c) {
+    return vfmt == 2 && Din % 512 == 0 && c.d_ff % 512 == 0 && Din <= k * c.d_out && m3_smem(Din) <= k_m3_max_smem &&
+           m3_smem(c.d_ff) <= k_m3_max_smem;
+}
+
+template <int NM>
+cudaError_t launch_mma3(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t ldx, int64_t k_div, int64_t K,
+                        const dexpert * experts, int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min,
+                        bool xsplit, __nv_bfloat16 * oh, __nv_bfloat16 * ol, float * of32, cudaStream_t st) {
+    constexpr auto kern = k_moe_mma3<NM>;
+    const cudaError_t attr = smem_attr<kern>(size_t(k_m3_max_smem));
+    if (attr != cudaSuccess) return attr;
+    constexpr int BN = k_m3_rows / NM;
+    const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
+    return launch_k(kern, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m3_threads, size_t(m3_smem(K)), st, xh, xl, ldx,
+                    k_div, experts, A, S, gw, c, n_min, xsplit, oh, ol, of32);
+}
+
+// x's planes in ybuf's memory (the down stage overwrites ybuf only after gate/up has read them), h's planes in hbuf's.
+cudaError_t launch_mma3_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                               const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
+                               int n_min, bool xsplit) {
+    const int64_t T = S / k;
+    auto * xh = reinterpret_cast<__nv_bfloat16 *>(ybuf);
+    auto * xl = xh + T * Din;
+    auto * hh = reinterpret_cast<__nv_bfloat16 *>(hbuf);
+    auto * hl = hh + S * c.d_ff;
+    const int64_t n4 = T * Din / 4;
+    cudaError_t e = launch_k(k_split_planes, unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, st, x, T * Din, xsplit, xh, xl);
+    if (e == cudaSuccess) e = launch_mma3<2>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
+    if (e == cudaSuccess) e = launch_mma3<1>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
+    return e;
+}
+
 } // namespace
+
+namespace {
+std::atomic<int64_t> g_mma3_launches{0};
+} // namespace
+
+int64_t moe_mma3_launches() { return g_mma3_launches.load(std::memory_order_relaxed); }
 
 void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
                            int n_min, const dmoe_opts & o) {
+    if (o.mma_v3 && mma3_supported(vfmt, Din, k, c)) {   // v3: both stages (x's and h's planes pass between them)
+        if (launch_mma3_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
+            g_mma3_launches.fetch_add(1, std::memory_order_relaxed);
+        return;   // a failed launch stays in cudaGetLastError for the caller
+    }
     // v2: FP4 stages whose K is a multiple of its 128-column tile (gate/up K = Din, down K = d_ff); the others v1.
     const bool v2 = o.mma_v2 && (vfmt == 2 || vfmt == 3);
     const bool v2_gu = v2 && Din % k_m2_kt == 0, v2_dn = v2 && c.d_ff % k_m2_kt == 0;

@@ -3,9 +3,9 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
+#include "backend/cuda/smem-attr.cuh"
 
 #include <climits>
-#include <mutex>
 #include <mma.h>
 
 namespace perigee::cuda {
@@ -1620,7 +1620,6 @@ __device__ __forceinline__ void v6_rows(const v6_lane<NM> & p, int ns, const uin
 // Bounds (the launcher's): Din, d_ff, d_out multiples of 128 and nu = K / 32 a multiple of 4 U (whole batches; the
 // 4U-byte scale copies aligned). The dequant, mmas and sums are v6_group's in v6's order: y is v6's bit for bit.
 // cp.async and the ring's shared loads: cp-async.cuh.
-constexpr int k_v7_max_devices = 64;   // v7_attr's per-device cache
 
 // Bytes of one batch slot of a warp's ring: U steps of NM x 2 x 32 uint4, then NM x 16 rows x 4 U scale bytes.
 template <int NM, int U>
@@ -1853,33 +1852,10 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
     }
 }
 
-// A v7 kernel's dynamic shared limit, raised to its largest use (K = k_v5_max_k) once per (instantiation, device): the
-// attribute is per device, so a backend on a second GPU sets it again. The carveout asks for the most shared memory:
-// K3's gate/up block takes 66 576 bytes (x staging 14 352 + 4 warps' rings 52 224), 3 per SM with their 1 KB reserves
-// ~198 KiB, so the SM runs the 228 KiB carveout and L1 keeps ~28 KiB (the scale bytes no longer go through L1: they are
-// in the ring).
-// KERN is a template argument (not a function argument) so that each kernel has its own cache: every gate/up form has
-// the same function type, and a cache per type set the first form's limit only (session 6 call H: the 84 KB form then
-// failed to launch).
-template <auto KERN>
-cudaError_t v7_attr(size_t max_smem) {
-    static std::mutex mu;
-    static cudaError_t done[k_v7_max_devices];
-    static bool tried[k_v7_max_devices] = {};
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    if (dev < 0 || dev >= k_v7_max_devices) return cudaErrorInvalidDevice;
-    const std::lock_guard<std::mutex> lock(mu);
-    if (!tried[dev]) {
-        e = cudaFuncSetAttribute(KERN, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_smem));
-        if (e == cudaSuccess)
-            e = cudaFuncSetAttribute(KERN, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-        done[dev] = e;
-        tried[dev] = true;
-    }
-    return done[dev];
-}
+// A v7 kernel's dynamic shared limit is raised to its largest use (K = k_v5_max_k) once per (instantiation, device) by
+// smem_attr (smem-attr.cuh). The carveout asks for the most shared memory: K3's gate/up block takes 66 576 bytes (x
+// staging 14 352 + 4 warps' rings 52 224), 3 per SM with their 1 KB reserves ~198 KiB, so the SM runs the 228 KiB
+// carveout and L1 keeps ~28 KiB (the scale bytes no longer go through L1: they are in the ring).
 // Each launcher checks the bounds its own (W, U) needs, so that a form table and a dispatch that disagreed could only
 // fail the launch, never run partial batches or a mismatched set of combine counters.
 template <int W, int U, int NB, int MINB>
@@ -1887,7 +1863,7 @@ cudaError_t launch_v7_gate_up(const float * x, int64_t Din, const int32_t * ids,
                               const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
     if ((Din / 32) % (4 * U) != 0 || Din % 128 != 0 || c.d_ff % (16 * W) != 0) return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_gate_up_v6<1, MINB, W, U, NB>;
-    const cudaError_t attr = v7_attr<kern>(v7_smem<2, W, U, NB>(k_v5_max_k));
+    const cudaError_t attr = smem_attr<kern>(v7_smem<2, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din, ids,
                     experts, E, c, hbuf, err, cnt, n_cnt);
@@ -1899,7 +1875,7 @@ cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, c
     if ((c.d_ff / 32) % (4 * U) != 0 || c.d_ff % 128 != 0 || c.d_out % (16 * W) != 0 || n_cnt != c.d_out / (16 * W))
         return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_down_comb_v6<1, MINB, W, U, NB>;
-    const cudaError_t attr = v7_attr<kern>(v7_smem<1, W, U, NB>(k_v5_max_k));
+    const cudaError_t attr = smem_attr<kern>(v7_smem<1, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf, ids,
                     experts, E, c, ybuf, w, k, cnt, y);

@@ -1,6 +1,6 @@
-// CUDA MoE kernels vs the CPU reference (issue 7): tensor-core prefill experts with bf16 hi + lo activations, the MXFP4
-// decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch decode router,
-// decode v4, and decode v5 (MXFP4 expert GEMVs on fp16 tensor cores) with a microbenchmark of K3's expert node
+// CUDA MoE kernels vs the CPU reference (issue 7): tensor-core prefill experts with bf16 hi + lo activations (v1, v2,
+// v3), the MXFP4 decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch
+// decode router, decode v4, and decode v5 (MXFP4 expert GEMVs on fp16 tensor cores) with a microbenchmark of K3's expert node
 // (bench_decode_k3_experts: us per node, GB/s, % of the copy rate for v2 / v4 / v5 forms; prints, asserts only a clean run),
 // and the BF16 decode pair (moe-bf16-decode.cu: decode_bf16_t1, decode_bf16_direct, bench_decode_48b_experts) with the
 // shared expert as its extra slot (decode_bf16_shared_direct; cuda_options::moe_shared_slot).
@@ -382,6 +382,89 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
     mc->y = bd.name(bd.moe_experts(xe, ids, w, {act == 1 ? glu_act::SITU : glu_act::SILU, 2.0f, 3.0f, D, ex}), "experts");
     mc->g = bd.finish(mc->y);
     return mc;
+}
+
+// ---- 1c. Tensor-core experts v3 (cuda_options::moe_mma_v3: k_moe_mma3, MXFP4 with Din, d_ff multiples of 512) ----
+// v3 passes v2's operands to the same mmas in the same order (the split into bf16 hi + lo moved out of the kernel), so y
+// must be v2's BIT FOR BIT, and within the f32 tolerance of the CPU. Shapes: T 64 D 512 F 512 E 16 top-4 (~16 tokens
+// per expert: 2 mma tiles of 8; 8 K-tiles, more than the 3 stages), T 300 D 1024 F 512 E 8 top-4 (~150 tokens: passes
+// of 64, 64 and a partial one), T 96 D 512 F 1536 E 8 top-2 (down K 1536: 24 tiles; scale rows of 48 B padded to 64 by
+// the bank rule: 12 words -> 16), SiLU and SiTU; threshold 1 (every expert on mma) and 8 at T 64 (mma + GEMV experts
+// mixed: the GEMV stages run after v3's and overwrite the plane scratch of their own slots only). K3's expert shape
+// (3584 x 3072, top-16 of 32, T 160: 80 tokens per expert, two passes) bitwise v2 only (the CPU reference would take
+// minutes). The launch counter must advance on each v3 run and stay still for a shape outside v3's bounds (D 256: v2
+// runs). Controls that must FAIL: v3 hi-only (moe_mma_split off) against the f32 tolerance, a one-ulp change against
+// the bitwise comparison, the comparator family. MOE_V3_SMALL=1 leaves the K3 shape out (the compute-sanitizer runs).
+TEST(cuda_moe, mma_v3_prefill) {
+    NEED_GPU();
+    const bool small_only = std::getenv("MOE_V3_SMALL") && std::atoi(std::getenv("MOE_V3_SMALL")) != 0;
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && !a.empty() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    struct shape { int T, D, F, E, k, act; bool cpu; };
+    const shape shapes[] = {{64, 512, 512, 16, 4, 0, true}, {300, 1024, 512, 8, 4, 1, true}, {96, 512, 1536, 8, 2, 0, true},
+                            {64, 256, 512, 16, 4, 0, true}, {160, 3584, 3072, 32, 16, 1, false}};
+    for (const shape & sh : shapes) {
+        if (small_only && !sh.cpu) {
+            std::printf("[moe-mma-v3/T%d/D%d/F%d] SKIPPED: MOE_V3_SMALL=1\n", sh.T, sh.D, sh.F);
+            continue;
+        }
+        const uint32_t seed = 17100 + uint32_t(sh.T) + uint32_t(sh.D) + uint32_t(sh.F);
+        auto mc = moe_graph(1, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, 118, 124, seed);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-mma-v3/mxfp4/{}/T{}/D{}/F{}/k{}", sh.act ? "situ" : "silu", sh.T, sh.D, sh.F, sh.k);
+        const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
+        for (int n_min : {1, 8}) {
+            if (n_min == 8 && sh.T != 64) continue;
+            cuda_options v2{true, 8};
+            v2.moe_mma_tokens = n_min;
+            v2.moe_mma_large_step = 0;
+            v2.moe_mma_v2 = true;
+            v2.moe_mma_v3 = false;
+            cuda_options v3 = v2;
+            v3.moe_mma_v3 = true;
+            const std::string nmt = nm + fmt::format("/min{}", n_min);
+            const int64_t before = cuda::moe_mma3_launches();
+            const auto y3 = run_cuda(g, mc->y, v3);
+            const int64_t ran = cuda::moe_mma3_launches() - before;
+            const bool count_ok = in_bounds ? ran >= 1 : ran == 0;
+            std::printf("[%s/v3 launches %lld] %s (%s)\n", nmt.c_str(), static_cast<long long>(ran), count_ok ? "PASS" : "FAIL",
+                        in_bounds ? "v3's bounds hold: must be >= 1" : "outside v3's bounds: must be 0");
+            EXPECT_TRUE(count_ok) << nmt;
+            tally(count_ok);
+            const auto y2 = run_cuda(g, mc->y, v2);
+            const bool same = bitwise(y3, y2);
+            std::printf("[%s/v3 vs v2 bitwise] %s\n", nmt.c_str(), same ? "EQUAL: PASS" : "DIFFERENT: FAIL");
+            EXPECT_TRUE(same) << nmt;
+            tally(same);
+            if (!sh.cpu || n_min != 1) continue;
+            const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+            EXPECT_TRUE(parity(nmt, g, oc, v3)) << nmt;
+            if (!in_bounds) continue;
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const auto ref = read_f32(*cpu, mc->y);
+            cuda_options hi = v3;
+            hi.moe_mma_split = false;
+            const auto got_hi = run_cuda(g, mc->y, hi);
+            const bool hi_ok = check(nmt + "/control(v3 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(hi_ok) << nmt << ": bf16 hi-only activations must show at the f32 tolerance";
+            tally(!hi_ok);
+            controls(nmt + "/v3", ref, y3, metric::NMSE, k_tol_f32);
+        }
+        if (!in_bounds) continue;
+        cuda_options v3{true, 8};
+        v3.moe_mma_tokens = 1;
+        v3.moe_mma_large_step = 0;
+        v3.moe_mma_v3 = true;
+        auto y = run_cuda(g, mc->y, v3);
+        const auto y0 = y;
+        y[y.size() / 3] = std::nextafter(y[y.size() / 3], INFINITY);
+        const bool caught = !bitwise(y, y0);
+        std::printf("[%s/control(one ulp vs bitwise)] %s\n", nm.c_str(), caught ? "differs as required: PASS" : "NOT caught: FAIL");
+        EXPECT_TRUE(caught);
+        tally(caught);
+    }
 }
 
 // T == 1, moe_decode_v4. MXFP4: K3's expert (3584 x 3072, top-16 of 18: gate rows of 112 units = 4 per lane, down rows
