@@ -195,6 +195,12 @@ struct cuda_options {
     // ~45 ms (2 blocks per SM and no per-tile conversion: ~1.8x), prefill step 164 -> ~125 ms, GEMM share 23% -> ~30%.
     // Off until measured.
     bool moe_mma_v3 = false;
+    // ... v4 (moe-wgmma.cu k_moe_mma4: v3's pipeline and dequant, the products as wgmma m64nNk16 with A from registers
+    // and the tokens' planes read from shared memory by descriptor; y at the f32 tolerance of v3, not bitwise).
+    // Prediction (before its first H200 run): v3's gate/up issues ~320 instructions per warp and scale block for 40
+    // mma.sync; v4 issues 8 wgmma instead, leaving the dequant (~110) as the issue load, so MOE_EXPERTS at T=2048 ~61 ->
+    // ~30 ms (tensor-bound at ~35% of the wgmma peak with 5 of 8 token tiles used). Takes precedence over v3.
+    bool moe_mma_v4 = false;
     // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
     // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
     // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens

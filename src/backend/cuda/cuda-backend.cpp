@@ -1200,6 +1200,7 @@ private:
                     mo.mma_split = opt_.moe_mma_split;
                     mo.mma_v2 = opt_.moe_mma_v2;
                     mo.mma_v3 = opt_.moe_mma_v3;
+                    mo.mma_v4 = opt_.moe_mma_v4;
                     mo.dec_v4 = opt_.moe_decode_v4;
                     mo.small_v4 = opt_.moe_small_v4;
                     mo.mma_large_step = opt_.moe_mma_large_step;

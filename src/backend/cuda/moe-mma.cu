@@ -257,21 +257,6 @@ constexpr int k_m2_pipe_bytes = k_m2_stages * k_m2_stage_bytes;
 constexpr int k_m2_c_bytes = k_m2_tok * k_m2_cld * 4;
 constexpr int k_m2_smem = (k_m2_pipe_bytes > k_m2_c_bytes ? k_m2_pipe_bytes : k_m2_c_bytes) + 2 * k_m2_tok * k_m2_hld * 2;
 
-// fp4x8_pairs with fewer integer ops (v2): both halves' magnitudes from one masked selector word, and the signs of
-// pair i (nibble 2i's bit 3 -> bit 15, nibble 2i+1's bit 3 -> bit 31) gathered by one byte permute of (q << 4, q):
-// byte 1 = (q << 4) byte i (its msb: nibble 2i's sign), byte 3 = q byte i (its msb: nibble 2i+1's sign). Bit-identical
-// to fp4x8_pairs (checked on the host over all 16-bit halves and 4M random words with an emulated prmt).
-__device__ __forceinline__ void fp4x8_pairs2(uint32_t q, uint32_t (&p)[4]) {
-    const uint32_t sel = q & 0x77777777u, sel1 = sel >> 16, q4 = q << 4;
-    const uint32_t hA = __byte_perm(k_fp4_hi0, k_fp4_hi1, sel), lA = __byte_perm(k_fp4_lo0, k_fp4_lo1, sel);
-    const uint32_t hB = __byte_perm(k_fp4_hi0, k_fp4_hi1, sel1), lB = __byte_perm(k_fp4_lo0, k_fp4_lo1, sel1);
-    p[0] = __byte_perm(lA, hA, 0x5140u) | (__byte_perm(q4, q, 0x4000u) & 0x80008000u);
-    p[1] = __byte_perm(lA, hA, 0x7362u) | (__byte_perm(q4, q, 0x5010u) & 0x80008000u);
-    p[2] = __byte_perm(lB, hB, 0x5140u) | (__byte_perm(q4, q, 0x6020u) & 0x80008000u);
-    p[3] = __byte_perm(lB, hB, 0x7362u) | (__byte_perm(q4, q, 0x7030u) & 0x80008000u);
-}
-
-
 // D += A B, m16n8k16, bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -774,18 +759,24 @@ cudaError_t launch_mma3_stages(const float * x, int64_t Din, int64_t k, const de
 } // namespace
 
 namespace {
-std::atomic<int64_t> g_mma3_launches{0};
+std::atomic<int64_t> g_mma_launches[2];   // v3, v4
 } // namespace
 
-int64_t moe_mma3_launches() { return g_mma3_launches.load(std::memory_order_relaxed); }
+int64_t moe_mma_launches(int v) { return v == 3 || v == 4 ? g_mma_launches[v - 3].load(std::memory_order_relaxed) : 0; }
 
 void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
                            int n_min, const dmoe_opts & o) {
-    if (o.mma_v3 && mma3_supported(vfmt, Din, k, c)) {   // v3: both stages (x's and h's planes pass between them)
+    // v4 / v3: both stages (x's and h's planes pass between them). A failed launch stays in cudaGetLastError.
+    if (o.mma_v4 && moe_mma4_supported(vfmt, Din, k, c)) {
+        if (launch_moe_mma4_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
+            g_mma_launches[1].fetch_add(1, std::memory_order_relaxed);
+        return;
+    }
+    if (o.mma_v3 && mma3_supported(vfmt, Din, k, c)) {
         if (launch_mma3_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
-            g_mma3_launches.fetch_add(1, std::memory_order_relaxed);
-        return;   // a failed launch stays in cudaGetLastError for the caller
+            g_mma_launches[0].fetch_add(1, std::memory_order_relaxed);
+        return;
     }
     // v2: FP4 stages whose K is a multiple of its 128-column tile (gate/up K = Din, down K = d_ff); the others v1.
     const bool v2 = o.mma_v2 && (vfmt == 2 || vfmt == 3);

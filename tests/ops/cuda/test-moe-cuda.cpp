@@ -424,9 +424,9 @@ TEST(cuda_moe, mma_v3_prefill) {
             cuda_options v3 = v2;
             v3.moe_mma_v3 = true;
             const std::string nmt = nm + fmt::format("/min{}", n_min);
-            const int64_t before = cuda::moe_mma3_launches();
+            const int64_t before = cuda::moe_mma_launches(3);
             const auto y3 = run_cuda(g, mc->y, v3);
-            const int64_t ran = cuda::moe_mma3_launches() - before;
+            const int64_t ran = cuda::moe_mma_launches(3) - before;
             const bool count_ok = in_bounds ? ran >= 1 : ran == 0;
             std::printf("[%s/v3 launches %lld] %s (%s)\n", nmt.c_str(), static_cast<long long>(ran), count_ok ? "PASS" : "FAIL",
                         in_bounds ? "v3's bounds hold: must be >= 1" : "outside v3's bounds: must be 0");
@@ -464,6 +464,74 @@ TEST(cuda_moe, mma_v3_prefill) {
         std::printf("[%s/control(one ulp vs bitwise)] %s\n", nm.c_str(), caught ? "differs as required: PASS" : "NOT caught: FAIL");
         EXPECT_TRUE(caught);
         tally(caught);
+    }
+}
+
+// ---- 1d. Tensor-core experts v4 (cuda_options::moe_mma_v4: moe-wgmma.cu k_moe_mma4, wgmma, MXFP4, Din and d_ff
+// multiples of 512) ----
+// v4 sums the same exact products as v3 inside the warpgroup tensor core, in its own order: y within the f32 tolerance
+// of the CPU and of v3 (not bit for bit; whether it happens to be is printed). The launch counter proves v4 ran (and
+// that v3 did not stand in for it), and stays still outside v4's bounds (D 256: v2 runs). Shapes as v3's test plus
+// T 200 E 8 top-2 (~50 tokens per expert: token tiles of 6-7 x 8 in one pass), so the passes cover 1..8 token tiles
+// (the wgmma N of 8..64). Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo plane's wgmmas are skipped)
+// against the f32 tolerance; the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
+TEST(cuda_moe, mma_v4_prefill) {
+    NEED_GPU();
+    const bool small_only = std::getenv("MOE_V4_SMALL") && std::atoi(std::getenv("MOE_V4_SMALL")) != 0;
+    struct shape { int T, D, F, E, k, act; bool cpu; };
+    const shape shapes[] = {{64, 512, 512, 16, 4, 0, true},     {300, 1024, 512, 8, 4, 1, true}, {96, 512, 1536, 8, 2, 0, true},
+                            {200, 512, 512, 8, 2, 1, true},     {64, 256, 512, 16, 4, 0, true},
+                            {160, 3584, 3072, 32, 16, 1, false}};
+    for (const shape & sh : shapes) {
+        if (small_only && !sh.cpu) {
+            std::printf("[moe-mma-v4/T%d/D%d/F%d] SKIPPED: MOE_V4_SMALL=1\n", sh.T, sh.D, sh.F);
+            continue;
+        }
+        const uint32_t seed = 17300 + uint32_t(sh.T) + uint32_t(sh.D) + uint32_t(sh.F);
+        auto mc = moe_graph(1, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, 118, 124, seed);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-mma-v4/mxfp4/{}/T{}/D{}/F{}/k{}", sh.act ? "situ" : "silu", sh.T, sh.D, sh.F, sh.k);
+        const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
+        for (int n_min : {1, 8}) {
+            if (n_min == 8 && sh.T != 64) continue;
+            cuda_options v3{true, 8};
+            v3.moe_mma_tokens = n_min;
+            v3.moe_mma_large_step = 0;
+            v3.moe_mma_v3 = true;
+            v3.moe_mma_v4 = false;
+            cuda_options v4 = v3;
+            v4.moe_mma_v4 = true;
+            const std::string nmt = nm + fmt::format("/min{}", n_min);
+            const int64_t b4 = cuda::moe_mma_launches(4), b3 = cuda::moe_mma_launches(3);
+            const auto y4 = run_cuda(g, mc->y, v4);
+            const int64_t ran4 = cuda::moe_mma_launches(4) - b4, ran3 = cuda::moe_mma_launches(3) - b3;
+            const bool count_ok = in_bounds ? (ran4 >= 1 && ran3 == 0) : ran4 == 0;
+            std::printf("[%s/v4 launches %lld, v3 launches %lld] %s (%s)\n", nmt.c_str(), static_cast<long long>(ran4),
+                        static_cast<long long>(ran3), count_ok ? "PASS" : "FAIL",
+                        in_bounds ? "v4's bounds hold: v4 >= 1, v3 0" : "outside v4's bounds: v4 0");
+            EXPECT_TRUE(count_ok) << nmt;
+            tally(count_ok);
+            const auto y3 = run_cuda(g, mc->y, v3);
+            const bool vv = check(nmt + "/v4-vs-v3", to_f64(y3), y4, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(vv) << nmt;
+            tally(vv);
+            const bool same = y3.size() == y4.size() && std::memcmp(y3.data(), y4.data(), y3.size() * 4) == 0;
+            std::printf("[%s/v4 bitwise v3] %s (info)\n", nmt.c_str(), same ? "EQUAL" : "DIFFERENT");
+            if (!sh.cpu || n_min != 1) continue;
+            const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+            EXPECT_TRUE(parity(nmt, g, oc, v4)) << nmt;
+            if (!in_bounds) continue;
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const auto ref = read_f32(*cpu, mc->y);
+            cuda_options hi = v4;
+            hi.moe_mma_split = false;
+            const auto got_hi = run_cuda(g, mc->y, hi);
+            const bool hi_ok = check(nmt + "/control(v4 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(hi_ok) << nmt << ": bf16 hi-only activations must show at the f32 tolerance";
+            tally(!hi_ok);
+            controls(nmt + "/v4", ref, y4, metric::NMSE, k_tol_f32);
+        }
     }
 }
 

@@ -1,0 +1,441 @@
+// MOE_EXPERTS on Hopper's warpgroup tensor cores (cuda_options::moe_mma_v4): the tensor-core experts' MXFP4 stages with
+// wgmma.mma_async. Called by launch_moe_mma_stages (moe-mma.cu); declarations in cuda-ops.h.
+//
+// Limiter of v3 (moe-mma.cu, Nsight Compute on the H200, k3-layers-4 prefill T 2048, session 7 call A): the gate/up
+// kernel issues ~320 instructions per warp per 32-column scale block for ~40 mma.sync (5 token tiles x 2 row tiles x
+// 2 k16 steps x hi + lo): issue slots 53% busy, 1.1 eligible warps of 4 per scheduler, the top stall a fixed-latency
+// dependency, the ALU (the FP4 dequant) the busiest pipe at 40% and the tensor pipe below it. v4 keeps v3's pipeline
+// (64-column K-tiles, 3 cp.async stages, the block's scales copied once, two blocks of 8 warps per SM, activations as
+// bf16 hi + lo planes made once per stage) and its dequant (A fragments from one 32-bit word per row and scale block,
+// E2M1 x E8M0 exact in bf16), but the products are warpgroup MMAs: each warpgroup owns 128 rows (two m64 tiles) and
+// one wgmma m64nNk16 (N = the pass's tokens rounded up to 8) replaces N / 8 x 4 mma.sync, with B (the tokens'
+// activations) read by the tensor core straight from shared memory through a descriptor (K-major, 128-byte swizzle).
+// While one warpgroup's wgmmas run, the SM's other three dequantize.
+//
+// The k order. v3's A fragment of lane q takes the 8 nibbles of 32-bit word q of a row's 32-column scale block (columns
+// 8q .. 8q + 7) and spreads them over the two k16 steps: step s, logical k 2q + i <- column 8q + 4s + i, logical k
+// 2q + 8 + i <- column 8q + 4s + 2 + i (i = 0, 1). mma.sync could read B in the same order from registers; wgmma reads
+// B from shared memory in logical order, so the activation planes are written permuted inside each 32-column block:
+// plane position 16 s + kk holds column m4_col(16 s + kk). The sum over k is the same; its order inside the tensor core
+// is not v3's, so y is compared with v3 at the f32 tolerance, not bit for bit.
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cp-async.cuh"
+#include "backend/cuda/fp4.cuh"
+#include "backend/cuda/smem-attr.cuh"
+
+#include <algorithm>
+
+namespace perigee::cuda {
+
+namespace {
+
+constexpr int k_m4_rows = 256, k_m4_kt = 64, k_m4_tok = 64, k_m4_threads = 256, k_m4_stages = 3;
+constexpr int k_m4_xbytes = k_m4_tok * 128;                        // a plane of a stage: 64 tokens x 64 bf16, 8 KB
+constexpr int k_m4_wbytes = k_m4_rows * k_m4_kt / 2;              // the raw FP4 of a stage, 8 KB
+constexpr int k_m4_stage_bytes = 2 * k_m4_xbytes + k_m4_wbytes;   // 24 KB: planes first, 1024-byte aligned
+constexpr int k_m4_pipe_bytes = k_m4_stages * k_m4_stage_bytes;
+constexpr int k_m4_cld = k_m4_rows + 4;                            // floats per token row of the epilogue tile
+static_assert(k_m4_tok * k_m4_cld * 4 <= k_m4_pipe_bytes, "v4: the epilogue tile lives in the pipeline's memory");
+static_assert(k_m4_xbytes % 1024 == 0 && k_m4_stage_bytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
+constexpr int64_t k_m4_max_smem = 113 * 1024;   // two blocks per SM
+
+// Scale bytes per row of the block's copy (v3's rule: 16-byte copies, rows g = 0..7 on distinct banks).
+constexpr int64_t m4_scale_ld(int64_t K) {
+    int64_t s = (K / 32 + 15) / 16 * 16;
+    return (s / 4) % 8 == 0 ? s + 16 : s;
+}
+// + 1024: the dynamic window is aligned up to the swizzle atom at run time.
+constexpr int64_t m4_smem(int64_t K) { return 1024 + k_m4_pipe_bytes + k_m4_rows * m4_scale_ld(K); }
+
+// Plane position of column c inside its 32-column block (the k order of the A fragments; see the top of the file):
+// c = 8 q + 4 s + j -> 16 s + 2 q + j (j < 2) or 16 s + 8 + 2 q + j - 2.
+__host__ __device__ constexpr int m4_pos(int c) {
+    const int q = c >> 3, s = (c >> 2) & 1, j = c & 3;
+    return 16 * s + (j >= 2 ? 8 : 0) + 2 * q + (j & 1);
+}
+
+// x [rows, D] (fp32) -> bf16 hi + lo planes [rows, D] in v4's column order (lo = 0 when !xsplit). D % 32 == 0.
+// Each thread takes 4 columns c .. c + 3 (c % 4 == 0): positions m4_pos(c) and m4_pos(c + 2), two pairs each.
+__global__ void k_split_planes4(const float * __restrict__ x, int64_t n, bool xsplit, __nv_bfloat16 * __restrict__ hi,
+                                __nv_bfloat16 * __restrict__ lo) {
+    pdl_enter();
+    for (int64_t i = 4 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += 4 * int64_t(gridDim.x) * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4 *>(x + i);
+        const int cb = int(i & 31);
+        const int64_t p0 = (i & ~int64_t(31)) + m4_pos(cb), p1 = (i & ~int64_t(31)) + m4_pos(cb + 2);
+        const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+        const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
+        const __nv_bfloat162 l0 = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+        const __nv_bfloat162 l1 = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
+        *reinterpret_cast<__nv_bfloat162 *>(hi + p0) = h0;
+        *reinterpret_cast<__nv_bfloat162 *>(hi + p1) = h1;
+        *reinterpret_cast<__nv_bfloat162 *>(lo + p0) = l0;
+        *reinterpret_cast<__nv_bfloat162 *>(lo + p1) = l1;
+    }
+}
+
+// wgmma.mma_async m64nNk16, A (bf16) from registers, B (bf16) from shared memory by descriptor (K-major), fp32
+// accumulators d[N / 2] += A B. One overload per N used by v4 (8 .. 64 tokens).
+__device__ __forceinline__ void wgmma_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3"
+                 "}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7"
+                 "}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[12], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11"
+                 "}, {%12,%13,%14,%15}, %16, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15"
+                 "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[20], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19"
+                 "}, {%20,%21,%22,%23}, %24, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23"
+                 "}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[28], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n56k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27"
+                 "}, {%28,%29,%30,%31}, %32, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator registers across the asynchronous MMAs (they are written by the tensor
+// core between the issue and the wait).
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// cp.async wrote the stage through the generic proxy; wgmma reads it through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Descriptor of a K-major bf16 tile with 128-byte rows (64 columns) and the 128-byte swizzle: start address >> 4
+// (bits 0-13), leading byte offset unused with a swizzle (1, bits 16-29), stride byte offset 1024 >> 4 between groups of
+// 8 rows (bits 32-45), base offset 0 (atoms 1024-byte aligned), swizzle mode 1 = 128 B (bits 62-63). A k16 step
+// further along the rows starts 32 bytes later (the swizzle is applied to the address bits).
+__device__ __forceinline__ uint64_t m4_desc(uint32_t saddr) {
+    return uint64_t((saddr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// What a pass of v4 needs from its block (the pass's tokens' offsets are in xoff).
+struct m4_block {
+    const __nv_bfloat16 * xh;
+    const __nv_bfloat16 * xl;
+    unsigned char * sm;           // the aligned window: stages, then the scales
+    const unsigned char * ssm;    // [256][sld] scales
+    int64_t sld;
+    const uint8_t * wsrc[2];      // this thread's two 16-byte weight copies per stage
+    int wdst[2];
+    const int64_t * xoff;         // [64]: plane row offsets of the pass's tokens
+    int nk, nt;
+};
+
+// One pass over K for the pass's nt <= 8 NJ tokens (acc[mi] = the warpgroup's row tile mi, 64 rows, x 8 NJ tokens),
+// then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too.
+template <int NJ, bool XS>
+__device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    float acc[2][4 * NJ];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int r = 0; r < 4 * NJ; ++r) acc[mi][r] = 0.0f;
+    // stage st <- K-tile kt: raw weights (2 x 16 B per thread), the tokens' plane chunks (chunk tid % 8 of tokens
+    // tid / 8 and tid / 8 + 32, hi and lo)
+    auto issue = [&](int kt, int st) {
+        unsigned char * X = b.sm + st * k_m4_stage_bytes;
+        unsigned char * W = X + 2 * k_m4_xbytes;
+        const int64_t k0 = int64_t(kt) * k_m4_kt;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            if (b.wsrc[i]) cp_async16(W + b.wdst[i], b.wsrc[i] + k0 / 2);
+        const int cc = tid & 7;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int t = (tid >> 3) + 32 * i;
+            if (t < b.nt) {
+                const int dst = t * 128 + ((cc ^ (t & 7)) << 4);
+                cp_async16(X + dst, b.xh + b.xoff[t] + k0 + cc * 8);
+                if (XS) cp_async16(X + k_m4_xbytes + dst, b.xl + b.xoff[t] + k0 + cc * 8);
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < k_m4_stages - 1; ++s) {
+        if (s < b.nk) issue(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < b.nk; ++kt) {
+        cp_async_wait<k_m4_stages - 2>();
+        fence_proxy_async();
+        __syncthreads();   // stage kt landed for every thread; every warpgroup's MMAs on tile kt - 1 are complete
+        if (kt + k_m4_stages - 1 < b.nk) issue(kt + k_m4_stages - 1, (kt + k_m4_stages - 1) % k_m4_stages);
+        cp_async_commit();
+        const unsigned char * X = b.sm + (kt % k_m4_stages) * k_m4_stage_bytes;
+        const unsigned char * W = X + 2 * k_m4_xbytes;
+        const uint32_t xh_addr = smem_u32(X), xl_addr = xh_addr + k_m4_xbytes;
+#pragma unroll
+        for (int kb = 0; kb < k_m4_kt / 32; ++kb) {
+            // A fragments of this warp's 16 rows of the warpgroup's two m64 tiles, both k16 steps (v3's dequant)
+            uint32_t af[2][2][4];   // [mi][step][reg]
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
+                    const int row = 128 * wg + 64 * mi + 16 * wq + g + 8 * hr;
+                    const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
+                    const uint32_t sb = b.ssm[row * b.sld + kt * 2 + kb];
+                    const uint32_t b16 = sb ? sb << 7 : 0x40u, b2 = b16 | (b16 << 16);   // E8M0 as bf16 (0: 2^-127)
+                    const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&b2);
+                    uint32_t p[4];
+                    fp4x8_pairs2(wv, p);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
+                        p[i] = *reinterpret_cast<const uint32_t *>(&v);
+                    }
+                    af[mi][0][hr] = p[0];
+                    af[mi][0][2 + hr] = p[1];
+                    af[mi][1][hr] = p[2];
+                    af[mi][1][2 + hr] = p[3];
+                }
+            }
+            reg_fence(acc[0]);
+            reg_fence(acc[1]);
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const uint32_t off = uint32_t(kb * 2 + s) * 32;
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    wgmma_rs(acc[mi], af[mi][s], m4_desc(xh_addr + off));
+                    if (XS) wgmma_rs(acc[mi], af[mi][s], m4_desc(xl_addr + off));
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();   // af is rewritten by the next scale block
+            reg_fence(acc[0]);
+            reg_fence(acc[1]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();   // the pipeline's memory becomes the epilogue tile
+    // acc[mi][4 j + r]: row 128 wg + 64 mi + 16 wq + g (+ 8 for r >= 2), token 8 j + 2 q + (r & 1)
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int row = 128 * wg + 64 * mi + 16 * wq + g, tok = 8 * j + 2 * q;
+            Cs[tok * k_m4_cld + row] = acc[mi][4 * j];
+            Cs[(tok + 1) * k_m4_cld + row] = acc[mi][4 * j + 1];
+            Cs[tok * k_m4_cld + row + 8] = acc[mi][4 * j + 2];
+            Cs[(tok + 1) * k_m4_cld + row + 8] = acc[mi][4 * j + 3];
+        }
+}
+
+// NM == 2: gate/up; xh / xl = x's planes [T, ldx] (v4 order), token row = slot / k_div; writes h's planes oh / ol
+// [S, d_ff] in v4 order (GLU applied). NM == 1: down; xh / xl = h's planes [S, ldx], token row = slot; writes of32 =
+// ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m4_smem(K).
+template <int NM>
+__global__ void __launch_bounds__(k_m4_threads, 2)
+    k_moe_mma4(const __nv_bfloat16 * __restrict__ xh, const __nv_bfloat16 * __restrict__ xl, int64_t ldx, int64_t k_div,
+               const dexpert * __restrict__ ex, int64_t A, int64_t S, const int32_t * __restrict__ gw, dexperts_cfg c,
+               int n_min, bool xsplit, __nv_bfloat16 * __restrict__ oh, __nv_bfloat16 * __restrict__ ol,
+               float * __restrict__ of32) {
+    pdl_enter();
+    extern __shared__ unsigned char sm4_raw[];
+    const int a = blockIdx.y;
+    if (a >= gw[0]) return;
+    const int n = gw[2 + 2 * A + S + a];
+    if (n < n_min) return;
+    const int e = gw[1 + a];
+    const int32_t * slots = gw + 2 + 2 * A + gw[1 + A + a];
+    constexpr int BN = k_m4_rows / NM;   // output rows per block
+    const int64_t n_rows = NM == 2 ? c.d_ff : c.d_out;
+    const int64_t r0 = int64_t(blockIdx.x) * BN;
+    const int tid = threadIdx.x;
+    const dexpert_matrix m0 = NM == 2 ? ex[e].gate : ex[e].down;
+    const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
+    const int64_t K = m0.in, ksc = K / 32;
+    unsigned char * sm = sm4_raw + ((1024u - (smem_u32(sm4_raw) & 1023u)) & 1023u);
+    unsigned char * Ssm = sm + k_m4_pipe_bytes;
+    float * Cs = reinterpret_cast<float *>(sm);   // [64][k_m4_cld]: the epilogue tile, after the K loop
+    __shared__ int64_t xoff[k_m4_tok];
+
+    m4_block b;
+    b.xh = xh;
+    b.xl = xl;
+    b.sm = sm;
+    b.ssm = Ssm;
+    b.sld = m4_scale_ld(K);
+    b.xoff = xoff;
+    b.nk = int(K / k_m4_kt);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
+        const int ch = tid + i * k_m4_threads, row = ch >> 1, half = ch & 1;
+        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+        const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
+        b.wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + half * 16 : nullptr;
+        b.wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
+    }
+    // the block's scales, once (completed with the first pass's first stage)
+    for (int ch = tid; ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
+        const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
+        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+        if (wr >= n_rows) continue;
+        const uint8_t * sc = (NM == 2 && row >= BN) ? m1.scale : m0.scale;
+        const uint8_t * src = sc + wr * ksc + part * 16;
+        unsigned char * dst = Ssm + row * b.sld + part * 16;
+        if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) cp_async16(dst, src);
+        else
+            for (int i = 0; i < 16; ++i) dst[i] = src[i];
+    }
+
+    for (int t0 = 0; t0 < n; t0 += k_m4_tok) {
+        const int nt = min(k_m4_tok, n - t0);
+        const int nj = (nt + 7) >> 3;
+        if (tid < nt) xoff[tid] = int64_t(slots[t0 + tid] / k_div) * ldx;
+        __syncthreads();
+        b.nt = nt;
+        switch (nj * 2 + (xsplit ? 1 : 0)) {
+#define PG_M4_PASS(J)                                       \
+        case 2 * J: m4_pass<J, false>(b, Cs); break;         \
+        case 2 * J + 1: m4_pass<J, true>(b, Cs); break;
+            PG_M4_PASS(1) PG_M4_PASS(2) PG_M4_PASS(3) PG_M4_PASS(4) PG_M4_PASS(5) PG_M4_PASS(6) PG_M4_PASS(7) PG_M4_PASS(8)
+#undef PG_M4_PASS
+            default: break;
+        }
+        __syncthreads();
+        for (int i = tid; i < nt * BN; i += k_m4_threads) {
+            const int t = i / BN, rr = i % BN;
+            if (r0 + rr >= n_rows) continue;
+            const int64_t s = slots[t0 + t];
+            if constexpr (NM == 2) {
+                const float gt = Cs[t * k_m4_cld + rr], up = Cs[t * k_m4_cld + BN + rr];
+                const float v = c.act == 1 ? situ_d(gt, up, c.situ_beta, c.situ_linear_beta) : silu_d(gt) * up;
+                const int64_t col = r0 + rr, o = s * n_rows + (col & ~int64_t(31)) + m4_pos(int(col & 31));
+                const __nv_bfloat16 h = __float2bfloat16_rn(v);
+                oh[o] = h;
+                ol[o] = __float2bfloat16_rn(xsplit ? v - __bfloat162float(h) : 0.0f);
+            } else {
+                of32[s * n_rows + r0 + rr] = Cs[t * k_m4_cld + rr];
+            }
+        }
+        __syncthreads();   // Cs is the next pass's pipeline; xoff is rewritten
+    }
+}
+
+template <int NM>
+cudaError_t launch_mma4(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t ldx, int64_t k_div, int64_t K,
+                        const dexpert * experts, int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min,
+                        bool xsplit, __nv_bfloat16 * oh, __nv_bfloat16 * ol, float * of32, cudaStream_t st) {
+    constexpr auto kern = k_moe_mma4<NM>;
+    const cudaError_t attr = smem_attr<kern>(size_t(k_m4_max_smem));
+    if (attr != cudaSuccess) return attr;
+    constexpr int BN = k_m4_rows / NM;
+    const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
+    return launch_k(kern, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m4_threads, size_t(m4_smem(K)), st, xh, xl, ldx,
+                    k_div, experts, A, S, gw, c, n_min, xsplit, oh, ol, of32);
+}
+
+} // namespace
+
+bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c) {
+    return vfmt == 2 && Din % 512 == 0 && c.d_ff % 512 == 0 && Din <= k * c.d_out && m4_smem(Din) <= k_m4_max_smem &&
+           m4_smem(c.d_ff) <= k_m4_max_smem;
+}
+
+// x's planes in ybuf's memory (the down stage overwrites ybuf only after gate/up has read them), h's planes in hbuf's.
+cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                                   const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
+                                   int n_min, bool xsplit) {
+    const int64_t T = S / k;
+    auto * xh = reinterpret_cast<__nv_bfloat16 *>(ybuf);
+    auto * xl = xh + T * Din;
+    auto * hh = reinterpret_cast<__nv_bfloat16 *>(hbuf);
+    auto * hl = hh + S * c.d_ff;
+    const int64_t n4 = T * Din / 4;
+    cudaError_t e = launch_k(k_split_planes4, unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, st, x, T * Din, xsplit,
+                             xh, xl);
+    if (e == cudaSuccess) e = launch_mma4<2>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
+    if (e == cudaSuccess) e = launch_mma4<1>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
+    return e;
+}
+
+} // namespace perigee::cuda
