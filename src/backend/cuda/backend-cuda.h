@@ -193,14 +193,25 @@ struct cuda_options {
     // K-tiles through a 3-stage pipeline with one barrier per tile, the block's scales copied once, two blocks per SM;
     // y bit for bit v2's). Prediction (before its first H200 run): MOE_EXPERTS at k3-layers-4 prefill T=2048 ~84 ->
     // ~45 ms (2 blocks per SM and no per-tile conversion: ~1.8x), prefill step 164 -> ~125 ms, GEMM share 23% -> ~30%.
-    // Off until measured.
-    bool moe_mma_v3 = false;
+    // Measured (session 7 call A, H200, same binary): MOE_EXPERTS 83.2 -> 60.8 ms at T=2048 (34.9 -> 24.6 at T=512),
+    // step 160.3 -> 139.0 ms, GEMM share 22.6% -> 27.2%; Nsight: gate/up 12.2 ms per layer, issue slots 53% busy, 1.1
+    // eligible warps of 4 per scheduler, ALU the busiest pipe (40%). y bitwise v2 (test-moe-cuda mma_v3_prefill, K3's
+    // shape included), memcheck / racecheck 0. On (v4 takes precedence where it is on).
+    bool moe_mma_v3 = true;
     // ... v4 (moe-wgmma.cu k_moe_mma4: v3's pipeline and dequant, the products as wgmma m64nNk16 with A from registers
     // and the tokens' planes read from shared memory by descriptor; y at the f32 tolerance of v3, not bitwise).
     // Prediction (before its first H200 run): v3's gate/up issues ~320 instructions per warp and scale block for 40
     // mma.sync; v4 issues 8 wgmma instead, leaving the dequant (~110) as the issue load, so MOE_EXPERTS at T=2048 ~61 ->
     // ~30 ms (tensor-bound at ~35% of the wgmma peak with 5 of 8 token tiles used). Takes precedence over v3.
-    bool moe_mma_v4 = false;
+    // Measured (session 7 call B, H200, same binary as v3): MOE_EXPERTS 60.7 -> 44.8 ms at T=2048 (24.7 -> 21.4 at
+    // T=512), step 140.6 -> 125.1 ms, GEMM share 27.2% -> 32.1%; Nsight: gate/up 8.6 ms per layer (v3 12.2), tensor pipe
+    // active 37%, ALU 49%, issue slots 56% busy: each warpgroup waits for its wgmmas before dequantizing the next scale
+    // block. v4 vs v3 NMSE <= 5.6e-13, vs the CPU <= 3.2e-11, memcheck / racecheck 0. On.
+    bool moe_mma_v4 = true;
+    // v4's fragment sets: 0 one per warp (each scale block's wgmmas complete before the next block's dequant), 1 two
+    // (the second scale block of a K-tile dequantized while the first block's wgmmas run; 16 more registers per thread).
+    // Prediction for 1 (before its first run): gate/up 8.6 -> ~6.5 ms per layer, MOE_EXPERTS 44.8 -> ~35 ms at T=2048.
+    int moe_mma_v4_form = 0;
     // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
     // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
     // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens

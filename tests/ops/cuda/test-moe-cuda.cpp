@@ -204,6 +204,7 @@ TEST(cuda_moe, mma_v2_prefill_f32_tolerance) {
                 cuda_options v2{true, 8};
                 v2.moe_mma_tokens = 1;
                 v2.moe_mma_v2 = true;
+                v2.moe_mma_v3 = v2.moe_mma_v4 = false;   // (no shape here is in their bounds; pinned all the same)
                 cuda_options v1 = v2;
                 v1.moe_mma_v2 = false;
                 EXPECT_TRUE(parity(nm + "/all-mma", g, oc, v2)) << nm;
@@ -421,6 +422,7 @@ TEST(cuda_moe, mma_v3_prefill) {
             v2.moe_mma_large_step = 0;
             v2.moe_mma_v2 = true;
             v2.moe_mma_v3 = false;
+            v2.moe_mma_v4 = false;   // (v4 would take precedence over v3 below)
             cuda_options v3 = v2;
             v3.moe_mma_v3 = true;
             const std::string nmt = nm + fmt::format("/min{}", n_min);
@@ -457,6 +459,7 @@ TEST(cuda_moe, mma_v3_prefill) {
         v3.moe_mma_tokens = 1;
         v3.moe_mma_large_step = 0;
         v3.moe_mma_v3 = true;
+        v3.moe_mma_v4 = false;
         auto y = run_cuda(g, mc->y, v3);
         const auto y0 = y;
         y[y.size() / 3] = std::nextafter(y[y.size() / 3], INFINITY);
@@ -473,8 +476,9 @@ TEST(cuda_moe, mma_v3_prefill) {
 // of the CPU and of v3 (not bit for bit; whether it happens to be is printed). The launch counter proves v4 ran (and
 // that v3 did not stand in for it), and stays still outside v4's bounds (D 256: v2 runs). Shapes as v3's test plus
 // T 200 E 8 top-2 (~50 tokens per expert: token tiles of 6-7 x 8 in one pass), so the passes cover 1..8 token tiles
-// (the wgmma N of 8..64). Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo plane's wgmmas are skipped)
-// against the f32 tolerance; the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
+// (the wgmma N of 8..64); both fragment-set forms (moe_mma_v4_form 0, 1). Controls that must FAIL: v4 hi-only
+// (moe_mma_split off; the lo plane's wgmmas are skipped) against the f32 tolerance; the comparator family.
+// MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
 TEST(cuda_moe, mma_v4_prefill) {
     NEED_GPU();
     const bool small_only = std::getenv("MOE_V4_SMALL") && std::atoi(std::getenv("MOE_V4_SMALL")) != 0;
@@ -492,7 +496,8 @@ TEST(cuda_moe, mma_v4_prefill) {
         graph & g = mc->g;
         const std::string nm = fmt::format("moe-mma-v4/mxfp4/{}/T{}/D{}/F{}/k{}", sh.act ? "situ" : "silu", sh.T, sh.D, sh.F, sh.k);
         const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
-        for (int n_min : {1, 8}) {
+        for (int run = 0; run < 3; ++run) {
+            const int n_min = run == 1 ? 8 : 1, form = run == 2 ? 1 : 0;
             if (n_min == 8 && sh.T != 64) continue;
             cuda_options v3{true, 8};
             v3.moe_mma_tokens = n_min;
@@ -501,7 +506,8 @@ TEST(cuda_moe, mma_v4_prefill) {
             v3.moe_mma_v4 = false;
             cuda_options v4 = v3;
             v4.moe_mma_v4 = true;
-            const std::string nmt = nm + fmt::format("/min{}", n_min);
+            v4.moe_mma_v4_form = form;
+            const std::string nmt = nm + fmt::format("/min{}/form{}", n_min, form);
             const int64_t b4 = cuda::moe_mma_launches(4), b3 = cuda::moe_mma_launches(3);
             const auto y4 = run_cuda(g, mc->y, v4);
             const int64_t ran4 = cuda::moe_mma_launches(4) - b4, ran3 = cuda::moe_mma_launches(3) - b3;
@@ -520,6 +526,7 @@ TEST(cuda_moe, mma_v4_prefill) {
             if (!sh.cpu || n_min != 1) continue;
             const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
             EXPECT_TRUE(parity(nmt, g, oc, v4)) << nmt;
+            if (form == 1) continue;   // the controls below once per shape
             if (!in_bounds) continue;
             auto cpu = backend_cpu_init();
             cpu->run(g);
