@@ -208,10 +208,8 @@ struct cuda_options {
     // active 37%, ALU 49%, issue slots 56% busy: each warpgroup waits for its wgmmas before dequantizing the next scale
     // block. v4 vs v3 NMSE <= 5.6e-13, vs the CPU <= 3.2e-11, memcheck / racecheck 0. On.
     bool moe_mma_v4 = true;
-    // v4's fragment sets: 0 one per warp (each scale block's wgmmas complete before the next block's dequant), 1 two
-    // (the second scale block of a K-tile dequantized while the first block's wgmmas run; 16 more registers per thread).
-    // Prediction for 1 (before its first run): gate/up 8.6 -> ~6.5 ms per layer, MOE_EXPERTS 44.8 -> ~35 ms at T=2048.
-    int moe_mma_v4_form = 0;
+    // Measured and removed (call C): two fragment sets per warp, the second scale block of a K-tile dequantized while
+    // the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
     // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
     // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
     // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens

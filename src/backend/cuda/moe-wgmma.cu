@@ -187,10 +187,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // Descriptor of a K-major bf16 tile with 128-byte rows (64 columns) and the 128-byte swizzle: start address >> 4
 // (bits 0-13), leading byte offset unused with a swizzle (1, bits 16-29), stride byte offset 1024 >> 4 between groups of
 // 8 rows (bits 32-45), base offset 0 (atoms 1024-byte aligned), swizzle mode 1 = 128 B (bits 62-63). A k16 step
-// further along the rows starts 32 bytes later (the swizzle is applied to the address bits).
-__device__ __forceinline__ uint64_t m4_desc(uint32_t saddr) {
-    return uint64_t((saddr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// further along the rows starts 32 bytes later (the swizzle is applied to the address bits): the low word + 2.
+constexpr uint32_t k_m4_desc_hi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t m4_desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t m4_desc(uint32_t lo) { return (uint64_t(k_m4_desc_hi) << 32) | lo; }
 
 // What a pass of v4 needs from its block (the pass's tokens' offsets are in xoff).
 struct m4_block {
@@ -206,9 +206,8 @@ struct m4_block {
 };
 
 // One pass over K for the pass's nt <= 8 NJ tokens (acc[mi] = the warpgroup's row tile mi, 64 rows, x 8 NJ tokens),
-// then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too. DB: the two
-// scale blocks of a K-tile in two fragment sets (the second dequantized while the first block's wgmmas run).
-template <int NJ, bool XS, bool DB>
+// then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too.
+template <int NJ, bool XS>
 __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
@@ -250,7 +249,7 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
         cp_async_commit();
         const unsigned char * X = b.sm + (kt % k_m4_stages) * k_m4_stage_bytes;
         const unsigned char * W = X + 2 * k_m4_xbytes;
-        const uint32_t xh_addr = smem_u32(X), xl_addr = xh_addr + k_m4_xbytes;
+        const uint32_t dh = m4_desc_lo(smem_u32(X)), dl = m4_desc_lo(smem_u32(X + k_m4_xbytes));
         // A fragments of scale block kb of this warp's 16 rows of the warpgroup's two m64 tiles, both k16 steps (v3's
         // dequant): af[mi][step][reg]
         auto dequant = [&](int kb, uint32_t (&af)[2][2][4]) {
@@ -260,8 +259,9 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
                 for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
                     const int row = 128 * wg + 64 * mi + 16 * wq + g + 8 * hr;
                     const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
+                    // E8M0 byte sb as bf16 bits: exponent field sb; sb = 0 (2^-127) is the subnormal 0x0040, the max
                     const uint32_t sb = b.ssm[row * b.sld + kt * 2 + kb];
-                    const uint32_t b16 = sb ? sb << 7 : 0x40u, b2 = b16 | (b16 << 16);   // E8M0 as bf16 (0: 2^-127)
+                    const uint32_t b2 = max(sb << 7, 0x40u) * 0x10001u;
                     const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&b2);
                     uint32_t p[4];
                     fp4x8_pairs2(wv, p);
@@ -284,31 +284,25 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
             wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
-                const uint32_t off = uint32_t(kb * 2 + s) * 32;
+                const uint32_t off = uint32_t(kb * 2 + s) * (32 >> 4);
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
-                    wgmma_rs(acc[mi], af[mi][s], m4_desc(xh_addr + off));
-                    if (XS) wgmma_rs(acc[mi], af[mi][s], m4_desc(xl_addr + off));
+                    wgmma_rs(acc[mi], af[mi][s], m4_desc(dh + off));
+                    if (XS) wgmma_rs(acc[mi], af[mi][s], m4_desc(dl + off));
                 }
             }
             wgmma_commit();
         };
-        if constexpr (DB) {   // scale block 1 dequantized while block 0's wgmmas run (two fragment sets)
-            uint32_t a0[2][2][4], a1[2][2][4];
-            dequant(0, a0);
-            mma(0, a0);
-            dequant(1, a1);
-            mma(1, a1);
-        } else {              // one fragment set: each block's wgmmas complete before the next block's dequant
-            uint32_t af[2][2][4];
-            dequant(0, af);
-            mma(0, af);
-            wgmma_wait_all();
-            reg_fence(acc[0]);
-            reg_fence(acc[1]);
-            dequant(1, af);
-            mma(1, af);
-        }
+        // one fragment set: each scale block's wgmmas complete before the next block's dequant (two sets, the second
+        // dequantized while the first block's wgmmas run, measured no faster: session 7 call C, 8.64 vs 8.59 ms)
+        uint32_t af[2][2][4];
+        dequant(0, af);
+        mma(0, af);
+        wgmma_wait_all();
+        reg_fence(acc[0]);
+        reg_fence(acc[1]);
+        dequant(1, af);
+        mma(1, af);
         wgmma_wait_all();   // the stage is refilled after the next barrier; the fragments are rewritten
         reg_fence(acc[0]);
         reg_fence(acc[1]);
@@ -331,7 +325,7 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
 // NM == 2: gate/up; xh / xl = x's planes [T, ldx] (v4 order), token row = slot / k_div; writes h's planes oh / ol
 // [S, d_ff] in v4 order (GLU applied). NM == 1: down; xh / xl = h's planes [S, ldx], token row = slot; writes of32 =
 // ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m4_smem(K).
-template <int NM, bool DB>
+template <int NM>
 __global__ void __launch_bounds__(k_m4_threads, 2)
     k_moe_mma4(const __nv_bfloat16 * __restrict__ xh, const __nv_bfloat16 * __restrict__ xl, int64_t ldx, int64_t k_div,
                const dexpert * __restrict__ ex, int64_t A, int64_t S, const int32_t * __restrict__ gw, dexperts_cfg c,
@@ -394,8 +388,8 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
         b.nt = nt;
         switch (nj * 2 + (xsplit ? 1 : 0)) {
 #define PG_M4_PASS(J)                                       \
-        case 2 * J: m4_pass<J, false, DB>(b, Cs); break;     \
-        case 2 * J + 1: m4_pass<J, true, DB>(b, Cs); break;
+        case 2 * J: m4_pass<J, false>(b, Cs); break;         \
+        case 2 * J + 1: m4_pass<J, true>(b, Cs); break;
             PG_M4_PASS(1) PG_M4_PASS(2) PG_M4_PASS(3) PG_M4_PASS(4) PG_M4_PASS(5) PG_M4_PASS(6) PG_M4_PASS(7) PG_M4_PASS(8)
 #undef PG_M4_PASS
             default: break;
@@ -420,11 +414,11 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     }
 }
 
-template <int NM, bool DB>
+template <int NM>
 cudaError_t launch_mma4(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t ldx, int64_t k_div, int64_t K,
                         const dexpert * experts, int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min,
                         bool xsplit, __nv_bfloat16 * oh, __nv_bfloat16 * ol, float * of32, cudaStream_t st) {
-    constexpr auto kern = k_moe_mma4<NM, DB>;
+    constexpr auto kern = k_moe_mma4<NM>;
     const cudaError_t attr = smem_attr<kern>(size_t(k_m4_max_smem));
     if (attr != cudaSuccess) return attr;
     constexpr int BN = k_m4_rows / NM;
@@ -443,7 +437,7 @@ bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c
 // x's planes in ybuf's memory (the down stage overwrites ybuf only after gate/up has read them), h's planes in hbuf's.
 cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                                    const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
-                                   int n_min, bool xsplit, int form) {
+                                   int n_min, bool xsplit) {
     const int64_t T = S / k;
     auto * xh = reinterpret_cast<__nv_bfloat16 *>(ybuf);
     auto * xl = xh + T * Din;
@@ -452,14 +446,8 @@ cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, cons
     const int64_t n4 = T * Din / 4;
     cudaError_t e = launch_k(k_split_planes4, unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, st, x, T * Din, xsplit,
                              xh, xl);
-    if (e != cudaSuccess) return e;
-    if (form == 1) {
-        e = launch_mma4<2, true>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
-        if (e == cudaSuccess) e = launch_mma4<1, true>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
-    } else {
-        e = launch_mma4<2, false>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
-        if (e == cudaSuccess) e = launch_mma4<1, false>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
-    }
+    if (e == cudaSuccess) e = launch_mma4<2>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
+    if (e == cudaSuccess) e = launch_mma4<1>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
     return e;
 }
 

@@ -2004,11 +2004,14 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     // skips the other's experts on the device). T == 1: every expert has one token, GEMV only.
     const bool mma = mma_tokens > 0 && !one && S >= mma_tokens;
     const int n_max = mma ? mma_tokens : INT_MAX;
+    // The tensor-core stages run first: v3 / v4 keep x's bf16 planes in ybuf's memory and h's in hbuf's (scratch the
+    // GEMV stages' slots overwrite afterwards with their own rows); run after the GEMV stages they would clobber those
+    // rows (test-moe-cuda small_v4_batch, session 7 call C).
 #define PG_GRP(F)                                                                                              \
+    if (mma) launch_moe_mma_stages(F, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens, o);          \
     if (one) launch_grouped_stages<F, 1>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);              \
     else if (o.small_v4 && F != 3) launch_v4_small<F == 3 ? 2 : F>(x, Din, k, experts, A, S, E, gw, c, hbuf, ybuf, st, n_max); \
-    else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);                  \
-    if (mma) launch_moe_mma_stages(F, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, mma_tokens, o);
+    else launch_grouped_stages<F, 4>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_max);
     if (vfmt == 2 && one && o.fp4_v2) launch_fp4_v2_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st);
     else if (vfmt == 1) { PG_GRP(1) } else if (vfmt == 2) { PG_GRP(2) } else { PG_GRP(3) }
 #undef PG_GRP

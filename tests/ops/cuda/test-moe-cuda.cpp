@@ -391,7 +391,8 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
 // per expert: 2 mma tiles of 8; 8 K-tiles, more than the 3 stages), T 300 D 1024 F 512 E 8 top-4 (~150 tokens: passes
 // of 64, 64 and a partial one), T 96 D 512 F 1536 E 8 top-2 (down K 1536: 24 tiles; scale rows of 48 B padded to 64 by
 // the bank rule: 12 words -> 16), SiLU and SiTU; threshold 1 (every expert on mma) and 8 at T 64 (mma + GEMV experts
-// mixed: the GEMV stages run after v3's and overwrite the plane scratch of their own slots only). K3's expert shape
+// mixed: the tensor-core stages run first, the GEMV stages then overwrite the plane scratch with their own slots' rows;
+// T 24 E 16 top-4, ~6 tokens per expert, mixes them for sure; CPU parity on every mixed run). K3's expert shape
 // (3584 x 3072, top-16 of 32, T 160: 80 tokens per expert, two passes) bitwise v2 only (the CPU reference would take
 // minutes). The launch counter must advance on each v3 run and stay still for a shape outside v3's bounds (D 256: v2
 // runs). Controls that must FAIL: v3 hi-only (moe_mma_split off) against the f32 tolerance, a one-ulp change against
@@ -404,7 +405,7 @@ TEST(cuda_moe, mma_v3_prefill) {
     };
     struct shape { int T, D, F, E, k, act; bool cpu; };
     const shape shapes[] = {{64, 512, 512, 16, 4, 0, true}, {300, 1024, 512, 8, 4, 1, true}, {96, 512, 1536, 8, 2, 0, true},
-                            {64, 256, 512, 16, 4, 0, true}, {160, 3584, 3072, 32, 16, 1, false}};
+                            {24, 512, 512, 16, 4, 1, true}, {64, 256, 512, 16, 4, 0, true},  {160, 3584, 3072, 32, 16, 1, false}};
     for (const shape & sh : shapes) {
         if (small_only && !sh.cpu) {
             std::printf("[moe-mma-v3/T%d/D%d/F%d] SKIPPED: MOE_V3_SMALL=1\n", sh.T, sh.D, sh.F);
@@ -416,7 +417,7 @@ TEST(cuda_moe, mma_v3_prefill) {
         const std::string nm = fmt::format("moe-mma-v3/mxfp4/{}/T{}/D{}/F{}/k{}", sh.act ? "situ" : "silu", sh.T, sh.D, sh.F, sh.k);
         const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
         for (int n_min : {1, 8}) {
-            if (n_min == 8 && sh.T != 64) continue;
+            if (n_min == 8 && sh.T != 64 && sh.T != 24) continue;
             cuda_options v2{true, 8};
             v2.moe_mma_tokens = n_min;
             v2.moe_mma_large_step = 0;
@@ -439,10 +440,10 @@ TEST(cuda_moe, mma_v3_prefill) {
             std::printf("[%s/v3 vs v2 bitwise] %s\n", nmt.c_str(), same ? "EQUAL: PASS" : "DIFFERENT: FAIL");
             EXPECT_TRUE(same) << nmt;
             tally(same);
-            if (!sh.cpu || n_min != 1) continue;
+            if (!sh.cpu) continue;
             const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
             EXPECT_TRUE(parity(nmt, g, oc, v3)) << nmt;
-            if (!in_bounds) continue;
+            if (!in_bounds || n_min != 1) continue;
             auto cpu = backend_cpu_init();
             cpu->run(g);
             const auto ref = read_f32(*cpu, mc->y);
@@ -476,15 +477,16 @@ TEST(cuda_moe, mma_v3_prefill) {
 // of the CPU and of v3 (not bit for bit; whether it happens to be is printed). The launch counter proves v4 ran (and
 // that v3 did not stand in for it), and stays still outside v4's bounds (D 256: v2 runs). Shapes as v3's test plus
 // T 200 E 8 top-2 (~50 tokens per expert: token tiles of 6-7 x 8 in one pass), so the passes cover 1..8 token tiles
-// (the wgmma N of 8..64); both fragment-set forms (moe_mma_v4_form 0, 1). Controls that must FAIL: v4 hi-only
-// (moe_mma_split off; the lo plane's wgmmas are skipped) against the f32 tolerance; the comparator family.
-// MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
+// (the wgmma N of 8..64), and T 24 E 16 top-4 (~6 tokens per expert) with threshold 8: experts on v4 and on the GEMV
+// kernels in one step (the GEMV stages must not clobber, nor be clobbered by, v4's plane scratch; CPU parity on every
+// mixed run). Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo plane's wgmmas are skipped) against the
+// f32 tolerance; the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
 TEST(cuda_moe, mma_v4_prefill) {
     NEED_GPU();
     const bool small_only = std::getenv("MOE_V4_SMALL") && std::atoi(std::getenv("MOE_V4_SMALL")) != 0;
     struct shape { int T, D, F, E, k, act; bool cpu; };
-    const shape shapes[] = {{64, 512, 512, 16, 4, 0, true},     {300, 1024, 512, 8, 4, 1, true}, {96, 512, 1536, 8, 2, 0, true},
-                            {200, 512, 512, 8, 2, 1, true},     {64, 256, 512, 16, 4, 0, true},
+    const shape shapes[] = {{64, 512, 512, 16, 4, 0, true},  {300, 1024, 512, 8, 4, 1, true}, {96, 512, 1536, 8, 2, 0, true},
+                            {200, 512, 512, 8, 2, 1, true},  {24, 512, 512, 16, 4, 1, true},  {64, 256, 512, 16, 4, 0, true},
                             {160, 3584, 3072, 32, 16, 1, false}};
     for (const shape & sh : shapes) {
         if (small_only && !sh.cpu) {
@@ -496,9 +498,8 @@ TEST(cuda_moe, mma_v4_prefill) {
         graph & g = mc->g;
         const std::string nm = fmt::format("moe-mma-v4/mxfp4/{}/T{}/D{}/F{}/k{}", sh.act ? "situ" : "silu", sh.T, sh.D, sh.F, sh.k);
         const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
-        for (int run = 0; run < 3; ++run) {
-            const int n_min = run == 1 ? 8 : 1, form = run == 2 ? 1 : 0;
-            if (n_min == 8 && sh.T != 64) continue;
+        for (int n_min : {1, 8}) {
+            if (n_min == 8 && sh.T != 64 && sh.T != 24) continue;
             cuda_options v3{true, 8};
             v3.moe_mma_tokens = n_min;
             v3.moe_mma_large_step = 0;
@@ -506,8 +507,7 @@ TEST(cuda_moe, mma_v4_prefill) {
             v3.moe_mma_v4 = false;
             cuda_options v4 = v3;
             v4.moe_mma_v4 = true;
-            v4.moe_mma_v4_form = form;
-            const std::string nmt = nm + fmt::format("/min{}/form{}", n_min, form);
+            const std::string nmt = nm + fmt::format("/min{}", n_min);
             const int64_t b4 = cuda::moe_mma_launches(4), b3 = cuda::moe_mma_launches(3);
             const auto y4 = run_cuda(g, mc->y, v4);
             const int64_t ran4 = cuda::moe_mma_launches(4) - b4, ran3 = cuda::moe_mma_launches(3) - b3;
@@ -523,11 +523,10 @@ TEST(cuda_moe, mma_v4_prefill) {
             tally(vv);
             const bool same = y3.size() == y4.size() && std::memcmp(y3.data(), y4.data(), y3.size() * 4) == 0;
             std::printf("[%s/v4 bitwise v3] %s (info)\n", nmt.c_str(), same ? "EQUAL" : "DIFFERENT");
-            if (!sh.cpu || n_min != 1) continue;
+            if (!sh.cpu) continue;
             const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
             EXPECT_TRUE(parity(nmt, g, oc, v4)) << nmt;
-            if (form == 1) continue;   // the controls below once per shape
-            if (!in_bounds) continue;
+            if (!in_bounds || n_min != 1) continue;
             auto cpu = backend_cpu_init();
             cpu->run(g);
             const auto ref = read_f32(*cpu, mc->y);
