@@ -354,10 +354,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_mma_v3") co.moe_mma_v3 = v != 0;
         else if (k == "moe_mma_v4") co.moe_mma_v4 = v != 0;
-        else if (k == "moe_mma_v4_rows") {
-            PG_CHECK(v == 256 || v == 128, "--set moe_mma_v4_rows={}: 256 or 128", v);
-            co.moe_mma_v4_rows = v;
-        }
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
         else if (k == "moe_select_sort") co.moe_select_sort = v != 0;

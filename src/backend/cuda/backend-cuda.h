@@ -210,13 +210,12 @@ struct cuda_options {
     bool moe_mma_v4 = true;
     // Measured and removed (call C): two fragment sets per warp, the second scale block of a K-tile dequantized while
     // the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
-    // v4's rows per block: 256 (each warpgroup two m64 tiles, 2 blocks = 16 warps per SM) or 128 (one m64 tile, 3
-    // blocks = 24 warps per SM where the block's ~75 KB fits; each token tile then feeds half the rows). SASS of the 256
-    // form (call E): ~420 instructions per warp per K-tile for 16 HGMMA (the dequant ~190 of them), 1 696 cycles per
-    // round of one scale block on all four warpgroups of an SM against ~840 of issue and ~640 of tensor work: latency.
-    // Prediction for 128 (before its first run): gate/up 8.6 -> ~7 ms per layer (more warps to hide it, twice the token
-    // traffic per row), MOE_EXPERTS 44.8 -> ~38 ms at T=2048.
-    int moe_mma_v4_rows = 256;
+    // Measured and removed (call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks = 24 warps
+    // per SM; predicted gate/up 8.6 -> ~7 ms): 8.47 ms, issue slots 64% busy, tensor pipe still 38%; the step no faster
+    // (T=2048 123.8 vs 121.4-122.1 ms). SASS of the 256-row form (call E): ~420 instructions per warp per K-tile for 16
+    // HGMMA (the FP4 dequant ~190 of them); a round of one scale block on an SM's four warpgroups takes ~1 700 cycles
+    // against ~840 of issue and ~640 of tensor work. Next: warp-specialized producers that dequantize into shared memory
+    // for wgmma with both operands there (the consumers issue only wgmma), the X tiles by TMA.
     // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
     // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
     // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens

@@ -769,7 +769,7 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
                            int n_min, const dmoe_opts & o) {
     // v4 / v3: both stages (x's and h's planes pass between them). A failed launch stays in cudaGetLastError.
     if (o.mma_v4 && moe_mma4_supported(vfmt, Din, k, c)) {
-        if (launch_moe_mma4_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split, o.mma_v4_rows) == cudaSuccess)
+        if (launch_moe_mma4_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
             g_mma_launches[1].fetch_add(1, std::memory_order_relaxed);
         return;
     }

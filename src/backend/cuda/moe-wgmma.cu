@@ -29,34 +29,23 @@ namespace perigee::cuda {
 
 namespace {
 
-constexpr int k_m4_kt = 64, k_m4_tok = 64, k_m4_threads = 256, k_m4_stages = 3;
-constexpr int k_m4_xbytes = k_m4_tok * 128;   // a plane of a stage: 64 tokens x 64 bf16, 8 KB
-static_assert(k_m4_xbytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
-
-// A block's shape: ROWS weight rows (256: each warpgroup two m64 tiles, two blocks per SM; 128: one m64 tile, three
-// blocks per SM). Shared memory: the stages (both planes first, at 1024-byte aligned offsets, then the raw FP4), the
-// block's scales, the pass's token offsets. The epilogue tile [64][ROWS + 4] floats reuses the stages.
-template <int ROWS>
-struct m4_shape {
-    static constexpr int MT = ROWS / 128;                        // m64 tiles per warpgroup
-    static constexpr int wbytes = ROWS * k_m4_kt / 2;            // the raw FP4 of a stage
-    static constexpr int stage_bytes = 2 * k_m4_xbytes + wbytes;
-    static constexpr int pipe_bytes = k_m4_stages * stage_bytes;
-    static constexpr int cld = ROWS + 4;                         // floats per token row of the epilogue tile
-    static constexpr int min_blocks = ROWS == 256 ? 2 : 3;
-    static constexpr int64_t max_smem = ROWS == 256 ? 113 * 1024 : 75 * 1024;   // min_blocks per SM (1 KB reserve each)
-    static_assert(ROWS == 256 || ROWS == 128, "v4: 256 or 128 rows per block");
-    static_assert(stage_bytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
-    static_assert(k_m4_tok * cld * 4 <= pipe_bytes, "v4: the epilogue tile lives in the pipeline's memory");
-};
+constexpr int k_m4_rows = 256, k_m4_kt = 64, k_m4_tok = 64, k_m4_threads = 256, k_m4_stages = 3;
+constexpr int k_m4_xbytes = k_m4_tok * 128;                        // a plane of a stage: 64 tokens x 64 bf16, 8 KB
+constexpr int k_m4_wbytes = k_m4_rows * k_m4_kt / 2;              // the raw FP4 of a stage, 8 KB
+constexpr int k_m4_stage_bytes = 2 * k_m4_xbytes + k_m4_wbytes;   // 24 KB: planes first, 1024-byte aligned
+constexpr int k_m4_pipe_bytes = k_m4_stages * k_m4_stage_bytes;
+constexpr int k_m4_cld = k_m4_rows + 4;                            // floats per token row of the epilogue tile
+static_assert(k_m4_tok * k_m4_cld * 4 <= k_m4_pipe_bytes, "v4: the epilogue tile lives in the pipeline's memory");
+static_assert(k_m4_xbytes % 1024 == 0 && k_m4_stage_bytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
+constexpr int64_t k_m4_max_smem = 113 * 1024;   // two blocks per SM
 
 // Scale bytes per row of the block's copy (v3's rule: 16-byte copies, rows g = 0..7 on distinct banks).
 constexpr int64_t m4_scale_ld(int64_t K) {
     int64_t s = (K / 32 + 15) / 16 * 16;
     return (s / 4) % 8 == 0 ? s + 16 : s;
 }
-template <int ROWS>
-constexpr int64_t m4_smem(int64_t K) { return m4_shape<ROWS>::pipe_bytes + ROWS * m4_scale_ld(K) + k_m4_tok * 8; }
+// + 1024: the dynamic window is aligned up to the swizzle atom at run time.
+constexpr int64_t m4_smem(int64_t K) { return 1024 + k_m4_pipe_bytes + k_m4_rows * m4_scale_ld(K); }
 
 // Plane position of column c inside its 32-column block (the k order of the A fragments; see the top of the file):
 // c = 8 q + 4 s + j -> 16 s + 2 q + j (j < 2) or 16 s + 8 + 2 q + j - 2.
@@ -207,10 +196,10 @@ __device__ __forceinline__ uint64_t m4_desc(uint32_t lo) { return (uint64_t(k_m4
 struct m4_block {
     const __nv_bfloat16 * xh;
     const __nv_bfloat16 * xl;
-    unsigned char * sm;           // the window (1024-byte aligned): stages, then the scales
-    const unsigned char * ssm;    // [ROWS][sld] scales
+    unsigned char * sm;           // the aligned window: stages, then the scales
+    const unsigned char * ssm;    // [256][sld] scales
     int64_t sld;
-    const uint8_t * wsrc[2];      // this thread's 16-byte weight copies per stage (ROWS / 128 of them)
+    const uint8_t * wsrc[2];      // this thread's two 16-byte weight copies per stage
     int wdst[2];
     const int64_t * xoff;         // [64]: plane row offsets of the pass's tokens
     int nk, nt;
@@ -218,25 +207,23 @@ struct m4_block {
 
 // One pass over K for the pass's nt <= 8 NJ tokens (acc[mi] = the warpgroup's row tile mi, 64 rows, x 8 NJ tokens),
 // then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too.
-template <int NJ, bool XS, int ROWS>
+template <int NJ, bool XS>
 __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
-    using shp = m4_shape<ROWS>;
-    constexpr int MT = shp::MT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
-    float acc[MT][4 * NJ];
+    float acc[2][4 * NJ];
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int r = 0; r < 4 * NJ; ++r) acc[mi][r] = 0.0f;
     // stage st <- K-tile kt: raw weights (2 x 16 B per thread), the tokens' plane chunks (chunk tid % 8 of tokens
     // tid / 8 and tid / 8 + 32, hi and lo)
     auto issue = [&](int kt, int st) {
-        unsigned char * X = b.sm + st * shp::stage_bytes;
+        unsigned char * X = b.sm + st * k_m4_stage_bytes;
         unsigned char * W = X + 2 * k_m4_xbytes;
         const int64_t k0 = int64_t(kt) * k_m4_kt;
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
+        for (int i = 0; i < 2; ++i)
             if (b.wsrc[i]) cp_async16(W + b.wdst[i], b.wsrc[i] + k0 / 2);
         const int cc = tid & 7;
 #pragma unroll
@@ -260,17 +247,17 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
         __syncthreads();   // stage kt landed for every thread; every warpgroup's MMAs on tile kt - 1 are complete
         if (kt + k_m4_stages - 1 < b.nk) issue(kt + k_m4_stages - 1, (kt + k_m4_stages - 1) % k_m4_stages);
         cp_async_commit();
-        const unsigned char * X = b.sm + (kt % k_m4_stages) * shp::stage_bytes;
+        const unsigned char * X = b.sm + (kt % k_m4_stages) * k_m4_stage_bytes;
         const unsigned char * W = X + 2 * k_m4_xbytes;
         const uint32_t dh = m4_desc_lo(smem_u32(X)), dl = m4_desc_lo(smem_u32(X + k_m4_xbytes));
         // A fragments of scale block kb of this warp's 16 rows of the warpgroup's two m64 tiles, both k16 steps (v3's
         // dequant): af[mi][step][reg]
-        auto dequant = [&](int kb, uint32_t (&af)[MT][2][4]) {
+        auto dequant = [&](int kb, uint32_t (&af)[2][2][4]) {
 #pragma unroll
-            for (int mi = 0; mi < MT; ++mi) {
+            for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
-                    const int row = (ROWS / 2) * wg + 64 * mi + 16 * wq + g + 8 * hr;
+                    const int row = 128 * wg + 64 * mi + 16 * wq + g + 8 * hr;
                     const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
                     // E8M0 byte sb as bf16 bits: exponent field sb; sb = 0 (2^-127) is the subnormal 0x0040, the max
                     const uint32_t sb = b.ssm[row * b.sld + kt * 2 + kb];
@@ -291,15 +278,15 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
             }
         };
         // the 4 (8 with lo) wgmmas of scale block kb, one commit group
-        auto mma = [&](int kb, const uint32_t (&af)[MT][2][4]) {
-#pragma unroll
-            for (int mi = 0; mi < MT; ++mi) reg_fence(acc[mi]);
+        auto mma = [&](int kb, const uint32_t (&af)[2][2][4]) {
+            reg_fence(acc[0]);
+            reg_fence(acc[1]);
             wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 const uint32_t off = uint32_t(kb * 2 + s) * (32 >> 4);
 #pragma unroll
-                for (int mi = 0; mi < MT; ++mi) {
+                for (int mi = 0; mi < 2; ++mi) {
                     wgmma_rs(acc[mi], af[mi][s], m4_desc(dh + off));
                     if (XS) wgmma_rs(acc[mi], af[mi][s], m4_desc(dl + off));
                 }
@@ -308,63 +295,61 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
         };
         // one fragment set: each scale block's wgmmas complete before the next block's dequant (two sets, the second
         // dequantized while the first block's wgmmas run, measured no faster: session 7 call C, 8.64 vs 8.59 ms)
-        uint32_t af[MT][2][4];
+        uint32_t af[2][2][4];
         dequant(0, af);
         mma(0, af);
         wgmma_wait_all();
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) reg_fence(acc[mi]);
+        reg_fence(acc[0]);
+        reg_fence(acc[1]);
         dequant(1, af);
         mma(1, af);
         wgmma_wait_all();   // the stage is refilled after the next barrier; the fragments are rewritten
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) reg_fence(acc[mi]);
+        reg_fence(acc[0]);
+        reg_fence(acc[1]);
     }
     cp_async_wait<0>();
     __syncthreads();   // the pipeline's memory becomes the epilogue tile
-    // acc[mi][4 j + r]: row ROWS / 2 wg + 64 mi + 16 wq + g (+ 8 for r >= 2), token 8 j + 2 q + (r & 1)
+    // acc[mi][4 j + r]: row 128 wg + 64 mi + 16 wq + g (+ 8 for r >= 2), token 8 j + 2 q + (r & 1)
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
-            const int row = (ROWS / 2) * wg + 64 * mi + 16 * wq + g, tok = 8 * j + 2 * q;
-            Cs[tok * shp::cld + row] = acc[mi][4 * j];
-            Cs[(tok + 1) * shp::cld + row] = acc[mi][4 * j + 1];
-            Cs[tok * shp::cld + row + 8] = acc[mi][4 * j + 2];
-            Cs[(tok + 1) * shp::cld + row + 8] = acc[mi][4 * j + 3];
+            const int row = 128 * wg + 64 * mi + 16 * wq + g, tok = 8 * j + 2 * q;
+            Cs[tok * k_m4_cld + row] = acc[mi][4 * j];
+            Cs[(tok + 1) * k_m4_cld + row] = acc[mi][4 * j + 1];
+            Cs[tok * k_m4_cld + row + 8] = acc[mi][4 * j + 2];
+            Cs[(tok + 1) * k_m4_cld + row + 8] = acc[mi][4 * j + 3];
         }
 }
 
 // NM == 2: gate/up; xh / xl = x's planes [T, ldx] (v4 order), token row = slot / k_div; writes h's planes oh / ol
 // [S, d_ff] in v4 order (GLU applied). NM == 1: down; xh / xl = h's planes [S, ldx], token row = slot; writes of32 =
-// ybuf [S, d_out]. grid (ceil(rows / (ROWS / NM)), A); dynamic smem m4_smem<ROWS>(K).
-template <int NM, int ROWS>
-__global__ void __launch_bounds__(k_m4_threads, m4_shape<ROWS>::min_blocks)
+// ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m4_smem(K).
+template <int NM>
+__global__ void __launch_bounds__(k_m4_threads, 2)
     k_moe_mma4(const __nv_bfloat16 * __restrict__ xh, const __nv_bfloat16 * __restrict__ xl, int64_t ldx, int64_t k_div,
                const dexpert * __restrict__ ex, int64_t A, int64_t S, const int32_t * __restrict__ gw, dexperts_cfg c,
                int n_min, bool xsplit, __nv_bfloat16 * __restrict__ oh, __nv_bfloat16 * __restrict__ ol,
                float * __restrict__ of32) {
     pdl_enter();
-    using shp = m4_shape<ROWS>;
-    extern __shared__ __align__(1024) unsigned char sm4[];   // the 128-byte swizzle needs 1024-byte aligned atoms
+    extern __shared__ unsigned char sm4_raw[];
     const int a = blockIdx.y;
     if (a >= gw[0]) return;
     const int n = gw[2 + 2 * A + S + a];
     if (n < n_min) return;
     const int e = gw[1 + a];
     const int32_t * slots = gw + 2 + 2 * A + gw[1 + A + a];
-    constexpr int BN = ROWS / NM;   // output rows per block
+    constexpr int BN = k_m4_rows / NM;   // output rows per block
     const int64_t n_rows = NM == 2 ? c.d_ff : c.d_out;
     const int64_t r0 = int64_t(blockIdx.x) * BN;
     const int tid = threadIdx.x;
-    if ((smem_u32(sm4) & 1023u) != 0) __trap();   // (the declaration's alignment is what the descriptors assume)
     const dexpert_matrix m0 = NM == 2 ? ex[e].gate : ex[e].down;
     const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
     const int64_t K = m0.in, ksc = K / 32;
-    unsigned char * sm = sm4;
-    unsigned char * Ssm = sm + shp::pipe_bytes;
-    float * Cs = reinterpret_cast<float *>(sm);   // [64][ROWS + 4]: the epilogue tile, after the K loop
-    int64_t * xoff = reinterpret_cast<int64_t *>(Ssm + ROWS * m4_scale_ld(K));   // [64]
+    unsigned char * sm = sm4_raw + ((1024u - (smem_u32(sm4_raw) & 1023u)) & 1023u);
+    unsigned char * Ssm = sm + k_m4_pipe_bytes;
+    float * Cs = reinterpret_cast<float *>(sm);   // [64][k_m4_cld]: the epilogue tile, after the K loop
+    __shared__ int64_t xoff[k_m4_tok];
 
     m4_block b;
     b.xh = xh;
@@ -375,7 +360,7 @@ __global__ void __launch_bounds__(k_m4_threads, m4_shape<ROWS>::min_blocks)
     b.xoff = xoff;
     b.nk = int(K / k_m4_kt);
 #pragma unroll
-    for (int i = 0; i < shp::MT; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
+    for (int i = 0; i < 2; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
         const int ch = tid + i * k_m4_threads, row = ch >> 1, half = ch & 1;
         const int64_t wr = r0 + (NM == 2 ? row % BN : row);
         const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
@@ -383,7 +368,7 @@ __global__ void __launch_bounds__(k_m4_threads, m4_shape<ROWS>::min_blocks)
         b.wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
     }
     // the block's scales, once (completed with the first pass's first stage)
-    for (int ch = tid; ch < ROWS * int(ksc / 16); ch += k_m4_threads) {
+    for (int ch = tid; ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
         const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
         const int64_t wr = r0 + (NM == 2 ? row % BN : row);
         if (wr >= n_rows) continue;
@@ -403,8 +388,8 @@ __global__ void __launch_bounds__(k_m4_threads, m4_shape<ROWS>::min_blocks)
         b.nt = nt;
         switch (nj * 2 + (xsplit ? 1 : 0)) {
 #define PG_M4_PASS(J)                                       \
-        case 2 * J: m4_pass<J, false, ROWS>(b, Cs); break;   \
-        case 2 * J + 1: m4_pass<J, true, ROWS>(b, Cs); break;
+        case 2 * J: m4_pass<J, false>(b, Cs); break;         \
+        case 2 * J + 1: m4_pass<J, true>(b, Cs); break;
             PG_M4_PASS(1) PG_M4_PASS(2) PG_M4_PASS(3) PG_M4_PASS(4) PG_M4_PASS(5) PG_M4_PASS(6) PG_M4_PASS(7) PG_M4_PASS(8)
 #undef PG_M4_PASS
             default: break;
@@ -415,56 +400,44 @@ __global__ void __launch_bounds__(k_m4_threads, m4_shape<ROWS>::min_blocks)
             if (r0 + rr >= n_rows) continue;
             const int64_t s = slots[t0 + t];
             if constexpr (NM == 2) {
-                const float gt = Cs[t * shp::cld + rr], up = Cs[t * shp::cld + BN + rr];
+                const float gt = Cs[t * k_m4_cld + rr], up = Cs[t * k_m4_cld + BN + rr];
                 const float v = c.act == 1 ? situ_d(gt, up, c.situ_beta, c.situ_linear_beta) : silu_d(gt) * up;
                 const int64_t col = r0 + rr, o = s * n_rows + (col & ~int64_t(31)) + m4_pos(int(col & 31));
                 const __nv_bfloat16 h = __float2bfloat16_rn(v);
                 oh[o] = h;
                 ol[o] = __float2bfloat16_rn(xsplit ? v - __bfloat162float(h) : 0.0f);
             } else {
-                of32[s * n_rows + r0 + rr] = Cs[t * shp::cld + rr];
+                of32[s * n_rows + r0 + rr] = Cs[t * k_m4_cld + rr];
             }
         }
         __syncthreads();   // Cs is the next pass's pipeline; xoff is rewritten
     }
 }
 
-template <int NM, int ROWS>
+template <int NM>
 cudaError_t launch_mma4(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t ldx, int64_t k_div, int64_t K,
                         const dexpert * experts, int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min,
                         bool xsplit, __nv_bfloat16 * oh, __nv_bfloat16 * ol, float * of32, cudaStream_t st) {
-    constexpr auto kern = k_moe_mma4<NM, ROWS>;
-    const cudaError_t attr = smem_attr<kern>(size_t(m4_shape<ROWS>::max_smem));
+    constexpr auto kern = k_moe_mma4<NM>;
+    const cudaError_t attr = smem_attr<kern>(size_t(k_m4_max_smem));
     if (attr != cudaSuccess) return attr;
-    if (m4_smem<ROWS>(K) > m4_shape<ROWS>::max_smem) return cudaErrorInvalidValue;
-    constexpr int BN = ROWS / NM;
+    constexpr int BN = k_m4_rows / NM;
     const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
-    return launch_k(kern, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m4_threads, size_t(m4_smem<ROWS>(K)), st, xh, xl,
-                    ldx, k_div, experts, A, S, gw, c, n_min, xsplit, oh, ol, of32);
-}
-
-// Both stages with ROWS rows per block.
-template <int ROWS>
-cudaError_t launch_mma4_pair(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t Din, int64_t k, const dexpert * experts,
-                             int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min, bool xsplit,
-                             __nv_bfloat16 * hh, __nv_bfloat16 * hl, float * ybuf, cudaStream_t st) {
-    cudaError_t e = launch_mma4<2, ROWS>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
-    if (e == cudaSuccess) e = launch_mma4<1, ROWS>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
-    return e;
+    return launch_k(kern, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m4_threads, size_t(m4_smem(K)), st, xh, xl, ldx,
+                    k_div, experts, A, S, gw, c, n_min, xsplit, oh, ol, of32);
 }
 
 } // namespace
 
 bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c) {
-    return vfmt == 2 && Din % 512 == 0 && c.d_ff % 512 == 0 && Din <= k * c.d_out && m4_smem<256>(Din) <= m4_shape<256>::max_smem &&
-           m4_smem<256>(c.d_ff) <= m4_shape<256>::max_smem;
+    return vfmt == 2 && Din % 512 == 0 && c.d_ff % 512 == 0 && Din <= k * c.d_out && m4_smem(Din) <= k_m4_max_smem &&
+           m4_smem(c.d_ff) <= k_m4_max_smem;
 }
 
 // x's planes in ybuf's memory (the down stage overwrites ybuf only after gate/up has read them), h's planes in hbuf's.
-// rows 128: three blocks of 128 rows per SM where their shared memory fits (K3: 74.5 KB), else the 256-row blocks.
 cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                                    const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
-                                   int n_min, bool xsplit, int rows) {
+                                   int n_min, bool xsplit) {
     const int64_t T = S / k;
     auto * xh = reinterpret_cast<__nv_bfloat16 *>(ybuf);
     auto * xl = xh + T * Din;
@@ -473,10 +446,9 @@ cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, cons
     const int64_t n4 = T * Din / 4;
     cudaError_t e = launch_k(k_split_planes4, unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, st, x, T * Din, xsplit,
                              xh, xl);
-    if (e != cudaSuccess) return e;
-    const bool r128 = rows == 128 && m4_smem<128>(Din) <= m4_shape<128>::max_smem && m4_smem<128>(c.d_ff) <= m4_shape<128>::max_smem;
-    return r128 ? launch_mma4_pair<128>(xh, xl, Din, k, experts, A, S, gw, c, n_min, xsplit, hh, hl, ybuf, st)
-                : launch_mma4_pair<256>(xh, xl, Din, k, experts, A, S, gw, c, n_min, xsplit, hh, hl, ybuf, st);
+    if (e == cudaSuccess) e = launch_mma4<2>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
+    if (e == cudaSuccess) e = launch_mma4<1>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
+    return e;
 }
 
 } // namespace perigee::cuda
