@@ -206,7 +206,10 @@ struct cuda_options {
     // Measured (session 7 call B, H200, same binary as v3): MOE_EXPERTS 60.7 -> 44.8 ms at T=2048 (24.7 -> 21.4 at
     // T=512), step 140.6 -> 125.1 ms, GEMM share 27.2% -> 32.1%; Nsight: gate/up 8.6 ms per layer (v3 12.2), tensor pipe
     // active 37%, ALU 49%, issue slots 56% busy: each warpgroup waits for its wgmmas before dequantizing the next scale
-    // block. v4 vs v3 NMSE <= 5.6e-13, vs the CPU <= 3.2e-11, memcheck / racecheck 0. On.
+    // block. v4 vs v3 NMSE <= 5.6e-13, vs the CPU <= 3.2e-11, memcheck / racecheck 0. On, for prefill-sized steps only
+    // (T >= moe_mma_large_step when that is set; v3 the same): in decode batches v2 stays, since there v4 measured
+    // slower (call H, k3-layers-4 B=64 step 83.25 vs 82.39 ms; almost no expert reaches the threshold of 8 tokens, cause
+    // of the difference not isolated).
     bool moe_mma_v4 = true;
     // Measured and removed (call C): two fragment sets per warp, the second scale block of a K-tile dequantized while
     // the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.

@@ -767,13 +767,16 @@ int64_t moe_mma_launches(int v) { return v == 3 || v == 4 ? g_mma_launches[v - 3
 void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
                            int n_min, const dmoe_opts & o) {
-    // v4 / v3: both stages (x's and h's planes pass between them). A failed launch stays in cudaGetLastError.
-    if (o.mma_v4 && moe_mma4_supported(vfmt, Din, k, c)) {
+    // v4 / v3: both stages (x's and h's planes pass between them), in prefill-sized steps (T >= mma_large_step when that
+    // is set): in a decode batch almost no expert reaches the threshold, and there v4 measured slower than v2 (session
+    // 7 call H: k3-layers-4 B=64 step 83.25 vs 82.39 ms). A failed launch stays in cudaGetLastError.
+    const bool large = o.mma_large_step <= 0 || S / k >= o.mma_large_step;
+    if (large && o.mma_v4 && moe_mma4_supported(vfmt, Din, k, c)) {
         if (launch_moe_mma4_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
             g_mma_launches[1].fetch_add(1, std::memory_order_relaxed);
         return;
     }
-    if (o.mma_v3 && mma3_supported(vfmt, Din, k, c)) {
+    if (large && o.mma_v3 && mma3_supported(vfmt, Din, k, c)) {
         if (launch_mma3_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
             g_mma_launches[0].fetch_add(1, std::memory_order_relaxed);
         return;
