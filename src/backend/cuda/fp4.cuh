@@ -1,6 +1,8 @@
 // FP4 decoding helpers shared by the grouped expert kernels (moe.cu) and the tensor-core experts (moe-mma.cu,
 // moe-wgmma.cu): E2M1 nibbles to exact bf16 pairs / floats, and the E8M0 / E4M3 scale bytes to float.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 namespace perigee::cuda {
@@ -38,6 +40,26 @@ __device__ __forceinline__ void fp4x8_pairs2(uint32_t q, uint32_t (&p)[4]) {
     p[1] = __byte_perm(lA, hA, 0x7362u) | (__byte_perm(q4, q, 0x5010u) & 0x80008000u);
     p[2] = __byte_perm(lB, hB, 0x5140u) | (__byte_perm(q4, q, 0x6020u) & 0x80008000u);
     p[3] = __byte_perm(lB, hB, 0x7362u) | (__byte_perm(q4, q, 0x7030u) & 0x80008000u);
+}
+
+// E8M0 scale byte b as a bf16 pair (both halves): the exponent field b (b = 0: 2^-127, the subnormal 0x0040, which
+// max() picks since b << 7 >= 0x80 for every other b).
+__device__ __forceinline__ __nv_bfloat162 e8m0_bf16x2(uint32_t b) {
+    const uint32_t w = max(b << 7, 0x40u) * 0x10001u;
+    return *reinterpret_cast<const __nv_bfloat162 *>(&w);
+}
+
+// The tensor-core experts' A fragment words of one weight row and 32-column scale block (v2-v4): the 8 nibbles of
+// 32-bit word wv (columns 8q .. 8q + 7 for lane q) as 4 bf16 pairs times the block's scale sc, exact (E2M1 x E8M0 or
+// x E4M3 fits bf16): p[0], p[1] feed k16 step 0 (rows' registers 0-1 and 2-3: logical k 2q.. and 2q + 8..), p[2], p[3]
+// step 1.
+__device__ __forceinline__ void fp4_a_pairs(uint32_t wv, __nv_bfloat162 sc, uint32_t (&p)[4]) {
+    fp4x8_pairs2(wv, p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
+        p[i] = *reinterpret_cast<const uint32_t *>(&v);
+    }
 }
 
 // 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.

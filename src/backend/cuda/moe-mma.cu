@@ -403,20 +403,8 @@ __global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __re
                         uint8_t sb;
                         if constexpr (FMT == 2) sb = Sst[row * k_m2_sld + kb];
                         else sb = Sst[row * k_m2_sld + 2 * kb + (q >> 1)];
-                        __nv_bfloat162 sc;
-                        if constexpr (FMT == 2) {   // E8M0 as bf16 bits: exponent field b (b = 0: 2^-127, the subnormal 0x0040)
-                            const uint32_t b16 = sb ? uint32_t(sb) << 7 : 0x40u, b2 = b16 | (b16 << 16);
-                            sc = *reinterpret_cast<const __nv_bfloat162 *>(&b2);
-                        } else {
-                            sc = __float2bfloat162_rn(e4m3_g(sb));
-                        }
                         uint32_t p[4];
-                        fp4x8_pairs2(wv, p);
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
-                            p[i] = *reinterpret_cast<const uint32_t *>(&b);
-                        }
+                        fp4_a_pairs(wv, FMT == 2 ? e8m0_bf16x2(sb) : __float2bfloat162_rn(e4m3_g(sb)), p);
                         // step s: reg (hr) = columns 4s + {0,1} (logical 2q..), reg (2 + hr) = 4s + {2,3} (logical 8 + 2q..)
                         af[mi][0][hr] = p[0];
                         af[mi][0][2 + hr] = p[1];
@@ -647,17 +635,8 @@ __global__ void __launch_bounds__(k_m3_threads, 2)
                     for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
                         const int row = warp * 32 + mi * 16 + g + 8 * hr;
                         const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
-                        const uint32_t sb = Ssm[row * sld + kt * 2 + kb];
-                        // E8M0 as bf16 bits: exponent field b (b = 0: 2^-127, the subnormal 0x0040)
-                        const uint32_t b16 = sb ? sb << 7 : 0x40u, b2 = b16 | (b16 << 16);
-                        const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&b2);
                         uint32_t p[4];
-                        fp4x8_pairs2(wv, p);
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
-                            p[i] = *reinterpret_cast<const uint32_t *>(&b);
-                        }
+                        fp4_a_pairs(wv, e8m0_bf16x2(Ssm[row * sld + kt * 2 + kb]), p);
                         af[mi][0][hr] = p[0];
                         af[mi][0][2 + hr] = p[1];
                         af[mi][1][hr] = p[2];

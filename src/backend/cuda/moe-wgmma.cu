@@ -259,17 +259,8 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
                 for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
                     const int row = 128 * wg + 64 * mi + 16 * wq + g + 8 * hr;
                     const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
-                    // E8M0 byte sb as bf16 bits: exponent field sb; sb = 0 (2^-127) is the subnormal 0x0040, the max
-                    const uint32_t sb = b.ssm[row * b.sld + kt * 2 + kb];
-                    const uint32_t b2 = max(sb << 7, 0x40u) * 0x10001u;
-                    const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&b2);
                     uint32_t p[4];
-                    fp4x8_pairs2(wv, p);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
-                        p[i] = *reinterpret_cast<const uint32_t *>(&v);
-                    }
+                    fp4_a_pairs(wv, e8m0_bf16x2(b.ssm[row * b.sld + kt * 2 + kb]), p);
                     af[mi][0][hr] = p[0];
                     af[mi][0][2 + hr] = p[1];
                     af[mi][1][hr] = p[2];
