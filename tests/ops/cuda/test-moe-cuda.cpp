@@ -479,8 +479,9 @@ TEST(cuda_moe, mma_v3_prefill) {
 // T 200 E 8 top-2 (~50 tokens per expert: token tiles of 6-7 x 8 in one pass), so the passes cover 1..8 token tiles
 // (the wgmma N of 8..64), and T 24 E 16 top-4 (~6 tokens per expert) with threshold 8: experts on v4 and on the GEMV
 // kernels in one step (the GEMV stages must not clobber, nor be clobbered by, v4's plane scratch; CPU parity on every
-// mixed run). Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo plane's wgmmas are skipped) against the
-// f32 tolerance; the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
+// mixed run); with the default options those small steps (T < moe_mma_large_step) must launch neither v3 nor v4.
+// Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo plane's wgmmas are skipped) against the f32
+// tolerance; the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
 TEST(cuda_moe, mma_v4_prefill) {
     NEED_GPU();
     const bool small_only = std::getenv("MOE_V4_SMALL") && std::atoi(std::getenv("MOE_V4_SMALL")) != 0;
@@ -526,6 +527,15 @@ TEST(cuda_moe, mma_v4_prefill) {
             if (!sh.cpu) continue;
             const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
             EXPECT_TRUE(parity(nmt, g, oc, v4)) << nmt;
+            if (in_bounds && n_min == 8) {   // the defaults: v3 / v4 only from moe_mma_large_step tokens (256) on
+                const int64_t d4 = cuda::moe_mma_launches(4), d3 = cuda::moe_mma_launches(3);
+                (void)run_cuda(g, mc->y, cuda_options{true, 8});
+                const bool gated = cuda::moe_mma_launches(4) == d4 && cuda::moe_mma_launches(3) == d3;
+                std::printf("[%s/defaults at T %d < moe_mma_large_step: v3 / v4 launches 0] %s\n", nmt.c_str(), sh.T,
+                            gated ? "PASS" : "FAIL");
+                EXPECT_TRUE(gated) << nmt;
+                tally(gated);
+            }
             if (!in_bounds || n_min != 1) continue;
             auto cpu = backend_cpu_init();
             cpu->run(g);
