@@ -53,6 +53,17 @@ __host__ __device__ constexpr int m4_pos(int c) {
     const int q = c >> 3, s = (c >> 2) & 1, j = c & 3;
     return 16 * s + (j >= 2 ? 8 : 0) + 2 * q + (j & 1);
 }
+// Every plane position holds exactly one column (a permutation of 0..31: no column lost, none written twice).
+constexpr bool m4_pos_is_permutation() {
+    bool seen[32] = {};
+    for (int c = 0; c < 32; ++c) {
+        const int p = m4_pos(c);
+        if (p < 0 || p >= 32 || seen[p]) return false;
+        seen[p] = true;
+    }
+    return true;
+}
+static_assert(m4_pos_is_permutation(), "v4: the plane order must be a permutation of each 32-column block");
 
 // x [rows, D] (fp32) -> bf16 hi + lo planes [rows, D] in v4's column order (lo = 0 when !xsplit). D % 32 == 0.
 // Each thread takes 4 columns c .. c + 3 (c % 4 == 0): positions m4_pos(c) and m4_pos(c + 2), two pairs each.
