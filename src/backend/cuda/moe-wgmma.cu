@@ -16,8 +16,8 @@
 // 8q .. 8q + 7) and spreads them over the two k16 steps: step s, logical k 2q + i <- column 8q + 4s + i, logical k
 // 2q + 8 + i <- column 8q + 4s + 2 + i (i = 0, 1). mma.sync could read B in the same order from registers; wgmma reads
 // B from shared memory in logical order, so the activation planes are written permuted inside each 32-column block:
-// plane position 16 s + kk holds column m4_col(16 s + kk). The sum over k is the same; its order inside the tensor core
-// is not v3's, so y is compared with v3 at the f32 tolerance, not bit for bit.
+// column c sits at plane position m4_pos(c). The sum over k is the same; its order inside the tensor core is not v3's,
+// so y is compared with v3 at the f32 tolerance, not bit for bit.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
