@@ -3,6 +3,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
+#include "backend/cuda/moe-mma-blocks.cuh"
 #include "backend/cuda/smem-attr.cuh"
 
 #include <algorithm>
@@ -504,28 +505,19 @@ constexpr int k_m3_cld = k_m3_rows + 4;                           // floats per 
 static_assert(k_m3_tok * k_m3_cld * 4 <= k_m3_pipe_bytes, "v3: the epilogue tile lives in the pipeline's memory");
 constexpr int64_t k_m3_max_smem = 113 * 1024;   // two blocks per SM (228 KB, 1 KB reserved per block)
 
-// Bytes per row of the block's scale copy: K / 32 rounded up to 16 (16-byte copies), then to an odd multiple of 4
-// words (rows g = 0..7 read in one LDS.8 land on distinct banks; e.g. K = 3072: 96 -> 112).
-constexpr int64_t m3_scale_ld(int64_t K) {
-    int64_t s = (K / 32 + 15) / 16 * 16;
-    return (s / 4) % 8 == 0 ? s + 16 : s;
-}
-constexpr int64_t m3_smem(int64_t K) { return k_m3_pipe_bytes + k_m3_rows * m3_scale_ld(K); }
+constexpr int64_t m3_smem(int64_t K) { return k_m3_pipe_bytes + k_m3_rows * mma_scale_ld(K); }
 
 // x [n] (fp32) -> bf16 hi [n], lo [n] with x = hi + lo to ~16 mantissa bits (lo = 0 when !xsplit). n % 4 == 0.
 __global__ void k_split_planes(const float * __restrict__ x, int64_t n, bool xsplit, __nv_bfloat16 * __restrict__ hi,
                                __nv_bfloat16 * __restrict__ lo) {
     pdl_enter();
     for (int64_t i = 4 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += 4 * int64_t(gridDim.x) * blockDim.x) {
-        const float4 v = *reinterpret_cast<const float4 *>(x + i);
-        const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
-        const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
-        const __nv_bfloat162 l0 = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
-        const __nv_bfloat162 l1 = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
-        *reinterpret_cast<__nv_bfloat162 *>(hi + i) = h0;
-        *reinterpret_cast<__nv_bfloat162 *>(hi + i + 2) = h1;
-        *reinterpret_cast<__nv_bfloat162 *>(lo + i) = l0;
-        *reinterpret_cast<__nv_bfloat162 *>(lo + i + 2) = l1;
+        __nv_bfloat162 h[2], l[2];
+        split_hi_lo(*reinterpret_cast<const float4 *>(x + i), xsplit, h, l);
+        *reinterpret_cast<__nv_bfloat162 *>(hi + i) = h[0];
+        *reinterpret_cast<__nv_bfloat162 *>(hi + i + 2) = h[1];
+        *reinterpret_cast<__nv_bfloat162 *>(lo + i) = l[0];
+        *reinterpret_cast<__nv_bfloat162 *>(lo + i + 2) = l[1];
     }
 }
 
@@ -552,7 +544,7 @@ __global__ void __launch_bounds__(k_m3_threads, 2)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const dexpert_matrix m0 = NM == 2 ? ex[e].gate : ex[e].down;
     const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
-    const int64_t K = m0.in, ksc = K / 32, sld = m3_scale_ld(K);
+    const int64_t K = m0.in, ksc = K / 32, sld = mma_scale_ld(K);
     const int nk = int(K / k_m3_kt);
     unsigned char * Ssm = sm3 + k_m3_pipe_bytes;   // [256][sld]: the block's E8M0 scales, all of K
     float * Cs = reinterpret_cast<float *>(sm3);   // [64][k_m3_cld]: the epilogue tile, after the K loop
@@ -568,19 +560,8 @@ __global__ void __launch_bounds__(k_m3_threads, 2)
         wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + half * 16 : nullptr;
         wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
     }
-    // the scales of every row of the block, once (with the first stage's group); rows past the matrix are left unset
-    // (their outputs are never stored)
-    for (int ch = tid; ch < k_m3_rows * int(ksc / 16); ch += k_m3_threads) {
-        const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
-        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
-        if (wr >= n_rows) continue;
-        const uint8_t * sc = (NM == 2 && row >= BN) ? m1.scale : m0.scale;
-        const uint8_t * src = sc + wr * ksc + part * 16;
-        unsigned char * dst = Ssm + row * sld + part * 16;
-        if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) cp_async16(dst, src);
-        else
-            for (int i = 0; i < 16; ++i) dst[i] = src[i];
-    }
+    // the scales of every row of the block, once (with the first stage's group)
+    mma_copy_scales<k_m3_rows, NM, k_m3_threads>(Ssm, sld, m0, m1, r0, n_rows, ksc, tid);
 
     __shared__ int64_t xoff[k_m3_tok];
     for (int t0 = 0; t0 < n; t0 += k_m3_tok) {

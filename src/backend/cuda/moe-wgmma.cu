@@ -21,6 +21,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
+#include "backend/cuda/moe-mma-blocks.cuh"
 #include "backend/cuda/smem-attr.cuh"
 
 #include <algorithm>
@@ -39,13 +40,8 @@ static_assert(k_m4_tok * k_m4_cld * 4 <= k_m4_pipe_bytes, "v4: the epilogue tile
 static_assert(k_m4_xbytes % 1024 == 0 && k_m4_stage_bytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
 constexpr int64_t k_m4_max_smem = 113 * 1024;   // two blocks per SM
 
-// Scale bytes per row of the block's copy (v3's rule: 16-byte copies, rows g = 0..7 on distinct banks).
-constexpr int64_t m4_scale_ld(int64_t K) {
-    int64_t s = (K / 32 + 15) / 16 * 16;
-    return (s / 4) % 8 == 0 ? s + 16 : s;
-}
 // + 1024: the dynamic window is aligned up to the swizzle atom at run time.
-constexpr int64_t m4_smem(int64_t K) { return 1024 + k_m4_pipe_bytes + k_m4_rows * m4_scale_ld(K); }
+constexpr int64_t m4_smem(int64_t K) { return 1024 + k_m4_pipe_bytes + k_m4_rows * mma_scale_ld(K); }
 
 // Plane position of column c inside its 32-column block (the k order of the A fragments; see the top of the file):
 // c = 8 q + 4 s + j -> 16 s + 2 q + j (j < 2) or 16 s + 8 + 2 q + j - 2.
@@ -71,17 +67,14 @@ __global__ void k_split_planes4(const float * __restrict__ x, int64_t n, bool xs
                                 __nv_bfloat16 * __restrict__ lo) {
     pdl_enter();
     for (int64_t i = 4 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += 4 * int64_t(gridDim.x) * blockDim.x) {
-        const float4 v = *reinterpret_cast<const float4 *>(x + i);
         const int cb = int(i & 31);
         const int64_t p0 = (i & ~int64_t(31)) + m4_pos(cb), p1 = (i & ~int64_t(31)) + m4_pos(cb + 2);
-        const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
-        const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
-        const __nv_bfloat162 l0 = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
-        const __nv_bfloat162 l1 = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
-        *reinterpret_cast<__nv_bfloat162 *>(hi + p0) = h0;
-        *reinterpret_cast<__nv_bfloat162 *>(hi + p1) = h1;
-        *reinterpret_cast<__nv_bfloat162 *>(lo + p0) = l0;
-        *reinterpret_cast<__nv_bfloat162 *>(lo + p1) = l1;
+        __nv_bfloat162 h[2], l[2];
+        split_hi_lo(*reinterpret_cast<const float4 *>(x + i), xsplit, h, l);
+        *reinterpret_cast<__nv_bfloat162 *>(hi + p0) = h[0];
+        *reinterpret_cast<__nv_bfloat162 *>(hi + p1) = h[1];
+        *reinterpret_cast<__nv_bfloat162 *>(lo + p0) = l[0];
+        *reinterpret_cast<__nv_bfloat162 *>(lo + p1) = l[1];
     }
 }
 
@@ -358,7 +351,7 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     b.xl = xl;
     b.sm = sm;
     b.ssm = Ssm;
-    b.sld = m4_scale_ld(K);
+    b.sld = mma_scale_ld(K);
     b.xoff = xoff;
     b.nk = int(K / k_m4_kt);
 #pragma unroll
@@ -369,7 +362,9 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
         b.wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + half * 16 : nullptr;
         b.wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
     }
-    // the block's scales, once (completed with the first pass's first stage)
+    // the block's scales, once (completed with the first pass's first stage). This is mma_copy_scales (moe-mma-blocks.cuh)
+    // written out: calling it gave the same kernel another register allocation (cubin .text compared, session 7) after
+    // the device time to retest v4 was spent; switch with the next GPU run of test-moe-cuda mma_v4_prefill.
     for (int ch = tid; ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
         const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
         const int64_t wr = r0 + (NM == 2 ? row % BN : row);
