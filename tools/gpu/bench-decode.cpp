@@ -369,6 +369,8 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
+        else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
+        else if (k == "norm_reg") co.norm_reg = v != 0;
         else if (k == "fuse_norm_max_mib") co.fuse_norm_max_weight_bytes = int64_t(v) << 20;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
         else if (k == "graph_decode") co.graph_decode = v != 0;

@@ -313,6 +313,20 @@ struct cuda_options {
     // 3 062/0), memcheck 0; 48B B=1 bench graph 2.607 -> 2.568 ms (383.6 -> 389.4 tok/s), engine path 2.606 -> 2.569 ms;
     // k3 unchanged (2.464 / 2.463). On.
     bool moe_shared_slot = true;
+    // ... with the shared expert's weights asked into L2 by the gate/up launch before its PDL wait (dmoe_shared::prefetch),
+    // while the route's selection still runs and the HBM is idle. Results unchanged (a prefetch returns no data).
+    // Predicted (session 8, before any run): ~2 us per 48B MoE layer (14 MB of the shared expert read from L2). Measured
+    // (session 8 calls A and B, same binary, two rounds each): 48B B=1 graph step 2.571 -> 2.540 ms (norm_reg off), 2.464
+    // -> 2.432 ms (norm_reg on): ~1.2 us per layer; k3 unchanged (no shared slot). test-moe-cuda decode_bf16_shared_direct:
+    // every output bit for bit the run without it. On.
+    bool moe_shared_prefetch = true;
+    // RMS_NORM / LAYER_NORM / L2_NORM / GATED_RMS_NORM launches of rows of up to 16 elements per thread: the row held in
+    // registers, every load issued at once, the weights before the PDL wait (norm.cu k_norm_reg); bit for bit the loop
+    // kernel. false: the loop kernel. Why: ncu (session 8 call A, 48B decode step) timed the post-attention norm of one
+    // 2304-wide row at 8.5-10.2 us (each thread's 9 loads of x, then of w, one after another). Predicted: ~3 us, 48B
+    // step -0.1..-0.15 ms (28 such norms), k3 -0.02 ms. Measured (call B, same binary, two rounds): 48B B=1 graph step
+    // 2.580 -> 2.464 ms, k3 2.512 -> 2.496 ms. On.
+    bool norm_reg = true;
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
     // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV

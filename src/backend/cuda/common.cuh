@@ -57,6 +57,15 @@ cudaError_t launch_k(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaSt
     return cudaLaunchKernelEx(&cfg, k, std::forward<A>(args)...);
 }
 
+// Asks the memory system to bring [p, p + bytes) into L2 (cp.async.bulk.prefetch.L2, sm_90): one instruction, no
+// completion to wait for, no data returned, so it may be issued before pdl_wait() for memory no kernel of the step
+// writes (weights). p 16-byte aligned, bytes a multiple of 16 (the callers check).
+__device__ __forceinline__ void prefetch_l2_bulk(const void * p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
 // Element i of a float-like weight.

@@ -967,12 +967,12 @@ private:
                 const int64_t N = n.p.n;
                 PG_CHECK(N > 0 && xn % N == 0, "width {} does not divide {} values", N, xn);
                 const int64_t R = xn / N;
-                if (n.op == op_type::RMS_NORM) PG_CUDA_CHECK(cuda::launch_rms_norm(f32_in(n, 0), R, N, w_in(n, 1), n.p.eps, y, st_));
+                if (n.op == op_type::RMS_NORM) PG_CUDA_CHECK(cuda::launch_rms_norm(f32_in(n, 0), R, N, w_in(n, 1), n.p.eps, y, st_, opt_.norm_reg));
                 if (n.op == op_type::LAYER_NORM)
-                    PG_CUDA_CHECK(cuda::launch_layer_norm(f32_in(n, 0), R, N, w_in(n, 1), w_in(n, 2), n.p.eps, y, st_));
-                if (n.op == op_type::L2_NORM) PG_CUDA_CHECK(cuda::launch_l2_norm(f32_in(n, 0), R, N, n.p.eps, y, st_));
+                    PG_CUDA_CHECK(cuda::launch_layer_norm(f32_in(n, 0), R, N, w_in(n, 1), w_in(n, 2), n.p.eps, y, st_, opt_.norm_reg));
+                if (n.op == op_type::L2_NORM) PG_CUDA_CHECK(cuda::launch_l2_norm(f32_in(n, 0), R, N, n.p.eps, y, st_, opt_.norm_reg));
                 if (n.op == op_type::GATED_RMS_NORM)
-                    PG_CUDA_CHECK(cuda::launch_gated_rms_norm(f32_in(n, 0), f32_in(n, 1), R, N, w_in(n, 2), n.p.eps, y, st_));
+                    PG_CUDA_CHECK(cuda::launch_gated_rms_norm(f32_in(n, 0), f32_in(n, 1), R, N, w_in(n, 2), n.p.eps, y, st_, opt_.norm_reg));
                 break;
             }
             case op_type::LINEAR: run_linear(n, y); break;
@@ -1590,6 +1590,7 @@ private:
         sh.act = outp(f.act);
         sh.down = outp(f.down);
         sh.sum = outp(f.add);
+        sh.prefetch = opt_.moe_shared_prefetch;
         if (f.add2 >= 0) {
             PG_CHECK(!outs_[size_t(f.res2.node)].empty(), "shared slot: residual '{}' is not computed yet", g.at(f.res2).name);
             sh.res = static_cast<const float *>(outs_[size_t(f.res2.node)].at(size_t(f.res2.out)).p);

@@ -61,12 +61,15 @@ cudaError_t launch_pdl_probe_step(const int * x, int64_t n, int add, int64_t spi
 enum : int { ERR_ID_RANGE = 0, ERR_SEL_RANGE = 1, ERR_EXPERT_ID = 2, ERR_COUNT = 3 };
 
 // ---- norm.cu ----
-cudaError_t launch_rms_norm(const float * x, int64_t R, int64_t N, dweight w, float eps, float * y, cudaStream_t st);
+// One block per row. reg (cuda_options::norm_reg): rows of up to 16 elements per thread are held in registers, every
+// load issued at once and the weights before the PDL wait (k_norm_reg); bit for bit the loop kernel (reg false).
+cudaError_t launch_rms_norm(const float * x, int64_t R, int64_t N, dweight w, float eps, float * y, cudaStream_t st,
+                            bool reg = true);
 cudaError_t launch_layer_norm(const float * x, int64_t R, int64_t N, dweight w, dweight b, float eps, float * y,
-                              cudaStream_t st);
-cudaError_t launch_l2_norm(const float * x, int64_t R, int64_t N, float eps, float * y, cudaStream_t st);
+                              cudaStream_t st, bool reg = true);
+cudaError_t launch_l2_norm(const float * x, int64_t R, int64_t N, float eps, float * y, cudaStream_t st, bool reg = true);
 cudaError_t launch_gated_rms_norm(const float * o, const float * z, int64_t R, int64_t N, dweight w, float eps, float * y,
-                                  cudaStream_t st);
+                                  cudaStream_t st, bool reg = true);
 
 // ---- linear.cu ----
 // Which GEMV kernels run (cuda_options::gemv_unroll). unroll 0: the first kernels (one warp per row, one 16-byte weight
@@ -236,6 +239,9 @@ struct dmoe_shared {
     float * sum = nullptr;
     const float * res = nullptr;
     float * sum2 = nullptr;
+    // The gate/up launch's blocks of routed slot 0 ask the shared expert's gate, up and down rows into L2 before their
+    // PDL wait (while the route still runs): the shared slot's warps then read them from L2. Results unchanged.
+    bool prefetch = false;
 };
 // Whether the shared slot runs for these widths (the planner's rule; = moe_bf16_decode_supported at cfg 0). Declared
 // also in fuse-plan.h (which stays free of CUDA headers).

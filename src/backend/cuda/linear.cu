@@ -264,6 +264,17 @@ static_assert(k_gemv_norm_stage_max + 8 * (k_gemv_warps + 1) * 4 <= 48 * 1024,
 // token's row, writes x' = (x * inv) * nw (the norm kernel's order) into xs [TT, in] (shared memory), then its slice of
 // the norm's output yn (blocks b, b + gridDim, ... of NT elements). Every thread of the block calls it; xs is complete
 // and the block synchronized when it returns.
+// Loads in flight per thread in the prologue: k_stage_batch float4s of x per round, 4 x k_stage_batch floats of nw (one
+// round for a 2304-wide row, two for 7168). Why (session 8): the first form's loops waited for each load before the next
+// (9 dependent loads of nw per thread for the 48B's 2304-wide rows, from HBM: the weights leave L2 every step).
+constexpr int k_stage_batch = 4;
+// Before the PDL wait of a staged kernel (nw is a weight: never written by a kernel of the step): the norm weights into
+// L2, one bulk request by thread 0, so the prologue's loads of nw hit L2.
+__device__ __forceinline__ void stage_norm_prefetch(const float * nw, int64_t in) {
+    if (nw && threadIdx.x == 0 && (in * 4) % 16 == 0 && (reinterpret_cast<uintptr_t>(nw) & 15u) == 0)
+        prefetch_l2_bulk(nw, uint32_t(in * 4));
+}
+
 template <int TT>
 __device__ __forceinline__ void stage_norm(const float * __restrict__ x, int64_t in, const float * __restrict__ nw, float eps,
                                            float * xs, float * __restrict__ yn) {
@@ -280,10 +291,21 @@ __device__ __forceinline__ void stage_norm(const float * __restrict__ x, int64_t
             const int64_t n4 = in / 4;
 #pragma unroll
             for (int t = 0; t < TT; ++t)
-                for (int64_t c = tid; c < n4; c += NT) {
-                    const float4 v = reinterpret_cast<const float4 *>(x + t * in)[c];
-                    reinterpret_cast<float4 *>(xs + t * in)[c] = v;
-                    ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                for (int64_t c0 = tid; c0 < n4; c0 += k_stage_batch * NT) {   // the batch's loads first, then the sums
+                    float4 v[k_stage_batch];
+#pragma unroll
+                    for (int u = 0; u < k_stage_batch; ++u) {
+                        const int64_t c = c0 + int64_t(u) * NT;
+                        v[u] = c < n4 ? reinterpret_cast<const float4 *>(x + t * in)[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    }
+#pragma unroll
+                    for (int u = 0; u < k_stage_batch; ++u) {
+                        const int64_t c = c0 + int64_t(u) * NT;
+                        if (c < n4) {
+                            reinterpret_cast<float4 *>(xs + t * in)[c] = v[u];
+                            ss[t] += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+                        }
+                    }
                 }
         } else {
 #pragma unroll
@@ -311,10 +333,22 @@ __device__ __forceinline__ void stage_norm(const float * __restrict__ x, int64_t
 #pragma unroll
     for (int t = 0; t < TT; ++t) {
         const float inv = inv_s[t];
-        for (int64_t c = tid; c < in; c += NT) {
-            float v = xs[t * in + c] * inv;
-            if (nw) v *= nw[c];
-            xs[t * in + c] = v;
+        for (int64_t c0 = tid; c0 < in; c0 += 4 * k_stage_batch * NT) {   // the batch's weight loads first
+            float wv[4 * k_stage_batch];
+#pragma unroll
+            for (int u = 0; u < 4 * k_stage_batch; ++u) {
+                const int64_t c = c0 + int64_t(u) * NT;
+                wv[u] = nw && c < in ? nw[c] : 1.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 4 * k_stage_batch; ++u) {
+                const int64_t c = c0 + int64_t(u) * NT;
+                if (c < in) {
+                    float v = xs[t * in + c] * inv;
+                    if (nw) v *= wv[u];
+                    xs[t * in + c] = v;
+                }
+            }
         }
     }
     __syncthreads();
@@ -326,6 +360,7 @@ template <wtype WT, int TT>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_norm_staged(const float * __restrict__ x, int64_t in, fused_segs g, const float * __restrict__ nw,
                               float eps, float * __restrict__ yn) {
+    stage_norm_prefetch(nw, in);
     pdl_enter();
     extern __shared__ float4 stage4[];
     float * xs = reinterpret_cast<float *>(stage4);   // [TT, in]
@@ -531,8 +566,9 @@ template <wtype WT, int TT, int U, bool STAGED>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_v2(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
                      float eps, float * __restrict__ yn) {
-    pdl_enter();
     constexpr int R = gemv2_rows_per_warp(TT, STAGED);
+    if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
+    pdl_enter();
     constexpr int UC = U / R >= 1 ? U / R : 1;   // chunks per iteration (R * UC loads in flight per lane)
     constexpr int VN = wvec<WT>::n;
     constexpr int CH = 32 * VN;                  // elements of one warp-wide chunk (512 bytes)
@@ -822,6 +858,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
 #pragma unroll
         for (int u = 0; u < U; ++u) issue(raw[u], s, row, ok, 0, u);
     }
+    if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
     pdl_enter();
     if constexpr (!EARLY) {
 #pragma unroll

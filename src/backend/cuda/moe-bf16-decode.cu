@@ -74,6 +74,15 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ hbuf,
                                                                          int * err, dmoe_shared sh) {
+    if (SH && sh.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {   // weights only (dmoe_shared::prefetch)
+        // block x of slot 0: the shared gate and up rows block x of the shared slot reads, and 1 / gridDim.x of down
+        const int64_t rb = int64_t(k_bgu_warps) * (256 * NU) * 2;
+        prefetch_l2_bulk(static_cast<const char *>(sh.w.gate.w) + blockIdx.x * rb, uint32_t(rb));
+        prefetch_l2_bulk(static_cast<const char *>(sh.w.up.w) + blockIdx.x * rb, uint32_t(rb));
+        const int64_t dn = sh.w.down.out * sh.w.down.in * 2, chunk = (dn / gridDim.x + 15) & ~int64_t(15);
+        const int64_t off = blockIdx.x * chunk;
+        if (off < dn) prefetch_l2_bulk(static_cast<const char *>(sh.w.down.w) + off, uint32_t(dn - off < chunk ? dn - off : chunk));
+    }
     pdl_enter();
     const int j = blockIdx.y;
     const bool shared = SH && j == k;

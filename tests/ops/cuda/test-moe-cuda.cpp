@@ -1529,6 +1529,19 @@ TEST(cuda_moe, decode_bf16_shared_direct) {
             EXPECT_TRUE(ok) << nm << " " << what;
             tally(ok);
         }
+        // dmoe_shared::prefetch (the shared weights asked into L2 before the PDL wait) returns no data: every output
+        // bit for bit the run without it
+        {
+            cuda::dmoe_shared pf = sh;
+            pf.prefetch = true;
+            const outs op = run(good, bcfg, pf, true);
+            const bool psame = op.rc == cudaSuccess && bitwise(op.y, o.y) && bitwise(op.gate, o.gate) && bitwise(op.up, o.up) &&
+                               bitwise(op.act, o.act) && bitwise(op.down, o.down) && bitwise(op.sum, o.sum) &&
+                               bitwise(op.sum2, o.sum2);
+            std::printf("[%s/prefetch] %s\n", nm.c_str(), psame ? "bitwise the run without it: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(psame) << nm << "/prefetch";
+            tally(psame);
+        }
         // invalid routed ids: flagged; the shared outputs do not depend on them (bitwise)
         const outs ob = run(bad, bcfg, sh, true);
         const bool shared_same = bitwise(ob.gate, o.gate) && bitwise(ob.up, o.up) && bitwise(ob.act, o.act) && bitwise(ob.down, o.down);

@@ -1305,6 +1305,68 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     }
 }
 
+// The register-row norm kernels (cuda_options::norm_reg, norm.cu k_norm_reg) against the loop kernel they replace: every
+// output bit for bit, for the four norms, widths of 1 to 16 elements per thread (PT 1, 2, 4, 8, 16, partial last
+// rounds, both block sizes) and one width past the register form (the loop kernel on both sides), rows 1 and 5, a NaN
+// row placed where the x^2 sum meets it, F32 / BF16 / absent weights. Controls: one ulp moved compares unequal; the
+// CPU parity of both forms is the tests above (norms_wide_rows, elementwise_norms_with_nan_inf_placement run the
+// backend's default, the register form).
+TEST(cuda_ops, norm_reg_bitwise) {
+    NEED_GPU();
+    int n_cases = 0, n_same = 0;
+    for (int64_t N : {int64_t(32), int64_t(100), int64_t(256), int64_t(300), int64_t(1536), int64_t(2304), int64_t(4095),
+                      int64_t(4096), int64_t(7168), int64_t(16384), int64_t(20000)})
+        for (int R : {1, 5})
+            for (int mode = 0; mode < 4; ++mode)
+                for (int wk = 0; wk < 3; ++wk) {   // weights: 0 F32, 1 BF16, 2 absent (RMS only)
+                    if (wk == 2 && mode != 0) continue;
+                    if (mode == 1 && wk != 0) continue;   // L2 has no weights
+                    rng r(7700 + uint32_t(N) + uint32_t(R) * 3 + uint32_t(mode) * 11 + uint32_t(wk) * 101);
+                    auto xv = r.vec(size_t(R * N), -3, 3), zv = r.vec(size_t(R * N), -3, 3);
+                    auto wv = r.vec(size_t(N), 0.5f, 1.5f), bv = r.vec(size_t(N), -0.2f, 0.2f);
+                    if (R == 5) xv[size_t(2 * N + N / 2)] = NAN;   // row 2 all NaN (the sum meets it)
+                    std::vector<uint16_t> wb(static_cast<size_t>(N));
+                    for (int64_t i = 0; i < N; ++i) {
+                        uint32_t u;
+                        std::memcpy(&u, &wv[size_t(i)], 4);
+                        wb[size_t(i)] = uint16_t(u >> 16);
+                    }
+                    dmem dx(xv.data(), xv.size() * 4), dz(zv.data(), zv.size() * 4), db(bv.data(), bv.size() * 4);
+                    dmem dwf(wv.data(), wv.size() * 4), dwb(wb.data(), wb.size() * 2);
+                    dmem y0(size_t(R * N) * 4), y1(size_t(R * N) * 4);
+                    const cuda::dweight w = wk == 0 ? cuda::dweight{dwf.p, cuda::wtype::F32}
+                                          : wk == 1 ? cuda::dweight{dwb.p, cuda::wtype::BF16}
+                                                    : cuda::dweight{};
+                    const cuda::dweight b{db.p, cuda::wtype::F32};
+                    auto launch = [&](float * y, bool reg) {
+                        cudaMemset(y, 0xff, size_t(R * N) * 4);
+                        cudaError_t e = cudaSuccess;
+                        if (mode == 0) e = cuda::launch_rms_norm(dx.f(), R, N, w, 1e-6f, y, nullptr, reg);
+                        if (mode == 1) e = cuda::launch_l2_norm(dx.f(), R, N, 1e-6f, y, nullptr, reg);
+                        if (mode == 2) e = cuda::launch_gated_rms_norm(dx.f(), dz.f(), R, N, w, 1e-5f, y, nullptr, reg);
+                        if (mode == 3) e = cuda::launch_layer_norm(dx.f(), R, N, w, b, 1e-5f, y, nullptr, reg);
+                        EXPECT_EQ(e, cudaSuccess);
+                        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+                        return dget(y, size_t(R * N));
+                    };
+                    const auto a0 = launch(y0.f(), false), a1 = launch(y1.f(), true);
+                    const bool same = std::memcmp(a0.data(), a1.data(), a0.size() * 4) == 0;
+                    ++n_cases;
+                    n_same += same;
+                    if (!same) std::printf("[norm_reg/mode%d/w%d/N%lld/R%d] NOT bitwise the loop kernel\n", mode, wk, (long long)N, R);
+                    EXPECT_TRUE(same) << "mode " << mode << " N " << N << " R " << R;
+                    tally(same);
+                    if (N == 2304 && R == 1) {   // control: one ulp moved must compare unequal
+                        auto moved = a1;
+                        moved[7] = std::nextafter(moved[7], INFINITY);
+                        const bool ctl = std::memcmp(a0.data(), moved.data(), a0.size() * 4) == 0;
+                        EXPECT_FALSE(ctl);
+                        tally(!ctl);
+                    }
+                }
+    std::printf("[norm_reg] %d of %d cases bit for bit the loop kernel\n", n_same, n_cases);
+}
+
 TEST(cuda_ops, unsupported_is_an_error_naming_the_node) {
     NEED_GPU();
     arena a;
