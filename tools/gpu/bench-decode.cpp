@@ -371,6 +371,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
         else if (k == "norm_reg") co.norm_reg = v != 0;
+        else if (k == "fuse_norm_route") co.fuse_norm_route = v != 0;
         else if (k == "fuse_norm_max_mib") co.fuse_norm_max_weight_bytes = int64_t(v) << 20;
         else if (k == "kda_decode_v2") co.kda_decode_v2 = v != 0;
         else if (k == "graph_decode") co.graph_decode = v != 0;
@@ -736,6 +737,17 @@ void dry_fusions(const graph & g) {
                     " off)\n",
                     p.moe_shareds, p.moe_shared_launches, p0.norms, p.norms, p0.adds, p.adds, p0.linear_grouped,
                     p.linear_grouped, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
+    }
+    {   // fuse_norm_route off -> on: the router logits as a segment of the norm's launch
+        cuda_options co;
+        co.fuse_norm_route = false;
+        const auto p0 = cuda_fuse::plan_fusions(g, co);
+        co.fuse_norm_route = true;
+        const auto p = cuda_fuse::plan_fusions(g, co);
+        std::printf("  fuse_norm_route off -> on: %d router GEMVs folded into a norm's launch of LINEARs (%d launches of"
+                    " routers only), norms folded %d -> %d: %d node launches (%d fewer than with it off)\n",
+                    p.routes, p.route_only, p0.norms, p.norms, n_launch - p.launches_saved(),
+                    p.launches_saved() - p0.launches_saved());
     }
     struct pass { const char * label; bool group, norm, add, conv = false, sig = false; };
     int base = -1;

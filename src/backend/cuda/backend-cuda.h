@@ -327,6 +327,16 @@ struct cuda_options {
     // step -0.1..-0.15 ms (28 such norms), k3 -0.02 ms. Measured (call B, same binary, two rounds): 48B B=1 graph step
     // 2.580 -> 2.464 ms, k3 2.512 -> 2.496 ms. On.
     bool norm_reg = true;
+    // Rule fuse_norm_route (fuse-plan.h, with fuse_norm_linear): a MOE_ROUTE on the GEMV-then-selection path whose input
+    // is the output of an RMS_NORM folded into a launch of LINEARs gets its router logits computed as one more segment
+    // of that launch; the MOE_ROUTE node then only selects. K3: the router joins the post-attention norm's shared
+    // gate/up launch. Logits from the staged x' (the folded LINEARs' input), not from the norm kernel's output: the two
+    // differ in the last bit of inv (another summation order), as for every folded LINEAR. Predicted (session 8, before
+    // any run): k3 -0.01 ms, 48B -0.05..-0.08 ms (norm + router as one launch). Measured (call D, same binary, two
+    // rounds): k3-layers-4 B=1 2.466 -> 2.421 ms (84.8% -> 87.3% on that machine); the 48B form (the norm's only
+    // consumer on the GEMV path is the router: a launch of the router alone) 2.385 -> 2.389 ms, so the rule now takes
+    // a router only into a launch that has LINEARs (the 48B keeps the norm kernel and the router GEMV). On.
+    bool fuse_norm_route = true;
     // MOE_ROUTE with at least this many tokens (prefill): the router logits [T, E] as one cuBLASLt GEMM (BF16 gate: x
     // split into three bf16 parts, 24 mantissa bits, three GEMMs into one fp32 accumulator: the fp32 GEMV's accuracy;
     // F32 gate: an fp32 GEMM), then the decode-fast router's per-token selection (route-prefill.cu). 0: off (the GEMV
@@ -420,6 +430,8 @@ public:
     // MOE_EXPERTS launches the last run/capture executed with the shared expert as their extra slot
     // (cuda_options::moe_shared_slot).
     virtual int fused_moe_shared() const = 0;
+    // Router logits the last run/capture computed inside a norm's launch (cuda_options::fuse_norm_route).
+    virtual int fused_routes() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

@@ -316,6 +316,7 @@ public:
     int fused_sigmoids() const override { return n_fused_sig_; }
     int fused_kda_decodes() const override { return n_kda_fused_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
+    int fused_routes() const override { return n_fused_routes_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -397,6 +398,7 @@ private:
     // Output bookkeeping for one run of g: error-flag slots; returns their count.
     int prepare(const graph & g) {
         outs_.assign(g.nodes.size(), {});
+        route_logits_.assign(g.nodes.size(), nullptr);
         err_slot_.assign(g.nodes.size(), -1);
         int n_err = 0;
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1124,6 +1126,13 @@ private:
                              n.p.topk_group, E / n.p.n_group, n.p.topk);
                 const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
                                      n.p.router == router_act::SOFTMAX ? 1 : 0};
+                if (const float * lg = route_logits_.empty() ? nullptr : route_logits_[size_t(id)]) {   // fuse_norm_route
+                    PG_CUDA_CHECK(select_fn()(lg, x.shape.at(0), bias, c, static_cast<int32_t *>(out[0].p),
+                                              static_cast<float *>(out[1].p), st_));
+                    break;
+                }
+                PG_CHECK(fplan_.route_by.empty() || fplan_.route_by[size_t(id)] < 0,
+                         "MOE_ROUTE planned into a norm's launch but its logits were not computed");
                 if (opt_.moe_route_gemm_tokens > 0 && x.shape.at(0) >= opt_.moe_route_gemm_tokens &&
                     (w_in(n, 1).type == wtype::BF16 || w_in(n, 1).type == wtype::F32)) {   // prefill: logits by one GEMM
                     const int64_t T = x.shape.at(0), D = x.shape.at(1);
@@ -1290,6 +1299,7 @@ private:
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
         n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
+        n_fused_routes_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1341,6 +1351,19 @@ private:
                 const wtype t = wtype_of(w.type, m.name);
                 PG_CHECK(k == 0 || t == wt, "fused LINEAR '{}': weight dtype differs within its launch", m.name);
                 wt = t;
+                if (gr[k].route) {   // fuse_norm_route: the router's logits [T, E]; the MOE_ROUTE node selects from them
+                    PG_CHECK(m.op == op_type::MOE_ROUTE && !route_logits_[size_t(gr[k].linear)], "fused route '{}'", m.name);
+                    float * lg = static_cast<float *>(alloc(size_t(T * w.shape[0]) * 4));
+                    route_logits_[size_t(gr[k].linear)] = lg;
+                    segs[k].w = w.p;
+                    segs[k].y = lg;
+                    segs[k].out = w.shape[0];
+                    wp[k] = segs[k].w;
+                    yp[k] = segs[k].y;
+                    op[k] = segs[k].out;
+                    ++n_fused_routes_;
+                    continue;
+                }
                 auto & o = outs_[size_t(gr[k].linear)];
                 if (gr[k].linear != id) {
                     PG_CHECK(o.empty(), "fused LINEAR '{}' already has outputs", m.name);
@@ -1791,6 +1814,8 @@ private:
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
     int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;
+    int n_fused_routes_ = 0;
+    std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;
     int * err_ = nullptr;

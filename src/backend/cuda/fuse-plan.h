@@ -70,6 +70,7 @@ struct seg {
     int add[2] = {-1, -1};
     node_ref res[2];
     int sig = -1;   // a SIGMOID over the LINEAR's output, written by the epilogue (fuse_sigmoid)
+    bool route = false;   // `linear` is a MOE_ROUTE: the segment writes its router logits (fuse_norm_route), not outputs
 };
 // The kernels launched at one node: groups of segments (one launch each, one weight dtype per group); norm >= 0: the
 // RMS_NORM whose prologue is folded into every group (the first group writes its output).
@@ -120,10 +121,14 @@ struct plan {
     std::vector<moe_shared_fold> moe_shared;   // per MOE_EXPERTS node: the shared expert its launch computes (add < 0: none)
     int moe_shareds = 0;             // MOE_EXPERTS launches with the shared slot
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
+    std::vector<int> route_by;       // per MOE_ROUTE node: the RMS_NORM whose launch computes its logits (-1: its own GEMV)
+    int routes = 0;                  // router GEMV launches folded into a norm's launch (their logits one more segment)
+    int route_only = 0;              // groups of routes only in such launches (another dtype): each one more launch
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
     int launches_saved() const {
-        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches;
+        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes -
+               route_only;
     }
 };
 
@@ -144,6 +149,26 @@ inline bool gemv_linear(const graph & g, const node & n, int gemv_max_tokens, dt
 
 // The same output of the same node.
 inline bool same(node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; }
+
+// A MOE_ROUTE whose logits the backend computes by a GEMV followed by the selection (cuda-backend.cpp MOE_ROUTE: the
+// "GEMV, then the selection" branch, the only one taken under these options): input [T, K] F32 with T <= gemv_max_tokens
+// and below the prefill GEMM router's threshold, a 2-D BF16/F16/F32 WEIGHT gate [E, K], E <= 1024, the one-launch routes
+// off. Rule fuse_norm_route may then compute its logits as one more segment of a norm's launch.
+inline bool gemv_route(const graph & g, const node & n, const cuda_options & o, dtype & wt, int64_t & K) {
+    if (n.op != op_type::MOE_ROUTE || n.src.size() < 2 || !n.src[0].valid() || !n.src[1].valid()) return false;
+    if (!o.moe_route_fast || !(o.moe_select_radix || o.moe_select_sort || o.moe_select_warp) || o.moe_route_fused ||
+        o.moe_route_fused_radix)
+        return false;
+    const node & wn = g.nodes[size_t(n.src[1].node)];
+    if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2 || wn.leaf->shape[0] > 1024) return false;
+    const auto & xs = g.out(n.src[0]).shape;
+    if (xs.size() != 2 || g.out(n.src[0]).type != dtype::F32 || xs[0] > o.gemv_max_tokens) return false;
+    if (o.moe_route_gemm_tokens > 0 && xs[0] >= o.moe_route_gemm_tokens) return false;
+    wt = wn.leaf->type;
+    if (wt != dtype::BF16 && wt != dtype::F16 && wt != dtype::F32) return false;
+    K = xs[1];
+    return wn.leaf->shape[1] == K;
+}
 
 // Rule moe_shared_slot (see the header), planned before the others: fills p.moe_shared / done_by for each MOE_EXPERTS
 // node whose launch can take its shared expert as an extra slot. cons: consumers of output 0 of each node.
@@ -255,6 +280,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.mla_kv_rope.assign(N, -1);
     p.kda.assign(N, {});
     p.moe_shared.assign(N, {});
+    p.route_by.assign(N, -1);
 
     // consumers of output 0 of each node, in graph order
     std::vector<std::vector<int>> cons(N);
@@ -285,9 +311,6 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         }
         return out;
     };
-    auto count_grouped = [&](const std::vector<std::vector<seg>> & gs) {
-        for (const auto & gr : gs) p.linear_grouped += int(gr.size()) - 1;
-    };
 
     // 1. RMS_NORM -> LINEAR(s)
     if (o.fuse_norm_linear) {
@@ -310,7 +333,16 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 if (p.done_by[size_t(j)] < 0 && gemv_linear(g, m, o.gemv_max_tokens, wt, K) && same(m.src[0], node_ref{int(i), 0}) &&
                     K == xs[1])
                     lins.push_back(j);
+                // fuse_norm_route: the router's logits as one more segment (the MOE_ROUTE still selects at its position)
+                if (o.fuse_norm_route && p.done_by[size_t(j)] < 0 && gemv_route(g, m, o, wt, K) &&
+                    same(m.src[0], node_ref{int(i), 0}) && K == xs[1])
+                    lins.push_back(j);
             }
+            // fuse_norm_route: a router joins a launch of LINEARs only. Alone with the norm (the 48B post-attention norm)
+            // it measured neutral (session 8 call D: 48B B=1 2.385 -> 2.389 ms), the K3 form (with the shared gate/up)
+            // paid: k3-layers-4 2.466 -> 2.421 ms.
+            if (std::none_of(lins.begin(), lins.end(), [&](int j) { return g.nodes[size_t(j)].op == op_type::LINEAR; }))
+                lins.clear();
             if (lins.empty()) continue;
             // the staged prologue holds min(T, 8) rows of x' in shared memory (linear.cu); past that, keep the norm
             if (o.fuse_norm_staged && (std::min<int64_t>(xs[0], 8) * xs[1] * 4 > k_norm_stage_max || xs[1] % 4 != 0)) {
@@ -328,8 +360,25 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             }
             p.at[i].norm = int(i);
             p.at[i].groups = groups_of(lins);
-            for (int j : lins) p.done_by[size_t(j)] = int(i);
-            count_grouped(p.at[i].groups);
+            for (auto & gr : p.at[i].groups) {
+                int n_lin = 0;
+                for (auto & sg : gr) {
+                    sg.route = g.nodes[size_t(sg.linear)].op == op_type::MOE_ROUTE;
+                    n_lin += !sg.route;
+                }
+                // launches saved: the LINEARs grouped beyond the first; a group of routes only (a gate dtype no LINEAR
+                // of the norm has) is a launch of its own
+                p.linear_grouped += n_lin > 0 ? n_lin - 1 : 0;
+                p.route_only += n_lin == 0;
+            }
+            for (int j : lins) {
+                if (g.nodes[size_t(j)].op == op_type::MOE_ROUTE) {
+                    p.route_by[size_t(j)] = int(i);
+                    ++p.routes;
+                } else {
+                    p.done_by[size_t(j)] = int(i);
+                }
+            }
             ++p.norms;
         }
     }

@@ -24,6 +24,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 
 namespace perigee::test {
@@ -55,6 +56,7 @@ cuda_options fuse_opts(bool norm, bool add, bool guard = true, bool staged = tru
     o.fuse_conv_l2 = false;
     o.fuse_sigmoid = false;
     o.fuse_kda_decode = false;
+    o.fuse_norm_route = false;
     return o;
 }
 // Whether the planner folds a norm over [T, K] with the staged prologue (fuse-plan.h: min(T, 8) rows of x' in 47 KiB).
@@ -1247,6 +1249,132 @@ TEST(cuda_fuse, planner_moe_shared) {
         const auto [p, outs] = plan_of(msh_form::plain, 1, nb);
         EXPECT_EQ(p.moe_shareds, 0) << "moe_decode_bf16 off";
         tally(p.moe_shareds == 0);
+    }
+}
+
+// ---- RMS_NORM -> MOE_ROUTE logits (fuse_norm_route) ----
+// x [T, D], h = rms_norm(x, nw), (ids, w) = moe_route(h, gate [E, D], bias) with a sigmoid router, grouped top-k and a
+// score bias like K3 / the 48B; with_lin: a LINEAR over h too (K3: the shared gate/up launch the router joins; without
+// one nothing folds); h read again after the route (scale(h): the experts' input). 48B widths (D 2304, E 256, top-8)
+// and K3's D 7168 with a small E (T 2 there: x' past the 47 KiB stage, the norm and the router are kept).
+struct route_graph {
+    arena a;
+    graph g;
+    node_ref h, ids, w, lin, after;
+};
+void build_route_graph(route_graph & rg, int T, int D, int E, dtype gt, bool with_lin, float eps, uint32_t seed) {
+    rng r(seed);
+    builder bd(batch_simple(T));
+    auto xv = r.vec(size_t(T) * size_t(D), -0.5f, 0.5f), nwv = r.vec(size_t(D), 0.8f, 1.2f);
+    auto gv = r.vec(size_t(E) * size_t(D), -0.05f, 0.05f), bv = r.vec(size_t(E), -0.02f, 0.02f);
+    auto lv = r.vec(size_t(96) * size_t(D), -0.05f, 0.05f);
+    const node_ref x = bd.name(bd.scale(bd.weight(rg.a.f32({T, D}, xv), "x_leaf"), 1.0f), "x");
+    rg.h = bd.name(bd.rms_norm(x, bd.weight(rg.a.bf16({D}, nwv), "norm_w"), eps), "h");
+    const node_ref gate = bd.weight(rg.a.typed(gt, {E, D}, gv), "gate");
+    const node_ref bias = bd.weight(rg.a.f32({E}, bv), "bias");
+    auto [ids, w] = bd.moe_route(rg.h, gate, bias, {8, 8, 4, true, 2.446f, router_act::SIGMOID});
+    rg.ids = bd.name(ids, "moe_route");
+    rg.w = w;
+    if (with_lin) rg.lin = bd.name(bd.linear(rg.h, bd.weight(rg.a.typed(gt, {96, D}, lv), "w_lin")), "lin");
+    rg.after = bd.name(bd.scale(rg.h, 0.5f), "h_after");
+    node_ref acc = bd.add(bd.cols(rg.after, 0, 8), bd.cols(rg.w, 0, 8));
+    if (with_lin) acc = bd.add(acc, bd.cols(rg.lin, 0, 8));
+    rg.g = bd.finish(bd.name(acc, "sum"));
+}
+cuda_options route_opts(bool on) {
+    cuda_options o = fuse_opts(true, false);
+    o.fuse_norm_route = on;
+    return o;
+}
+
+// GPU: h, the route weights, the LINEAR and h_after against the CPU (NMSE k_tol_f32), the ids exactly, with the rule on
+// (counter: one fused route, the norm folded) and off (counter 0); on vs off on the GPU: ids equal, weights within the
+// tolerance. Controls that must FAIL: the fused route weights against those of a graph with another gate; the
+// comparator's own controls.
+TEST(cuda_fuse, norm_into_router) {
+    NEED_GPU();
+    struct cs { int D, E; dtype gt; bool lin; int T; };
+    for (const cs & c : {cs{2304, 256, dtype::BF16, false, 1}, cs{2304, 256, dtype::BF16, true, 1}, cs{2304, 256, dtype::F32, true, 3},
+                         cs{7168, 128, dtype::BF16, true, 1}, cs{7168, 128, dtype::BF16, true, 2}}) {
+        const std::string nm = fmt::format("norm_route/D{}/E{}/{}/{}/T{}", c.D, c.E, dtype_name(c.gt), c.lin ? "lin" : "alone", c.T);
+        route_graph rg;
+        build_route_graph(rg, c.T, c.D, c.E, c.gt, c.lin, 1e-5f, 5100 + uint32_t(c.D) + uint32_t(c.T));
+        auto cpu = backend_cpu_init();
+        cpu->run(rg.g);
+        std::vector<node_ref> fo{rg.h, rg.w, rg.after};
+        if (c.lin) fo.push_back(rg.lin);
+        std::vector<std::vector<float>> ref;
+        for (node_ref o : fo) ref.push_back(read_f32(*cpu, o));
+        const auto ids_cpu = read_i32(*cpu, rg.ids);
+        bool ok_on = false, ok_off = false;
+        auto on = gpu_check(nm + "/on", rg.g, fo, ref, route_opts(true), ok_on);
+        auto off = gpu_check(nm + "/off", rg.g, fo, ref, route_opts(false), ok_off);
+        const bool ids_on = read_i32(*on, rg.ids) == ids_cpu, ids_off = read_i32(*off, rg.ids) == ids_cpu;
+        // folds with a LINEAR to join whose x' fits the stage (T 2 at 7168 does not: 57 KiB); alone never (planner)
+        const bool fold = c.lin && stage_fits(c.T, c.D);
+        const bool counters = on->fused_routes() == (fold ? 1 : 0) && off->fused_routes() == 0 &&
+                              on->fused_norms() == (fold ? 1 : 0) && off->fused_norms() == (fold ? 1 : 0);
+        std::printf("[%s] ids vs CPU: on %s, off %s; fused_routes on %d / off %d, fused_norms on %d / off %d\n", nm.c_str(),
+                    ids_on ? "equal" : "DIFFER", ids_off ? "equal" : "DIFFER", on->fused_routes(), off->fused_routes(),
+                    on->fused_norms(), off->fused_norms());
+        EXPECT_TRUE(ok_on && ok_off && ids_on && ids_off && counters) << nm;
+        tally(ok_on && ok_off && ids_on && ids_off && counters);
+        const auto w_on = read_f32(*on, rg.w);
+        const bool agree = check(nm + "/on-vs-off/w", to_f64(read_f32(*off, rg.w)), w_on, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(agree);
+        tally(agree);
+        if (c.T == 1) {
+            route_graph bad;   // the same shapes from another seed: another gate (and x)
+            build_route_graph(bad, c.T, c.D, c.E, c.gt, c.lin, 1e-5f, 7100 + uint32_t(c.D));
+            auto cb = backend_cpu_init();
+            cb->run(bad.g);
+            must_fail(nm + "/control(another gate)/w", read_f32(*cb, bad.w), w_on);
+            comparator_controls(nm + "/w", ref[1], w_on);
+        }
+    }
+}
+
+// The planner (no GPU): with fuse_norm_route the route folds into the norm's launch of LINEARs (one group of the gate's
+// dtype: one launch fewer), and is refused without a LINEAR to join, when the backend would not take the
+// GEMV-then-selection path (one-launch routes on, route_fast off, T past gemv_max_tokens, the prefill GEMM router's
+// threshold), or with the rule or fuse_norm_linear off.
+TEST(cuda_fuse, planner_norm_route) {
+    auto plan_of = [](int T, bool lin, const cuda_options & o, int D = 2304) {
+        route_graph rg;
+        build_route_graph(rg, T, D, 256, dtype::BF16, lin, 1e-5f, 11);
+        return std::make_pair(cuda_fuse::plan_fusions(rg.g, o), rg.ids.node);
+    };
+    {
+        const auto [p, rid] = plan_of(1, true, route_opts(true));
+        const auto [p0, rid0] = plan_of(1, true, route_opts(false));
+        bool in_group = false;
+        for (const auto & L : p.at)
+            for (const auto & gr : L.groups)
+                if (gr.size() == 2)
+                    for (const auto & sg : gr) in_group |= sg.route && sg.linear == rid;
+        const bool ok = p.routes == 1 && p.route_only == 0 && in_group && p0.norms == 1 && p.norms == 1 &&
+                        p.route_by[size_t(rid)] >= 0 && p.done_by[size_t(rid)] < 0 && p0.routes == 0 &&
+                        p.launches_saved() == p0.launches_saved() + 1;
+        std::printf("[planner_norm_route/with a LINEAR] %s\n", ok ? "one group of two segments: PASS" : "FAIL");
+        EXPECT_TRUE(ok);
+        tally(ok);
+    }
+    struct refusal { const char * why; int T; std::function<void(cuda_options &)> set; int D = 2304; bool lin = true; };
+    for (const refusal & rf : {refusal{"no LINEAR to join (the router alone with the norm)", 1, [](cuda_options &) {}, 2304, false},
+                               refusal{"rule off", 1, [](cuda_options & o) { o.fuse_norm_route = false; }},
+                               refusal{"fuse_norm_linear off", 1, [](cuda_options & o) { o.fuse_norm_linear = false; }},
+                               refusal{"one-launch route (fused radix)", 1, [](cuda_options & o) { o.moe_route_fused_radix = true; }},
+                               refusal{"one-launch route (fused)", 1, [](cuda_options & o) { o.moe_route_fused = true; }},
+                               refusal{"route_fast off", 1, [](cuda_options & o) { o.moe_route_fast = false; }},
+                               refusal{"T past gemv_max_tokens", 9, [](cuda_options & o) { o.gemv_max_tokens = 8; }, 1024},
+                               refusal{"prefill GEMM router threshold", 4, [](cuda_options & o) { o.moe_route_gemm_tokens = 4; }}}) {
+        cuda_options o = route_opts(true);
+        rf.set(o);
+        const auto [p, rid] = plan_of(rf.T, rf.lin, o, rf.D);
+        const bool ok = p.routes == 0 && p.route_by[size_t(rid)] < 0;
+        std::printf("[planner_norm_route/refusal: %s] %s\n", rf.why, ok ? "not folded: PASS" : "FOLDED: FAIL");
+        EXPECT_TRUE(ok) << rf.why;
+        tally(ok);
     }
 }
 

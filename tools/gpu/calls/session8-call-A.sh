@@ -1,4 +1,5 @@
 #!/bin/bash
+# (gemv_prefetch_mib, tried here, was removed after this call: see bench/session8-h200-2026-11-30-callA.log)
 # session 8, call A: weights asked into L2 before the PDL wait (cuda_options::gemv_prefetch_mib for the GEMV v2 / v3
 # launches, moe_shared_prefetch for the 48B shared expert): the tests (bitwise the runs without), then decode B=1 on both
 # presets with each switch (same binary, two rounds interleaved), the unrun session-7 mma_v4_prefill assertion, and an
