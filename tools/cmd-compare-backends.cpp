@@ -84,7 +84,32 @@ diff compare_tensors(const tensor & a, const tensor & b) {
 // in other places or repeated ids always fail.
 struct idx_keys { std::vector<float> cpu, gpu; int64_t d = 0; };   // per layer: key rows by position, both sides
 
-struct idx_verdict { int64_t tokens = 0, ties = 0, decided = 0; double max_gap = 0.0, max_bound = 0.0; };
+// What a near-tie check found (INDEXER_TOPK and MOE_ROUTE alike): tokens whose picks differ, of which near ties
+// accepted and decided (failures), and the largest gap and bound seen.
+struct near_tie_verdict {
+    int64_t tokens = 0, ties = 0, decided = 0;
+    double max_gap = 0.0, max_bound = 0.0;
+    void add(bool tie, double gap, double bound) {
+        (tie ? ties : decided)++;
+        max_gap = std::max(max_gap, gap);
+        max_bound = std::max(max_bound, bound);
+    }
+};
+
+// The controls of both rules: the best-scored selected entry of `row` (K picks) swapped for the worst-scored unselected
+// one of 0..n-1. Returns whether that changes the set's scores (false: every score equal, nothing to decide).
+template <typename S>
+bool swap_best_for_worst(int32_t * row, int64_t K, const std::vector<S> & sc, int64_t n) {
+    const std::set<int32_t> in(row, row + K);
+    int64_t best = 0, worst = -1;
+    for (int64_t j = 1; j < K; ++j)
+        if (sc[size_t(row[j])] > sc[size_t(row[best])]) best = j;
+    for (int64_t p = 0; p < n; ++p)
+        if (!in.count(int32_t(p)) && (worst < 0 || sc[size_t(p)] < sc[size_t(worst)])) worst = p;
+    const bool flips = sc[size_t(worst)] < sc[size_t(row[best])];
+    row[best] = int32_t(worst);
+    return flips;
+}
 
 std::vector<float> idx_scores(const float * q, const float * w, const std::vector<float> & keys, int64_t I, int64_t d,
                               float scale, int64_t n, double * abs_max) {
@@ -108,9 +133,9 @@ std::vector<float> idx_scores(const float * q, const float * w, const std::vecto
     return sc;
 }
 
-idx_verdict idx_check(const node & n, const tensor & sel_cpu, const tensor & sel_gpu, const tensor & q_cpu, const tensor & w_cpu,
-                      const tensor & q_gpu, const tensor & w_gpu, const idx_keys & keys, int n_past, const std::string & name) {
-    idx_verdict v;
+near_tie_verdict idx_check(const node & n, const tensor & sel_cpu, const tensor & sel_gpu, const tensor & q_cpu, const tensor & w_cpu,
+                           const tensor & q_gpu, const tensor & w_gpu, const idx_keys & keys, int n_past, const std::string & name) {
+    near_tie_verdict v;
     const int64_t T = sel_cpu.shape.at(0), K = sel_cpu.shape.at(1), I = n.p.n_head, d = n.p.head_dim_k;
     for (int64_t t = 0; t < T; ++t) {
         const int32_t * rc = sel_cpu.as<int32_t>() + t * K;
@@ -151,9 +176,7 @@ idx_verdict idx_check(const node & n, const tensor & sel_cpu, const tensor & sel
         for (int32_t p : only_g) hi_g = std::max(hi_g, sc[size_t(p)]);
         const double gap = double(lo_c) - double(hi_g);
         const bool tie = gap >= 0.0 && gap <= bound && !(gap == 0.0 && delta == 0.0);
-        (tie ? v.ties : v.decided)++;
-        v.max_gap = std::max(v.max_gap, gap);
-        v.max_bound = std::max(v.max_bound, bound);
+        v.add(tie, gap, bound);
         std::string sa, sb;
         for (int32_t p : only_c) sa += fmt::format("{}{}({:.9g})", sa.empty() ? "" : ",", p, sc[size_t(p)]);
         for (int32_t p : only_g) sb += fmt::format("{}{}({:.9g})", sb.empty() ? "" : ",", p, sc[size_t(p)]);
@@ -176,7 +199,6 @@ idx_verdict idx_check(const node & n, const tensor & sel_cpu, const tensor & sel
 // only when gap = min(biased of CPU-only ids) - max(biased of CUDA-only ids) is in [0, 2 (delta + r)] (and not an exact
 // tie on identical inputs); the same set in another order only when every pair in the other order is within the bound.
 // Grouped routing (groups dropped before the top-k) has no such rule: its differences always fail.
-struct route_verdict { int64_t tokens = 0, ties = 0, decided = 0; double max_gap = 0.0, max_bound = 0.0; };
 
 double leaf_value(const tensor & t, int64_t i) {
     switch (t.type) {
@@ -215,9 +237,9 @@ std::vector<double> route_biased(const float * h, const tensor & gate, const ten
     return s;
 }
 
-route_verdict route_check(const node & n, const tensor & ids_c, const tensor & ids_g, const tensor & h_c, const tensor & h_g,
-                          const tensor & gate, const tensor * bias, const std::string & name) {
-    route_verdict v;
+near_tie_verdict route_check(const node & n, const tensor & ids_c, const tensor & ids_g, const tensor & h_c,
+                             const tensor & h_g, const tensor & gate, const tensor * bias, const std::string & name) {
+    near_tie_verdict v;
     const int64_t T = ids_c.shape.at(0), K = ids_c.shape.at(1), E = gate.shape.at(0), D = gate.shape.at(1);
     const bool grouped = n.p.n_group > 1 && n.p.topk_group < n.p.n_group;
     for (int64_t t = 0; t < T; ++t) {
@@ -264,9 +286,7 @@ route_verdict route_check(const node & n, const tensor & ids_c, const tensor & i
             gap = lo_c - hi_g;
             tie = gap >= 0.0 && gap <= bound && !(gap == 0.0 && delta == 0.0);
         }
-        (tie ? v.ties : v.decided)++;
-        v.max_gap = std::max(v.max_gap, gap);
-        v.max_bound = std::max(v.max_bound, bound);
+        v.add(tie, gap, bound);
         std::string xa, xb;
         for (int32_t e : only_c) xa += fmt::format("{}{}({:.9g})", xa.empty() ? "" : ",", e, sc[size_t(e)]);
         for (int32_t e : only_g) xb += fmt::format("{}{}({:.9g})", xb.empty() ? "" : ",", e, sc[size_t(e)]);
@@ -385,6 +405,19 @@ int run_compare(const opts & o) {
                 ++compared;
                 bool bad = d.mismatches != 0 || d.nonfinite || d.nmse > o.tol;
                 if (d.nmse > worst) worst = d.nmse, worst_name = n.name;
+                // a near-tie verdict on this output: printed; only near ties (none decided) clear it, and the first
+                // accepted tie marks where the two runs may diverge downstream
+                const auto settle = [&](const near_tie_verdict & v, int64_t mismatches) {
+                    std::printf("  node %d '%s' (%s): %lld exact mismatches in %lld tokens: %lld near ties accepted, %lld "
+                                "decided (max gap %.3e, max bound %.3e)\n", id, n.name.c_str(), std::string(op_name(n.op)).c_str(),
+                                (long long)mismatches, (long long)v.tokens, (long long)v.ties, (long long)v.decided, v.max_gap,
+                                v.max_bound);
+                    if (v.decided == 0 && v.ties > 0) {
+                        bad = false;
+                        n_ties += v.ties;
+                        if (tie_at.empty()) tie_at = fmt::format("step {} '{}'", step, n.name);
+                    }
+                };
                 if (n.op == op_type::INDEXER_TOPK && !idx_control_done) {   // control: a decided swap must FAIL the near-tie rule
                     const tensor & rc = ref[size_t(id)].at(k);
                     const int64_t K = rc.shape.at(1), t = rc.shape.at(0) - 1, npos = n_past + t + 1;
@@ -392,23 +425,15 @@ int run_compare(const opts & o) {
                         idx_control_done = true;
                         tensor bad_sel = tensor_new(rc.type, rc.shape);
                         std::memcpy(bad_sel.data, rc.data, rc.nbytes);
-                        int32_t * row = bad_sel.as<int32_t>() + t * K;
-                        std::set<int32_t> in(row, row + K);
                         const node_ref qr = n.src.at(0), wr = n.src.at(2);
                         double am = 0.0;
                         const auto sc = idx_scores(ref[size_t(qr.node)].at(size_t(qr.out)).as<float>() + t * n.p.n_head * n.p.head_dim_k,
                                                    ref[size_t(wr.node)].at(size_t(wr.out)).as<float>() + t * n.p.n_head,
                                                    idx_hist[n.name].cpu, n.p.n_head, n.p.head_dim_k, n.p.scale, npos, &am);
-                        int64_t best = 0, worst_p = -1;   // the best selected slot, the worst unselected position
-                        for (int64_t j = 1; j < K; ++j)
-                            if (sc[size_t(row[j])] > sc[size_t(row[best])]) best = j;
-                        for (int64_t p = 0; p < npos; ++p)
-                            if (!in.count(int32_t(p)) && (worst_p < 0 || sc[size_t(p)] < sc[size_t(worst_p)])) worst_p = p;
-                        const bool flips = sc[size_t(worst_p)] < sc[size_t(row[best])];
-                        row[best] = int32_t(worst_p);
+                        const bool flips = swap_best_for_worst(bad_sel.as<int32_t>() + t * K, K, sc, npos);
                         std::printf("  control: '%s' with the best selected position of token %lld swapped for the worst:\n", n.name.c_str(),
                                     (long long)t);
-                        const idx_verdict cv = idx_check(n, rc, bad_sel, ref[size_t(qr.node)].at(size_t(qr.out)),
+                        const near_tie_verdict cv = idx_check(n, rc, bad_sel, ref[size_t(qr.node)].at(size_t(qr.out)),
                                                          ref[size_t(wr.node)].at(size_t(wr.out)), ref[size_t(qr.node)].at(size_t(qr.out)),
                                                          ref[size_t(wr.node)].at(size_t(wr.out)), idx_hist[n.name], n_past, n.name + "/control");
                         const bool cok = !flips || cv.decided > 0;
@@ -426,16 +451,9 @@ int run_compare(const opts & o) {
                         if (gkeep.count(r.node) && gkeep.at(r.node).size() > size_t(r.out)) return gkeep.at(r.node).at(size_t(r.out));
                         return ref[size_t(r.node)].at(size_t(r.out));   // not seen on the CUDA side (fused): the CPU's
                     };
-                    const idx_verdict v = idx_check(n, ref[size_t(id)].at(k), outs[k], ref_of(0), ref_of(2), gpu_of(0), gpu_of(2),
-                                                    idx_hist[n.name], n_past, n.name);
-                    std::printf("  node %d '%s' (INDEXER_TOPK): %lld exact mismatches in %lld tokens: %lld near ties accepted, %lld "
-                                "decided (max gap %.3e, max bound %.3e)\n", id, n.name.c_str(), (long long)d.mismatches,
-                                (long long)v.tokens, (long long)v.ties, (long long)v.decided, v.max_gap, v.max_bound);
-                    if (v.decided == 0 && v.ties > 0) {
-                        bad = false;
-                        n_ties += v.ties;
-                        if (tie_at.empty()) tie_at = fmt::format("step {} '{}'", step, n.name);
-                    }
+                    settle(idx_check(n, ref[size_t(id)].at(k), outs[k], ref_of(0), ref_of(2), gpu_of(0), gpu_of(2), idx_hist[n.name],
+                                     n_past, n.name),
+                           d.mismatches);
                 }
                 if (n.op == op_type::MOE_ROUTE && k == 0 && !route_control_done && n.src.at(0).valid()) {
                     // control: the best selected expert of the last token swapped for the worst unselected: DECIDED
@@ -449,20 +467,12 @@ int run_compare(const opts & o) {
                     if (K < E) {
                         tensor bad_ids = tensor_new(rc.type, rc.shape);
                         std::memcpy(bad_ids.data, rc.data, rc.nbytes);
-                        int32_t * row = bad_ids.as<int32_t>() + t * K;
-                        std::set<int32_t> in(row, row + K);
                         double am = 0.0;
                         const auto sc = route_biased(h.as<float>() + t * D, gate, bias, n.p.router, &am);
-                        int64_t best = 0, worst_e = -1;
-                        for (int64_t j = 1; j < K; ++j)
-                            if (sc[size_t(row[j])] > sc[size_t(row[best])]) best = j;
-                        for (int64_t e = 0; e < E; ++e)
-                            if (!in.count(int32_t(e)) && (worst_e < 0 || sc[size_t(e)] < sc[size_t(worst_e)])) worst_e = e;
-                        const bool flips = sc[size_t(worst_e)] < sc[size_t(row[best])];
-                        row[best] = int32_t(worst_e);
+                        const bool flips = swap_best_for_worst(bad_ids.as<int32_t>() + t * K, K, sc, E);
                         std::printf("  control: '%s' with the best selected expert of token %lld swapped for the worst:\n",
                                     n.name.c_str(), (long long)t);
-                        const route_verdict cv = route_check(n, rc, bad_ids, h, h, gate, bias, n.name + "/control");
+                        const near_tie_verdict cv = route_check(n, rc, bad_ids, h, h, gate, bias, n.name + "/control");
                         const bool cok = !flips || cv.decided > 0;
                         std::printf("  control: %s\n", !flips ? "skipped (all scores equal)"
                                                                : cok ? "decided, FAILS as it must" : "ACCEPTED: the near-tie rule is broken");
@@ -478,15 +488,7 @@ int run_compare(const opts & o) {
                     const tensor & hg = have_g ? gkeep.at(hr.node).at(size_t(hr.out)) : hc;
                     const tensor & gate = *gg.nodes[size_t(n.src.at(1).node)].leaf;
                     const tensor * bias = n.src.size() > 2 && n.src[2].valid() ? gg.nodes[size_t(n.src[2].node)].leaf : nullptr;
-                    const route_verdict v = route_check(n, ref[size_t(id)].at(k), outs[k], hc, hg, gate, bias, n.name);
-                    std::printf("  node %d '%s' (MOE_ROUTE): %lld exact mismatches in %lld tokens: %lld near ties accepted, %lld "
-                                "decided (max gap %.3e, max bound %.3e)\n", id, n.name.c_str(), (long long)d.mismatches,
-                                (long long)v.tokens, (long long)v.ties, (long long)v.decided, v.max_gap, v.max_bound);
-                    if (v.decided == 0 && v.ties > 0) {
-                        bad = false;
-                        n_ties += v.ties;
-                        if (tie_at.empty()) tie_at = fmt::format("step {} '{}'", step, n.name);
-                    }
+                    settle(route_check(n, ref[size_t(id)].at(k), outs[k], hc, hg, gate, bias, n.name), d.mismatches);
                 }
                 if (bad && !tie_at.empty()) {   // downstream of a flipped near tie: printed, not held to --tol
                     if (o.all)
