@@ -2,6 +2,7 @@
 # session 8, call G: compare-backends after its near-tie bookkeeping was shared between INDEXER_TOPK and MOE_ROUTE (one
 # verdict type, one control helper, one settle step): every model at 300 and 70 tokens as in session 7 call E (which
 # found the router near tie on models/k31-default at 300 tokens), the controls' lines and the near-tie lines kept.
+# (the control count first used bc, absent on the GPU machine; wc -l replaced it after the call)
 set -u
 source tools/gpu/calls/common.sh   # unpack, paths, run()
 mkdir -p /tmp/pg-models; for p in k3-tiny k31-tiny kimi-linear-tiny; do $B/perigee synth --preset $p --out /tmp/pg-models/$p > /dev/null 2>&1; done
