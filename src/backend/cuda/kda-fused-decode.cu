@@ -91,19 +91,21 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     }
     const float a_exp = expf(wload(a.a_log, h));
     const float dtb = tid < kD ? wload(a.dt_bias, int64_t(h) * kD + tid) : 0.0f;
+    // the gate's dt_bias of the thread's low-rank row (read per token on the f_b path: a memory round trip between the
+    // first barrier and the gate when it was loaded there)
+    const float dtb_row = a.f_b && rp == 0 ? wload(a.dt_bias, int64_t(h) * kD + row) : 0.0f;
     const float onw = tid < kD ? wload(a.o_norm, tid) : 0.0f;
-    // The head's state (64 KB at KD 128) into L2 too (one 128-byte line per thread). A prefetch returns no data, so it cannot
-    // read a stale value. b.slot is read before the wait: it was written by the step's batch upload, a copy that completed
-    // before the step's first kernel began (copies are not programmatic launches); and this grid starts only once every
-    // block of its predecessor has triggered, which every launch_k kernel does only after its own wait (pdl_enter), so
-    // all kernels before the predecessor have completed too. No kernel writes b.slot.
-    if (tid < kD * kD / 32) prefetch_l2(reinterpret_cast<const char *>(a.state + (int64_t(b.slot[s]) * H + h) * kD * kD) + 128 * tid);
-
-    pdl_enter();
-
-    // ---- state: S rows [d0, d0 + 8) x columns [e, e + 4) of the thread's tile (k_kda_scan_v2's layout) ----
+    // The head's state and the conv histories, read before the wait too (into registers, not only into L2 as the first
+    // form did: the conv history's round trip to HBM came after the wait). They were last written by this layer's tail
+    // in an EARLIER step, i.e. by a kernel that completed before this one's predecessor began: this grid starts only
+    // once every block of its predecessor has triggered, which every launch_k kernel does only after its own wait
+    // (pdl_enter), so all kernels before the predecessor have completed (graph replays and runs follow one another on
+    // the stream). b.slot likewise: written by the step's batch upload, a copy that completed before the step's first
+    // kernel began (copies are not programmatic launches). No kernel of the step writes the state, the conv histories
+    // or b.slot before this one.
     const int tile = warp >> 2, wl = warp & 3, cq = lane & 7, rl = lane >> 3;
     const int d0 = (wl * 4 + rl) * kRows, e = tile * 32 + 4 * cq;
+    // ---- state: S rows [d0, d0 + 8) x columns [e, e + 4) of the thread's tile (k_kda_scan_v2's layout) ----
     float4 * S = reinterpret_cast<float4 *>(a.state + ((int64_t(b.slot[s]) * H + h) * kD) * kD + e);
     float4 r[kRows];
 #pragma unroll
@@ -114,6 +116,9 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     float win[kConvW - 1];
 #pragma unroll
     for (int j = 0; j < kConvW - 1; ++j) win[j] = part < 3 ? hist[j] : 0.0f;
+
+    pdl_enter();
+
     const float * xin = part == 0 ? a.q : part == 1 ? a.k : a.v;
     float * yconv = part == 0 ? a.y_q : part == 1 ? a.y_k : a.y_v;
     float * ynorm = part == 0 ? a.y_qn : a.y_kn;
@@ -164,7 +169,7 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
             const float f = lowrank_row(wf, nf, rp, s_fa);
             if (rp == 0) {
                 a.y_f[hrow + row] = f;
-                const float g = kda_gate_value_d(a_exp, f + wload(a.dt_bias, int64_t(h) * kD + row), a.lower_bound);
+                const float g = kda_gate_value_d(a_exp, f + dtb_row, a.lower_bound);
                 a.y_g[hrow + row] = g;
                 s_g[row] = g;
             }
