@@ -1,8 +1,11 @@
 // Pieces the tensor-core experts v3 (moe-mma.cu) and v4 (moe-wgmma.cu) share: the bf16 hi + lo split of activations,
-// the row stride of a block's scale copy, and that copy.
+// the row stride of a block's scale copy, that copy, and the host side of their two stages.
 #pragma once
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
+#include "backend/cuda/smem-attr.cuh"
+
+#include <algorithm>
 
 namespace perigee::cuda {
 
@@ -40,6 +43,45 @@ __device__ __forceinline__ void mma_copy_scales(unsigned char * Ssm, int64_t sld
         else
             for (int i = 0; i < 16; ++i) dst[i] = src[i];
     }
+}
+
+// ---- host: the two stages of a version over activation planes ----
+// V, the version's traits (a struct in its .cu file): V::kern<NM> (the kernel; NM 2: gate/up writing h's planes, NM 1:
+// down writing y), V::split (x -> bf16 hi + lo planes, in the order the version's kernels read them), V::rows (weight
+// rows of a block at NM 1; NM 2 takes rows / 2 of gate and of up), V::threads, V::max_smem (the opt-in limit) and
+// V::smem(K) (one launch's dynamic shared memory for K columns).
+
+// One stage: grid (blocks of rows / NM rows, A active experts), dynamic shared memory V::smem(K).
+template <typename V, int NM>
+cudaError_t mma_stage(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t ldx, int64_t k_div, int64_t K,
+                      const dexpert * experts, int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min,
+                      bool xsplit, __nv_bfloat16 * oh, __nv_bfloat16 * ol, float * of32, cudaStream_t st) {
+    constexpr auto kern = V::template kern<NM>;
+    const cudaError_t attr = smem_attr<kern>(size_t(V::max_smem));
+    if (attr != cudaSuccess) return attr;
+    constexpr int BN = V::rows / NM;
+    const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
+    return launch_k(kern, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), V::threads, size_t(V::smem(K)), st, xh, xl, ldx,
+                    k_div, experts, A, S, gw, c, n_min, xsplit, oh, ol, of32);
+}
+
+// x's planes in ybuf's memory (the down stage overwrites ybuf only after gate/up has read them), h's planes in hbuf's;
+// the split, gate/up, down. S = T k slots.
+template <typename V>
+cudaError_t mma_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
+                       const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st, int n_min,
+                       bool xsplit) {
+    const int64_t T = S / k;
+    auto * xh = reinterpret_cast<__nv_bfloat16 *>(ybuf);
+    auto * xl = xh + T * Din;
+    auto * hh = reinterpret_cast<__nv_bfloat16 *>(hbuf);
+    auto * hl = hh + S * c.d_ff;
+    const int64_t n4 = T * Din / 4;
+    cudaError_t e = launch_k(V::split, unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, st, x, T * Din, xsplit,
+                             xh, xl);
+    if (e == cudaSuccess) e = mma_stage<V, 2>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
+    if (e == cudaSuccess) e = mma_stage<V, 1>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
+    return e;
 }
 
 } // namespace perigee::cuda

@@ -411,18 +411,14 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     }
 }
 
-template <int NM>
-cudaError_t launch_mma4(const __nv_bfloat16 * xh, const __nv_bfloat16 * xl, int64_t ldx, int64_t k_div, int64_t K,
-                        const dexpert * experts, int64_t A, int64_t S, const int32_t * gw, const dexperts_cfg & c, int n_min,
-                        bool xsplit, __nv_bfloat16 * oh, __nv_bfloat16 * ol, float * of32, cudaStream_t st) {
-    constexpr auto kern = k_moe_mma4<NM>;
-    const cudaError_t attr = smem_attr<kern>(size_t(k_m4_max_smem));
-    if (attr != cudaSuccess) return attr;
-    constexpr int BN = k_m4_rows / NM;
-    const int64_t rows = NM == 2 ? c.d_ff : c.d_out;
-    return launch_k(kern, dim3(unsigned((rows + BN - 1) / BN), unsigned(A)), k_m4_threads, size_t(m4_smem(K)), st, xh, xl, ldx,
-                    k_div, experts, A, S, gw, c, n_min, xsplit, oh, ol, of32);
-}
+// v4's traits for mma_stages (moe-mma-blocks.cuh).
+struct mma4_traits {
+    template <int NM> static constexpr auto kern = k_moe_mma4<NM>;
+    static constexpr auto split = k_split_planes4;
+    static constexpr int rows = k_m4_rows, threads = k_m4_threads;
+    static constexpr int64_t max_smem = k_m4_max_smem;
+    static constexpr int64_t smem(int64_t K) { return m4_smem(K); }
+};
 
 } // namespace
 
@@ -431,21 +427,10 @@ bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c
            m4_smem(c.d_ff) <= k_m4_max_smem;
 }
 
-// x's planes in ybuf's memory (the down stage overwrites ybuf only after gate/up has read them), h's planes in hbuf's.
 cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                                    const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
                                    int n_min, bool xsplit) {
-    const int64_t T = S / k;
-    auto * xh = reinterpret_cast<__nv_bfloat16 *>(ybuf);
-    auto * xl = xh + T * Din;
-    auto * hh = reinterpret_cast<__nv_bfloat16 *>(hbuf);
-    auto * hl = hh + S * c.d_ff;
-    const int64_t n4 = T * Din / 4;
-    cudaError_t e = launch_k(k_split_planes4, unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, st, x, T * Din, xsplit,
-                             xh, xl);
-    if (e == cudaSuccess) e = launch_mma4<2>(xh, xl, Din, k, Din, experts, A, S, gw, c, n_min, xsplit, hh, hl, nullptr, st);
-    if (e == cudaSuccess) e = launch_mma4<1>(hh, hl, c.d_ff, 1, c.d_ff, experts, A, S, gw, c, n_min, xsplit, nullptr, nullptr, ybuf, st);
-    return e;
+    return mma_stages<mma4_traits>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
 }
 
 } // namespace perigee::cuda
