@@ -717,37 +717,32 @@ void dry_fusions(const graph & g) {
         n_launch += n.op != op_type::WEIGHT && n.op != op_type::STATE && n.op != op_type::IDS;
     }
     std::printf("  B=1 graph: %d launching nodes; %d LINEAR, %d RMS_NORM, %d ADD\n", n_launch, n_lin, n_norm, n_add);
-    {   // fuse_kda_decode off -> on (on by default since session 5)
+    // the plans with one switch off and on, every other option at its default
+    const auto off_on = [&](bool cuda_options::*sw) {
         cuda_options co;
-        co.fuse_kda_decode = false;
-        const int saved0 = cuda_fuse::plan_fusions(g, co).launches_saved();
-        co.fuse_kda_decode = true;
-        const auto p = cuda_fuse::plan_fusions(g, co);
+        co.*sw = false;
+        auto p0 = cuda_fuse::plan_fusions(g, co);
+        co.*sw = true;
+        return std::make_pair(std::move(p0), cuda_fuse::plan_fusions(g, co));
+    };
+    {   // fuse_kda_decode off -> on (on by default since session 5)
+        const auto [p0, p] = off_on(&cuda_options::fuse_kda_decode);
         std::printf("  fuse_kda_decode off -> on: %d KDA decode tails folded, %d node launches (%d fewer than with it off)\n",
-                    p.kda_decodes, n_launch - p.launches_saved(), p.launches_saved() - saved0);
+                    p.kda_decodes, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
     }
     {   // moe_shared_slot on vs off (on by default since session 6): the shared expert as a slot of the routed experts' launch
-        cuda_options co;
-        co.moe_shared_slot = false;
-        const auto p0 = cuda_fuse::plan_fusions(g, co);
-        co.moe_shared_slot = true;
-        const auto p = cuda_fuse::plan_fusions(g, co);
+        const auto [p0, p] = off_on(&cuda_options::moe_shared_slot);
         std::printf("  moe_shared_slot off -> on: %d shared experts folded into MOE_EXPERTS (%d node launches), norms folded"
                     " %d -> %d, adds folded %d -> %d, LINEARs grouped %d -> %d: %d node launches (%d fewer than with it"
                     " off)\n",
                     p.moe_shareds, p.moe_shared_launches, p0.norms, p.norms, p0.adds, p.adds, p0.linear_grouped,
                     p.linear_grouped, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
     }
-    {   // fuse_norm_route off -> on: the router logits as a segment of the norm's launch
-        cuda_options co;
-        co.fuse_norm_route = false;
-        const auto p0 = cuda_fuse::plan_fusions(g, co);
-        co.fuse_norm_route = true;
-        const auto p = cuda_fuse::plan_fusions(g, co);
-        std::printf("  fuse_norm_route off -> on: %d router GEMVs folded into a norm's launch of LINEARs (%d launches of"
-                    " routers only), norms folded %d -> %d: %d node launches (%d fewer than with it off)\n",
-                    p.routes, p.route_only, p0.norms, p.norms, n_launch - p.launches_saved(),
-                    p.launches_saved() - p0.launches_saved());
+    {   // fuse_norm_route off -> on (on by default since session 8): the router logits as a segment of the norm's launch
+        const auto [p0, p] = off_on(&cuda_options::fuse_norm_route);
+        std::printf("  fuse_norm_route off -> on: %d router GEMVs folded into a norm's launch of LINEARs, norms folded %d -> %d:"
+                    " %d node launches (%d fewer than with it off)\n",
+                    p.routes, p0.norms, p.norms, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
     }
     struct pass { const char * label; bool group, norm, add, conv = false, sig = false; };
     int base = -1;

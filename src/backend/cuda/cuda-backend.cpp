@@ -1132,7 +1132,8 @@ private:
                     break;
                 }
                 PG_CHECK(fplan_.route_by.empty() || fplan_.route_by[size_t(id)] < 0,
-                         "MOE_ROUTE planned into a norm's launch but its logits were not computed");
+                         "MOE_ROUTE '{}': planned into the launch of norm '{}' but its logits were not computed", n.name,
+                         g.nodes[size_t(fplan_.route_by[size_t(id)])].name);
                 if (opt_.moe_route_gemm_tokens > 0 && x.shape.at(0) >= opt_.moe_route_gemm_tokens &&
                     (w_in(n, 1).type == wtype::BF16 || w_in(n, 1).type == wtype::F32)) {   // prefill: logits by one GEMM
                     const int64_t T = x.shape.at(0), D = x.shape.at(1);

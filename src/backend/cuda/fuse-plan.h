@@ -123,12 +123,10 @@ struct plan {
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
     std::vector<int> route_by;       // per MOE_ROUTE node: the RMS_NORM whose launch computes its logits (-1: its own GEMV)
     int routes = 0;                  // router GEMV launches folded into a norm's launch (their logits one more segment)
-    int route_only = 0;              // groups of routes only in such launches (another dtype): each one more launch
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
     int launches_saved() const {
-        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes -
-               route_only;
+        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes;
     }
 };
 
@@ -338,11 +336,18 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                     same(m.src[0], node_ref{int(i), 0}) && K == xs[1])
                     lins.push_back(j);
             }
-            // fuse_norm_route: a router joins a launch of LINEARs only. Alone with the norm (the 48B post-attention norm)
-            // it measured neutral (session 8 call D: 48B B=1 2.385 -> 2.389 ms), the K3 form (with the shared gate/up)
-            // paid: k3-layers-4 2.466 -> 2.421 ms.
-            if (std::none_of(lins.begin(), lins.end(), [&](int j) { return g.nodes[size_t(j)].op == op_type::LINEAR; }))
-                lins.clear();
+            // fuse_norm_route: a router joins a launch of LINEARs of its gate's dtype only (one launch fewer). Alone with
+            // the norm (the 48B post-attention norm) it measured neutral (session 8 call D: 48B B=1 2.385 -> 2.389 ms);
+            // the K3 form (with the shared gate/up) paid: k3-layers-4 2.466 -> 2.421 ms.
+            const auto wdtype = [&](int j) { return g.at(g.nodes[size_t(j)].src[1]).leaf->type; };
+            lins.erase(std::remove_if(lins.begin(), lins.end(),
+                                      [&](int j) {
+                                          return g.nodes[size_t(j)].op == op_type::MOE_ROUTE &&
+                                                 std::none_of(lins.begin(), lins.end(), [&](int l) {
+                                                     return g.nodes[size_t(l)].op == op_type::LINEAR && wdtype(l) == wdtype(j);
+                                                 });
+                                      }),
+                       lins.end());
             if (lins.empty()) continue;
             // the staged prologue holds min(T, 8) rows of x' in shared memory (linear.cu); past that, keep the norm
             if (o.fuse_norm_staged && (std::min<int64_t>(xs[0], 8) * xs[1] * 4 > k_norm_stage_max || xs[1] % 4 != 0)) {
@@ -360,16 +365,13 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             }
             p.at[i].norm = int(i);
             p.at[i].groups = groups_of(lins);
-            for (auto & gr : p.at[i].groups) {
+            for (auto & gr : p.at[i].groups) {   // every group holds a LINEAR (routes join their dtype's group only)
                 int n_lin = 0;
                 for (auto & sg : gr) {
                     sg.route = g.nodes[size_t(sg.linear)].op == op_type::MOE_ROUTE;
                     n_lin += !sg.route;
                 }
-                // launches saved: the LINEARs grouped beyond the first; a group of routes only (a gate dtype no LINEAR
-                // of the norm has) is a launch of its own
-                p.linear_grouped += n_lin > 0 ? n_lin - 1 : 0;
-                p.route_only += n_lin == 0;
+                p.linear_grouped += n_lin - 1;   // launches saved: the LINEARs grouped beyond the first
             }
             for (int j : lins) {
                 if (g.nodes[size_t(j)].op == op_type::MOE_ROUTE) {

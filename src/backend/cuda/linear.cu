@@ -260,10 +260,6 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
 // norm launch otherwise). The norm's output yn is the staged x', written by all blocks (slices of TT * in).
 static_assert(k_gemv_norm_stage_max + 8 * (k_gemv_warps + 1) * 4 <= 48 * 1024,
               "the staged x' and the static reduction scratch must fit 48 KiB (no dynamic-smem opt-in)");
-// The staged-norm prologue (k_linear_gemv_norm_staged, the v2 and v3 staged kernels): the block reduces x^2 over each
-// token's row, writes x' = (x * inv) * nw (the norm kernel's order) into xs [TT, in] (shared memory), then its slice of
-// the norm's output yn (blocks b, b + gridDim, ... of NT elements). Every thread of the block calls it; xs is complete
-// and the block synchronized when it returns.
 // Loads in flight per thread in the prologue: k_stage_batch float4s of x per round, 4 x k_stage_batch floats of nw (one
 // round for a 2304-wide row, two for 7168). Why (session 8): the first form's loops waited for each load before the next
 // (9 dependent loads of nw per thread for the 48B's 2304-wide rows, from HBM: the weights leave L2 every step).
@@ -275,6 +271,10 @@ __device__ __forceinline__ void stage_norm_prefetch(const float * nw, int64_t in
         prefetch_l2_bulk(nw, uint32_t(in * 4));
 }
 
+// The staged-norm prologue (k_linear_gemv_norm_staged, the v2 and v3 staged kernels): the block reduces x^2 over each
+// token's row, writes x' = (x * inv) * nw (the norm kernel's order) into xs [TT, in] (shared memory), then its slice of
+// the norm's output yn (blocks b, b + gridDim, ... of NT elements). Every thread of the block calls it; xs is complete
+// and the block synchronized when it returns.
 template <int TT>
 __device__ __forceinline__ void stage_norm(const float * __restrict__ x, int64_t in, const float * __restrict__ nw, float eps,
                                            float * xs, float * __restrict__ yn) {

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <optional>
 
 namespace perigee::test {
 namespace {
@@ -1262,7 +1263,8 @@ struct route_graph {
     graph g;
     node_ref h, ids, w, lin, after;
 };
-void build_route_graph(route_graph & rg, int T, int D, int E, dtype gt, bool with_lin, float eps, uint32_t seed) {
+void build_route_graph(route_graph & rg, int T, int D, int E, dtype gt, bool with_lin, float eps, uint32_t seed,
+                       std::optional<dtype> lt = std::nullopt) {   // lt: the LINEAR's weight dtype (default: the gate's)
     rng r(seed);
     builder bd(batch_simple(T));
     auto xv = r.vec(size_t(T) * size_t(D), -0.5f, 0.5f), nwv = r.vec(size_t(D), 0.8f, 1.2f);
@@ -1275,7 +1277,7 @@ void build_route_graph(route_graph & rg, int T, int D, int E, dtype gt, bool wit
     auto [ids, w] = bd.moe_route(rg.h, gate, bias, {8, 8, 4, true, 2.446f, router_act::SIGMOID});
     rg.ids = bd.name(ids, "moe_route");
     rg.w = w;
-    if (with_lin) rg.lin = bd.name(bd.linear(rg.h, bd.weight(rg.a.typed(gt, {96, D}, lv), "w_lin")), "lin");
+    if (with_lin) rg.lin = bd.name(bd.linear(rg.h, bd.weight(rg.a.typed(lt.value_or(gt), {96, D}, lv), "w_lin")), "lin");
     rg.after = bd.name(bd.scale(rg.h, 0.5f), "h_after");
     node_ref acc = bd.add(bd.cols(rg.after, 0, 8), bd.cols(rg.w, 0, 8));
     if (with_lin) acc = bd.add(acc, bd.cols(rg.lin, 0, 8));
@@ -1335,7 +1337,7 @@ TEST(cuda_fuse, norm_into_router) {
 }
 
 // The planner (no GPU): with fuse_norm_route the route folds into the norm's launch of LINEARs (one group of the gate's
-// dtype: one launch fewer), and is refused without a LINEAR to join, when the backend would not take the
+// dtype: one launch fewer), and is refused without a LINEAR (of the gate's dtype) to join, when the backend would not take the
 // GEMV-then-selection path (one-launch routes on, route_fast off, T past gemv_max_tokens, the prefill GEMM router's
 // threshold), or with the rule or fuse_norm_linear off.
 TEST(cuda_fuse, planner_norm_route) {
@@ -1352,10 +1354,20 @@ TEST(cuda_fuse, planner_norm_route) {
             for (const auto & gr : L.groups)
                 if (gr.size() == 2)
                     for (const auto & sg : gr) in_group |= sg.route && sg.linear == rid;
-        const bool ok = p.routes == 1 && p.route_only == 0 && in_group && p0.norms == 1 && p.norms == 1 &&
+        const bool ok = p.routes == 1 && in_group && p0.norms == 1 && p.norms == 1 &&
                         p.route_by[size_t(rid)] >= 0 && p.done_by[size_t(rid)] < 0 && p0.routes == 0 &&
                         p.launches_saved() == p0.launches_saved() + 1;
         std::printf("[planner_norm_route/with a LINEAR] %s\n", ok ? "one group of two segments: PASS" : "FAIL");
+        EXPECT_TRUE(ok);
+        tally(ok);
+    }
+    {   // the router's gate BF16, the norm's only LINEAR F32: no launch of its dtype to join; the norm still folds
+        route_graph rg;
+        build_route_graph(rg, 1, 2304, 256, dtype::BF16, true, 1e-5f, 11, dtype::F32);
+        const auto p = cuda_fuse::plan_fusions(rg.g, route_opts(true));
+        const bool ok = p.routes == 0 && p.route_by[size_t(rg.ids.node)] < 0 && p.norms == 1;
+        std::printf("[planner_norm_route/refusal: no LINEAR of the gate's dtype (the norm folds alone)] %s\n",
+                    ok ? "not folded: PASS" : "FOLDED: FAIL");
         EXPECT_TRUE(ok);
         tally(ok);
     }

@@ -1541,6 +1541,12 @@ TEST(cuda_moe, decode_bf16_shared_direct) {
             std::printf("[%s/prefetch] %s\n", nm.c_str(), psame ? "bitwise the run without it: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(psame) << nm << "/prefetch";
             tally(psame);
+            // control of the bitwise comparator used in this test: one element one ulp away must compare unequal
+            auto moved = op.sum;
+            moved[0] = std::nextafter(moved[0], INFINITY);
+            const bool ctl = bitwise(moved, o.sum);
+            EXPECT_FALSE(ctl) << nm << ": the one-ulp control compared equal";
+            tally(!ctl);
         }
         // invalid routed ids: flagged; the shared outputs do not depend on them (bitwise)
         const outs ob = run(bad, bcfg, sh, true);
