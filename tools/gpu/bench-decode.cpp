@@ -14,6 +14,7 @@
 // Timings: host wall clock around N launches + one sync (graph) or N runs (eager), after warm-up; median of 3 reps.
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/fuse-plan.h"
+#include "kernel-timeline.h"
 #include "core/error.h"
 #include "loader/checkpoint.h"
 #include "model/config.h"
@@ -326,6 +327,7 @@ struct opts {
     int moe_v5 = -1;   // --moe-v5 0|1: cuda_options::moe_decode_v5 for every pass and the profile (-1: the default); pass "dec-v5-off"/"dec-v5" flips the default
     int prefill_fast = -1;   // --prefill-fast N: cuda_options::moe_route_gemm_tokens = mla_prefill_tokens = conv_prefill_tokens = attn_res_prefill_tokens = N in every prefill pass and the profile (-1: the defaults)
     int pdl = -1;   // --pdl 0|1: cuda_options::pdl for every pass (-1: the default) + the pass "pdl-off"/"pdl-on" that flips it
+    int timeline = 0;   // --timeline N: CUPTI kernel records of N graph replays per batch size (pass 0), kernel-timeline.h
     bool dry = false;   // no GPU: write the sparse model, load it, build the B=1 graph (checks this machine's half)
     std::vector<std::pair<std::string, int>> sets;   // --set name=value,...: cuda_options fields for every pass (after the others)
 };
@@ -486,6 +488,11 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
                 be->replay(o.steps);
                 return (now_ms() - a) / o.steps;
             }, 3);
+            if (o.timeline > 0 && pass == 0) {   // two replays more, dropped: the first traced launches pay CUPTI's setup
+                timeline::start();
+                be->replay(o.timeline + 2);
+                timeline::report(stdout, timeline::stop(), 2, gms, preset + " B=" + std::to_string(B));
+            }
             const double gb = sb.total() / 1e9;
             const double floor_ms = sb.total() / (bw_gbs * 1e9) * 1e3;
             std::printf("%-16s %-10s %5d %10.3f %10.3f %10.1f %11.3f %9.0f %7.1f%%\n", preset.c_str(),
@@ -832,6 +839,7 @@ int main(int argc, char ** argv) {
         else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
         else if (a == "--prefill-fast") o.prefill_fast = std::stoi(val());
         else if (a == "--pdl") o.pdl = std::stoi(val());
+        else if (a == "--timeline") o.timeline = std::stoi(val());
         else if (a == "--set") {   // name=value[,name=value...]
             std::string v = val(), item;
             std::stringstream ss(v);
@@ -844,12 +852,13 @@ int main(int argc, char ** argv) {
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--set name=value,...] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--moe-v5 0|1] [--pdl 0|1] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--moe-v5 0|1] [--pdl 0|1] [--timeline N (CUPTI kernel records of N graph replays)] [--dry]\n");
             return 2;
         }
     }
     try {
         { cuda_options probe; apply_sets(probe, o); }   // an unknown --set name fails here, before any GPU work
+        PG_CHECK(o.timeline == 0 || timeline::available(), "--timeline: this binary was built without CUPTI");
         if (o.dry) {
             for (const auto & p : o.presets) {
                 const std::string dir = model_dir(p);
