@@ -344,6 +344,8 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "gemv_v3") co.gemv_v3 = v;
         else if (k == "gemv_v3_max_in") co.gemv_v3_max_in = v;
         else if (k == "gemv_v3_min_in") co.gemv_v3_min_in = v;
+        else if (k == "gemv_v2_early") co.gemv_v2_early = v != 0;
+        else if (k == "moe_bf16_early") co.moe_bf16_early = v != 0;
         else if (k == "pdl") co.pdl = v != 0;
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;
@@ -368,6 +370,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "linear_group") co.linear_group = v != 0;
         else if (k == "mla_decode_v2") co.mla_decode_v2 = v != 0;
         else if (k == "mla_decode_v3") co.mla_decode_v3 = v != 0;
+        else if (k == "mla_attn_v4") co.mla_attn_v4 = v != 0;
         else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;

@@ -46,6 +46,12 @@ struct cuda_options {
     int gemv_v3 = 2;
     int gemv_v3_min_in = 2048;
     int gemv_v3_max_in = 2304;
+    // GEMV v2 at one token without the staged norm (what v3 does not take: o_proj, the downs, K3's 7168-wide rows): the
+    // first iteration's weight loads of each block's first tile issued before the PDL wait (linear.cu EARLY; outputs bit
+    // for bit the kernel without). The session-9 kernel timeline (CUPTI, graph step) has the 48B o_proj at 7.5-8 us
+    // exposed for 18.9 MB behind the fused KDA tail while its blocks sit resident ~6 us in their PDL wait. Predicted: 48B
+    // o_proj -2..-3 us per layer (step -0.05..-0.08 ms), k3 small. Off until its H200 run.
+    bool gemv_v2_early = false;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
@@ -108,6 +114,12 @@ struct cuda_options {
     // q_rope and the projections' weights loaded before the PDL wait, key ranges of whole 32-key tiles. false: v2.
     // Predicted (before any run), 48B MLA layer B=1 ctx 1024 isolated ~44 -> ~20 us; graph step 48B -0.10 ms, k3 -0.02 ms.
     bool mla_decode_v3 = true;
+    // MLA_ATTN decode attention v4 (mla.cu "Decode v4"; only with mla_decode_v3, where v3 uses 8-head groups: T < 8):
+    // k_mla_attn_v4, 8 warps per (token, 8 heads) with the 576 score dims and the 512 value columns split over the warps,
+    // instead of v3's 4 warps each walking whole rows for 2 heads (ncu: latency-bound, short-scoreboard stalls, 1.5 warps
+    // per scheduler). Same grid and partials; k_mla_out_v3 unchanged. Predicted (before any run): attention 48B ~19 ->
+    // ~5 us per MLA layer, K3 ~37 -> ~10 us. Off until its H200 run (bench-cuda-decode --set mla_attn_v4=1).
+    bool mla_attn_v4 = false;
     // MLA kv_a split (fuse-plan.h rule 6): COLS -> RMS_NORM (the latent) and COLS (k_rope) of one kv_a output in one
     // launch (mla.cu k_mla_kv_split; the norm bitwise the unfused kernel's): 3 -> 1 launch per MLA layer. Predicted 48B
     // step -0.02 ms (7 layers x 2 launches x ~1.5 us under PDL), k3 ~-0.003 ms.
@@ -165,6 +177,14 @@ struct cuda_options {
     // _direct y bitwise v4's, CPU parity, graph replay = eager, memcheck 0 / racecheck 0; node 38.8 -> 31.3 us (68% -> 84%
     // of copy; gate/up alone 19.8 us = 89%, down + combine 11.8 us); 48B B=1 graph step 2.890 -> 2.789 ms. On.
     bool moe_decode_bf16 = true;
+    // The BF16 decode pair's loads before the PDL wait (moe-bf16-decode.cu `early`; launch_moe_bf16_decode's cfg 100):
+    // the down stage reads ids and issues all its weight loads before its wait (the gate/up launch between it and the
+    // route makes ids complete), and the shared slot (moe_shared_slot) moves to blockIdx.y 0, so its blocks are the ones
+    // resident while the route runs, and does everything but its writes before the wait. Outputs bit for bit the same.
+    // Why: the session-9 kernel timeline (48B graph step) has gate/up 22.4 us exposed (85 MB, floor 20.1) and down 14 us
+    // (42.5 MB, floor 10.0), each starting only after its wait. Predicted 48B -2 us (gate/up) and -1.5 us (down) per MoE
+    // layer: step -0.08..-0.1 ms. Off until its H200 run.
+    bool moe_bf16_early = false;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).

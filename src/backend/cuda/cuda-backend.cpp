@@ -1096,7 +1096,7 @@ private:
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
                                                     state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
                                                     has_sel ? in(n, 5).shape.at(1) : 0, db_, ns, scratch, y, err, st_,
-                                                    opt_.mla_decode_v2, opt_.mla_decode_v3));
+                                                    opt_.mla_decode_v2, opt_.mla_decode_v3, opt_.mla_attn_v4));
                 break;
             }
             case op_type::INDEXER_TOPK: {
@@ -1218,6 +1218,7 @@ private:
                     mo.dec_v5 = opt_.moe_decode_v5;
                     mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0;
                     mo.dec_bf16 = opt_.moe_decode_bf16;
+                    mo.bf16_cfg = opt_.moe_bf16_early ? 100 : 0;
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));
                     break;
@@ -1276,7 +1277,8 @@ private:
 
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
-        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0};
+        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
+                              opt_.gemv_v2_early ? 1 : 0};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
@@ -1624,7 +1626,8 @@ private:
         int * err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
         float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
         PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
-                                                          c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_));
+                                                          c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_,
+                                                          opt_.moe_bf16_early ? 100 : 0));
         ++n_moe_shared_;
     }
 

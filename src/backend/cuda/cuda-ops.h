@@ -92,6 +92,7 @@ struct gemv_cfg {
     int split = 0;
     int v3 = 0;
     int v3_unroll = 0;
+    int early = 0;   // 1: v2 one-token plain GEMVs issue their first weight loads before the PDL wait (linear.cu EARLY)
 };
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
@@ -145,12 +146,15 @@ struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_
 // v3 (cuda_options::mla_decode_v3, only with v2): three launches instead of five (the cache write inside q_absorb's
 // launch, the combine inside the output projection), loads that do not depend on the previous kernel issued before the
 // PDL wait (mla.cu "Decode v3"); c and kr must be 16-byte aligned, else v2 runs.
+// v4 (cuda_options::mla_attn_v4, only with v3): v3 with the attention kernel k_mla_attn_v4 (8 warps per 8-head group,
+// dims split over the warps; mla.cu "Decode v4") where v3 uses 8-head groups (T < 8), else v3's attention.
 bool mla_v2_supported(const mla_shape & d);
 int mla_split_for(int64_t T, const mla_shape & d, bool enabled, bool v2 = false);
 int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split);
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st, bool v2 = false, bool v3 = false);
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2 = false, bool v3 = false,
+                            bool v4 = false);
 // The MLA kv_a split (cuda_options::fuse_mla_kv, fuse-plan.h rule 6): x [T, W] -> cols = x[:, :L], c = RMS_NORM(cols)
 // (w may be absent, eps), kr = x[:, L:] in one launch; c bitwise launch_rms_norm's.
 cudaError_t launch_mla_kv_split(const float * x, int64_t T, int64_t W, int64_t L, dweight w, float eps, float * cols, float * c,
@@ -219,7 +223,9 @@ struct dmoe_opts {
 // moe-bf16-decode.cu: the BF16 decode pair (T == 1; gate/up one warp per (slot, row); down + combine, y bit for bit v4's).
 // Shapes: Din and d_ff 256 NU with NU in {4, 8, 9} (gate/up) / {4, 8} (down), k <= 16, d_out a multiple of 2 (or of 3,
 // k <= 8). cfg: ones digit 1 = gate/up alone, 2 = down + combine alone (benchmarks); tens digit 1 = down R 2 at 3 blocks
-// per SM instead of R 3 at 2.
+// per SM instead of R 3 at 2; hundreds digit 1 = early (cuda_options::moe_bf16_early: the down stage's ids and weight
+// loads before its PDL wait; with the shared slot, that slot on blockIdx.y 0 with all its work but the writes before the
+// wait). Outputs bit for bit the same whatever the digits.
 bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, int cfg = 0);
 // False (nothing launched) when the shape is not supported. hbuf: k * d_ff floats.
 bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,

@@ -940,6 +940,256 @@ cudaError_t mla_v3_attrs() {
     return e;
 }
 
+// ---- Decode v4 attention (cuda_options::mla_attn_v4; with v3, at v3's 8-head groups: T < 8) ----
+// Why v3's attention is slow (Nsight Compute on the H200, K3 widths, ctx 1024, grid 12x17 of 128 threads: 37 us, 143
+// registers, 94 KB dynamic shared memory -> 2 blocks per SM, 1.5 warps active per scheduler, 0.30 eligible, top stall
+// short scoreboard, L1 35%, DRAM 1.5%; on the 48B geometry, grid 4x33 = one 4-warp block per SM, 19 us of the graph
+// step per MLA layer for 2.5 MB): it is latency-bound. Each warp walks its 2 heads over the whole row, ~3.4k dependent
+// instructions per tile (scores: lane = key, 144 float4 steps x 2 heads; values: 32 keys x 2 heads x all 512 columns),
+// with only 4 warps per SM to hide the shared-memory latency.
+// v4, same grid, inputs, pre-wait work and partial format as v3 (k_mla_out_v3 unchanged), 8 warps per block of 8 heads:
+//  * scores: the 576 dims split over the 8 warps (18 float4 each); lane = key, each lane the 8 heads' partial dot products
+//    over its warp's slice (q broadcast from shared memory); partials [warp][head][key] to shared memory, then thread
+//    (head = warp, key = lane) sums the 8 in warp order (deterministic). With dr = 64 the partials live in the rope
+//    columns of the key tile (dead once the scores are read; one barrier more), so shared memory stays at v3's.
+//  * online softmax: warp h owns head h (one warp max + one warp sum per tile, as v3), p [key][head] and the correction
+//    factors to shared memory.
+//  * values: the 512 latent columns split over the 8 warps (a float2 per lane), each lane acc[8 heads][2]; per key one
+//    float2 of the row and the 8 p (two float4 broadcasts), 16 FMAs.
+// Per warp per tile ~18 x (9 loads + 32 FMAs) for the scores and 32 x (3 loads + 16 FMAs) for the values instead of
+// ~3.4k dependent instructions, 8 warps per block instead of 4. fp32; the score summation order differs from v3 (f32
+// tolerance). Predicted (before any run): 48B attention ~19 -> ~5 us per layer, K3 (the ncu geometry) ~37 -> ~10 us.
+constexpr int k_v4_warps = 8;   // warps of the block = heads per block (warp h owns head h's softmax)
+constexpr int k_v4_heads = 8;
+constexpr int k_v4_sp_floats = k_v4_warps * k_v4_heads * k_v2_keys;   // the score partials [warp][head][key]
+
+// The partials fit in the rope columns (and the row pad) of the key tile when each of its 32 rows has 64 floats there.
+__host__ __device__ __forceinline__ bool mla_v4_sp_alias(int S, int L4) { return 4 * (S - L4) * k_v2_keys >= k_v4_sp_floats; }
+
+// Block per (token, group of 8 heads) x key range of kpb keys (a multiple of 32): v3's grid at HPW 2. Shapes as v3.
+// Dynamic shared memory: mla_v4_smem(L, dr).
+__global__ void __launch_bounds__(k_v4_warps * 32, 2) k_mla_attn_v4(
+    const float * __restrict__ q, const float * __restrict__ qlat, const float * __restrict__ c, const float * __restrict__ kr,
+    int64_t H, int64_t dn, int64_t dr, int64_t L, float scale, const float * __restrict__ cache,
+    const int32_t * __restrict__ sel, int64_t topk, dbatch b, int64_t kpb, float * __restrict__ olat,
+    float * __restrict__ part_acc, float * __restrict__ part_ml, int * err) {
+    constexpr int HG = k_v4_heads;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int64_t G = (H + HG - 1) / HG;
+    const int64_t t = blockIdx.x / G, h0 = (blockIdx.x % G) * HG;
+    // ---- before pdl_wait: nothing here is written by q_absorb (the kernel just before) ----
+    const int s = b.tok_seq[t];
+    const int64_t p0 = b.pos0[s], tok0 = b.seq_start[s];
+    const int64_t pos = p0 + t - tok0;
+    const int W = int(L + dr), W4 = W / 4, S = W4 | 1, L4 = int(L / 4);
+    extern __shared__ float4 sm4[];
+    float4 * cs = sm4;                                                     // [k_v2_keys][S] key rows [c | kr]
+    float4 * qs = cs + k_v2_keys * S;                                      // [HG][W4] [q_lat | q_rope] (broadcast reads)
+    float * ps = reinterpret_cast<float *>(qs + HG * W4);                  // [k_v2_keys][HG] p of the tile
+    float * cf = ps + k_v2_keys * HG;                                      // [HG] correction factors of the tile
+    float * ls = cf + HG;                                                  // [HG] running softmax sums
+    const float ** src_c = reinterpret_cast<const float **>(ls + HG);     // [k_v2_keys] latent part, null: masked
+    const float ** src_r = src_c + k_v2_keys;                              // [k_v2_keys] rope part
+    // score partials: row i / 64, column i % 64 of [rows][sp_rs] at sp_base (the tile's rope columns, or their own region)
+    const bool sp_alias = mla_v4_sp_alias(S, L4);
+    float * sp_base = sp_alias ? reinterpret_cast<float *>(cs) + L : reinterpret_cast<float *>(src_r + k_v2_keys);
+    const int sp_rs = sp_alias ? 4 * S : 64;
+    const int64_t n_keys = sel ? topk : pos + 1;
+    const int64_t j0 = int64_t(blockIdx.y) * kpb, j1 = min(n_keys, j0 + kpb);
+    bool bad = false;   // a selected position past the token's own (reported after the wait: no write before it)
+    // q_rope rows of the group
+    const int R4 = W4 - L4;
+    for (int i = threadIdx.x; i < HG * R4; i += blockDim.x) {
+        const int hh = i / R4, cc = i % R4;
+        const int64_t h = h0 + hh;
+        cp_async16_zfill(qs + hh * W4 + L4 + cc, h < H ? q + (t * H + h) * (dn + dr) + dn + 4 * cc : q, h < H ? 16 : 0);
+    }
+    // the row sources of the tile at jt (warp 0), then every warp's cp.async of its rows (as v3)
+    auto issue_tile = [&](int64_t jt) {
+        if (wid == 0) {
+            const int64_t j = jt + lane;
+            const float *rc = nullptr, *rr = nullptr;
+            if (j < j1) {
+                int64_t p = j;
+                if (sel) {
+                    p = sel[t * topk + j];
+                    if (p > pos) {
+                        bad = true;
+                        p = -1;
+                    }
+                }
+                if (p >= p0) {   // a token of this step: its row is not in the cache yet (written beside this kernel)
+                    const int64_t tp = tok0 + p - p0;
+                    rc = c + tp * L;
+                    rr = kr + tp * dr;
+                } else if (p >= 0) {
+                    rc = cache + cache_row(b, s, p) * W;
+                    rr = rc + L;
+                }
+            }
+            src_c[lane] = rc;
+            src_r[lane] = rr;
+        }
+        __syncthreads();
+        for (int r = wid; r < k_v2_keys; r += k_v4_warps) {
+            const float * rc = src_c[r];
+            const float * rr = src_r[r];
+            for (int cc = lane; cc < W4; cc += 32) {
+                const float * src = cc < L4 ? rc + 4 * cc : rr + 4 * (cc - L4);
+                cp_async16_zfill(cs + r * S + cc, rc ? src : cache, rc ? 16 : 0);
+            }
+        }
+    };
+    if (j0 < j1) issue_tile(j0);
+    pdl_wait();
+    pdl_trigger();
+    // ---- after the wait: q_lat ----
+    for (int i = threadIdx.x; i < HG * L4; i += blockDim.x) {
+        const int hh = i / L4, cc = i % L4;
+        const int64_t h = h0 + hh;
+        cp_async16_zfill(qs + hh * W4 + cc, h < H ? qlat + (t * H + h) * L + 4 * cc : qlat, h < H ? 16 : 0);
+    }
+    cp_async_commit_wait_all();
+    __syncthreads();
+    // this warp's dims for the scores (float4 columns [cb, ce)) and latent columns for the values (col, col + 1)
+    const int CW = (W4 + k_v4_warps - 1) / k_v4_warps, cb = min(W4, wid * CW), ce = min(W4, cb + CW);
+    const int col = 2 * (wid * 32 + lane);
+    const bool vcol = col < L;
+    float m = -INFINITY, lsum = 0.0f;   // head h0 + wid (this warp's), the same in every lane
+    float acc[HG][2];
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh) acc[hh][0] = acc[hh][1] = 0.0f;
+    const float4 * ps4 = reinterpret_cast<const float4 *>(ps);
+    for (int64_t jt = j0; jt < j1; jt += k_v2_keys) {
+        if (jt != j0) {
+            __syncthreads();   // the previous tile's readers are done
+            issue_tile(jt);
+            cp_async_commit_wait_all();
+            __syncthreads();
+        }
+        // scores, partial over this warp's dims: lane = key, the 8 heads
+        {
+            float sx[HG], sy[HG], sz[HG], sw[HG];
+#pragma unroll
+            for (int hh = 0; hh < HG; ++hh) sx[hh] = sy[hh] = sz[hh] = sw[hh] = 0.0f;
+            const float4 * cr = cs + lane * S;
+#pragma unroll 2
+            for (int cc = cb; cc < ce; ++cc) {
+                const float4 kv4 = cr[cc];
+#pragma unroll
+                for (int hh = 0; hh < HG; ++hh) {
+                    const float4 qv = qs[hh * W4 + cc];
+                    sx[hh] = fmaf(qv.x, kv4.x, sx[hh]);
+                    sy[hh] = fmaf(qv.y, kv4.y, sy[hh]);
+                    sz[hh] = fmaf(qv.z, kv4.z, sz[hh]);
+                    sw[hh] = fmaf(qv.w, kv4.w, sw[hh]);
+                }
+            }
+            if (sp_alias) __syncthreads();   // every warp has read the rope columns the partials overwrite
+            // partial (warp, head hh) at i = (wid * HG + hh) * 32 + lane: row wid * 4 + hh / 2, column (hh % 2) * 32 + lane
+#pragma unroll
+            for (int hh = 0; hh < HG; ++hh)
+                sp_base[(wid * (HG / 2) + hh / 2) * sp_rs + (hh % 2) * 32 + lane] = (sx[hh] + sy[hh]) + (sz[hh] + sw[hh]);
+        }
+        __syncthreads();
+        // online softmax of head h0 + wid: the 8 partials summed in warp order, lane = key
+        {
+            const bool kv = src_c[lane] != nullptr;
+            const float * spr = sp_base + (wid / 2) * sp_rs + (wid % 2) * 32 + lane;
+            float dot = spr[0];
+#pragma unroll
+            for (int w = 1; w < k_v4_warps; ++w) dot += spr[w * (HG / 2) * sp_rs];
+            const float sc = kv ? dot * scale : -INFINITY;
+            const float mn = fmaxf(m, warp_max(sc));
+            float p = 0.0f, corr = 1.0f;
+            if (mn != -INFINITY) {
+                p = kv ? expf(sc - mn) : 0.0f;
+                corr = expf(m - mn);
+            }
+            lsum = lsum * corr + warp_sum(p);
+            m = mn;
+            ps[lane * HG + wid] = p;
+            if (lane == 0) {
+                cf[wid] = corr;
+                ls[wid] = lsum;
+            }
+        }
+        __syncthreads();
+        // values: this warp's two latent columns, the 8 heads, keys in order
+        if (vcol) {
+            const float4 ca = reinterpret_cast<const float4 *>(cf)[0], cb4 = reinterpret_cast<const float4 *>(cf)[1];
+            const float corr[HG] = {ca.x, ca.y, ca.z, ca.w, cb4.x, cb4.y, cb4.z, cb4.w};
+#pragma unroll
+            for (int hh = 0; hh < HG; ++hh) {
+                acc[hh][0] *= corr[hh];
+                acc[hh][1] *= corr[hh];
+            }
+            const int nk = int(min(int64_t(k_v2_keys), j1 - jt));
+            const float * cbase = reinterpret_cast<const float *>(cs) + col;
+#pragma unroll 4
+            for (int j = 0; j < nk; ++j) {
+                const float2 cv = *reinterpret_cast<const float2 *>(cbase + j * 4 * S);
+                const float4 pa = ps4[2 * j], pb = ps4[2 * j + 1];
+                const float pj[HG] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+                for (int hh = 0; hh < HG; ++hh) {
+                    acc[hh][0] = fmaf(pj[hh], cv.x, acc[hh][0]);
+                    acc[hh][1] = fmaf(pj[hh], cv.y, acc[hh][1]);
+                }
+            }
+        }
+    }
+    if (bad) atomicOr(err + ERR_SEL_RANGE, 1);
+    const int64_t ns = gridDim.y;
+    {   // m, l of this warp's head
+        const int64_t h = h0 + wid;
+        if (h < H && lane == 0) {
+            const int64_t th = t * H + h;
+            if (part_acc) {
+                part_ml[(th * ns + blockIdx.y) * 2] = m;
+                part_ml[(th * ns + blockIdx.y) * 2 + 1] = lsum;
+            } else if (m == -INFINITY && sel) {
+                atomicOr(err + ERR_SEL_RANGE, 1);   // no position selected
+            }
+        }
+    }
+    if (!vcol) return;
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh) {
+        const int64_t h = h0 + hh;
+        if (h >= H) continue;
+        const int64_t th = t * H + h;
+        if (part_acc) {   // unnormalised partial of this key range, merged by k_mla_out_v3
+            *reinterpret_cast<float2 *>(part_acc + (th * ns + blockIdx.y) * L + col) = make_float2(acc[hh][0], acc[hh][1]);
+            continue;
+        }
+        // the head's sum as its warp left it after the last tile (the barrier after the softmax orders it)
+        const float l = j0 < j1 ? ls[hh] : 0.0f;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        *reinterpret_cast<float2 *>(olat + th * L + col) = make_float2(acc[hh][0] * inv, acc[hh][1] * inv);
+    }
+}
+
+size_t mla_v4_smem(int64_t L, int64_t dr) {
+    const int64_t W4 = (L + dr) / 4, S = W4 | 1, L4 = L / 4;
+    const int64_t base = k_v2_keys * S * 16 + k_v4_heads * W4 * 16 + (k_v2_keys * k_v4_heads + 2 * k_v4_heads) * 4 +
+                         2 * k_v2_keys * 8;
+    return size_t(mla_v4_sp_alias(int(S), int(L4)) ? base : base + k_v4_sp_floats * 4);
+}
+// Once (see mla_v2_attrs): the largest dynamic shared memory over the supported shapes (L 512, any dr <= 64).
+cudaError_t mla_v4_attrs() {
+    static const cudaError_t e = [] {
+        size_t mx = 0;
+        for (int64_t dr = 0; dr <= 64; dr += 4) mx = std::max(mx, mla_v4_smem(512, dr));
+        cudaError_t r = cudaFuncSetAttribute(k_mla_attn_v4, cudaFuncAttributeMaxDynamicSharedMemorySize, int(mx));
+        if (r == cudaSuccess)
+            r = cudaFuncSetAttribute(k_mla_attn_v4, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared));
+        return r;
+    }();
+    return e;
+}
+
 template <wtype WT>
 void launch_mla_v3_linears(bool out, const float * x, dweight kv_b, int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv,
                            int64_t L, float * y, const float * c, const float * kr, float * cache, const dbatch & b,
@@ -1035,7 +1285,7 @@ int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split) {
 
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st, bool v2, bool v3) {
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2, bool v3, bool v4) {
     const int64_t T = b.n_tok, H = d.n_head, dn = d.head_dim_nope, dr = d.head_dim_rope, dv = d.head_dim_v,
                   L = d.kv_lora_rank;
     if (T == 0) return cudaGetLastError();
@@ -1055,8 +1305,17 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
         launch_mla_v3_linears_any(false, q, kv_b, T, H, dn, dr, dv, L, qlat, c, kr, cache, b, nullptr, nullptr, 0, sel, err, st);
         const int hpw = mla_v2_hpw(T);
         const int64_t hg = int64_t(k_v2_warps) * hpw, G = (H + hg - 1) / hg;
-        const size_t smem = mla_v3_smem(hpw, L + dr);
         const dim3 grid(unsigned(T * G), unsigned(ns));
+        if (v4 && hg == k_v4_heads) {   // v4's attention: v3's grid at 8-head groups (T < 8), else v3's
+            const cudaError_t e = mla_v4_attrs();
+            if (e != cudaSuccess) return e;
+            launch_k(k_mla_attn_v4, grid, k_v4_warps * 32, mla_v4_smem(L, dr), st, q, qlat, c, kr, H, dn, dr, L, scale, cache,
+                     sel, topk, b, per * k_v2_keys, olat, part_acc, part_ml, err);
+            launch_mla_v3_linears_any(true, olat, kv_b, T, H, dn, dr, dv, L, o, c, kr, cache, b, part_acc, part_ml, ns, sel, err,
+                                      st);
+            return cudaGetLastError();
+        }
+        const size_t smem = mla_v3_smem(hpw, L + dr);
         const cudaError_t e = hpw == 4 ? mla_v3_attrs<4>() : mla_v3_attrs<2>();
         if (e != cudaSuccess) return e;
         if (hpw == 4) {

@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
                                                                          const int32_t * __restrict__ ids, int k,
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ hbuf,
-                                                                         int * err, dmoe_shared sh) {
+                                                                         int * err, dmoe_shared sh, bool early) {
     if (SH && sh.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {   // weights only (dmoe_shared::prefetch)
         // block x of slot 0: the shared gate and up rows block x of the shared slot reads, and 1 / gridDim.x of down
         const int64_t rb = int64_t(k_bgu_warps) * (256 * NU) * 2;
@@ -83,9 +83,41 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
         const int64_t off = blockIdx.x * chunk;
         if (off < dn) prefetch_l2_bulk(static_cast<const char *>(sh.w.down.w) + off, uint32_t(dn - off < chunk ? dn - off : chunk));
     }
-    pdl_enter();
-    const int j = blockIdx.y;
+    // early (SH only): the shared slot is blockIdx.y 0, the first blocks dispatched, so they are the ones resident while
+    // the route still runs; it reads only x (the route's input: written before the launch before this one, so complete
+    // once this grid runs at all under PDL) and its weights, so all of its work but the writes happens before the wait.
+    const int j = SH && early ? (blockIdx.y == 0 ? k : int(blockIdx.y) - 1) : int(blockIdx.y);
     const bool shared = SH && j == k;
+    if (SH && early && shared) {
+        const int lane = threadIdx.x & 31;
+        const int row = int(blockIdx.x) * k_bgu_warps + int(threadIdx.x >> 5);
+        const uint4 * gp = static_cast<const uint4 *>(sh.w.gate.w) + (row * (32 * NU) + lane);
+        const uint4 * up = static_cast<const uint4 *>(sh.w.up.w) + (row * (32 * NU) + lane);
+        uint4 qg[NU], qu[NU];
+#pragma unroll
+        for (int i = 0; i < NU; ++i) {
+            qg[i] = ld_stream_bf(gp + 32 * i);
+            qu[i] = ld_stream_bf(up + 32 * i);
+        }
+        const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
+        float ag = 0.0f, au = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NU; ++i) {   // x through L2 (__ldcg): never a line an L1 kept from before the write
+            const float4 x0 = __ldcg(xv + 64 * i), x1 = __ldcg(xv + 64 * i + 1);
+            ag += dot8_bf(qg[i], x0, x1);
+            au += dot8_bf(qu[i], x0, x1);
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        pdl_enter();   // nothing written before it
+        if (lane == 0) {
+            sh.gate[row] = ag;
+            sh.up[row] = au;
+            sh.act[row] = c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+        }
+        return;
+    }
+    pdl_enter();
     const int32_t e = shared ? 0 : ids[j];
     if (!shared && (e < 0 || e >= E)) {
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
@@ -136,8 +168,10 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
                                                                                 const float * __restrict__ w, int k,
                                                                                 const dexpert * __restrict__ ex, int64_t E,
                                                                                 dexperts_cfg c, float * __restrict__ y,
-                                                                                dmoe_shared sh) {
-    pdl_enter();
+                                                                                dmoe_shared sh, bool early) {
+    // early: ids (the route's output, complete once this grid runs at all under PDL: the gate/up launch between waited
+    // for it) and every weight load issued before the wait; h (the gate/up output) after it. Arithmetic unchanged.
+    if (!early) pdl_enter();
     __shared__ float part[k_bdn_warps * NS + SH][R];
     const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r0 = int(blockIdx.x) * R;
@@ -147,7 +181,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 #pragma unroll
         for (int s = 0; s < NS; ++s) {
             const int jj = wd + k_bdn_warps * s;
-            const int32_t e = jj < k ? ids[jj] : -1;
+            const int32_t e = jj < k ? __ldcg(ids + jj) : -1;
             ok[s] = e >= 0 && e < E;
             base[s] = ok[s] ? static_cast<const uint4 *>(ex[e].down.w) + (r0 * (32 * NU) + lane) : nullptr;
         }
@@ -160,6 +194,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 #pragma unroll
                     for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i));
             }
+        if (early) pdl_enter();
 #pragma unroll
         for (int s = 0; s < NS; ++s) {
             float acc[R];
@@ -188,6 +223,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int i = 0; i < NU; ++i) q[r][i] = ld_stream_bf(base + (r * (32 * NU) + 32 * i));
+        if (early) pdl_enter();
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -227,16 +263,16 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 // sh: the shared slot when SH (else ignored: a zero dmoe_shared).
 template <int NU, bool SH>
 void launch_bf16_gate_up(const float * x, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E, const dexperts_cfg & c,
-                         float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh) {
+                         float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, bool early) {
     launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(k + SH)), k_bgu_warps * 32, 0, st, x,
-             ids, int(k), ex, E, c, hbuf, err, sh);
+             ids, int(k), ex, E, c, hbuf, err, sh, early);
 }
 
 template <int NU, int R, int NS, int MINB, bool SH>
 void launch_bf16_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh) {
+                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, bool early) {
     launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, unsigned(c.d_out / R), (k_bdn_warps + SH) * 32, 0, st, hbuf, ids, w,
-             int(k), ex, E, c, y, sh);
+             int(k), ex, E, c, y, sh, early);
 }
 
 // Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
@@ -249,10 +285,10 @@ int down_form(int64_t k, int64_t d_out, int cfg) {
 
 template <int NU, bool SH>
 void launch_bf16_down_nu(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh) {
-    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh);
-    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh);
-    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh);
+                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, bool early) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
+    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
 }
 
 // Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false) or with the shared slot.
@@ -261,17 +297,18 @@ void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const f
                       int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st, int cfg,
                       const dmoe_shared & sh) {
     const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
+    const bool early = cfg / 100 % 10 == 1;   // the loads before the PDL wait (cuda_options::moe_bf16_early)
     if (stage != 2) {
         switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh); break;
-            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh); break;
-            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh); break;
+            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early); break;
+            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early); break;
         }
     }
     if (stage != 1) {
         const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh);
-        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early);
+        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early);
     }
 }
 

@@ -1,8 +1,10 @@
-// MLA_ATTN decode kernels v2 (cuda_options::mla_decode_v2; src/backend/cuda/mla.cu "Decode v2") and v3
+// MLA_ATTN decode kernels v2 (cuda_options::mla_decode_v2; src/backend/cuda/mla.cu "Decode v2"), v3
 // (cuda_options::mla_decode_v3, "Decode v3": three launches, loads before the PDL wait, the step's own keys read from
-// c / kr) vs the CPU reference and vs the first kernels (v1), issue 7. Every case runs v1, v2 and v3 (split on; v2 and
-// v3 also with one key range); v3 must also differ bitwise from v2 where several key ranges are merged (its combine
-// normalises before summing), else its kernels did not run.
+// c / kr) and v4 (cuda_options::mla_attn_v4, "Decode v4": v3 with the 8-warp attention k_mla_attn_v4, dims split over
+// the warps; only where v3 uses 8-head groups, T < 8, else it is v3) vs the CPU reference and vs the first kernels (v1),
+// issue 7. Every case runs v1, v2, v3 and v4 (split on; v2, v3 and v4 also with one key range); v3 must also differ
+// bitwise from v2 where several key ranges are merged (its combine normalises before summing), and v4 from v3 where a
+// tile holds several keys (its scores are summed in another order), else their kernels did not run.
 //
 // Same shape as test-ops-cuda (STYLE §3.7): fixed, printed seeds; the CPU backend is the reference; the CUDA backend runs
 // in guard mode; "measured <= threshold" printed on every line; the latent cache compared exactly (the cache write is
@@ -11,11 +13,12 @@
 // sequence, pos0 > 0), head counts that do not fill a head group (4, 12) and that do (8, 32), kv_b in BF16 / F16 / F32,
 // the key split on and off, and the K3.1 selected-positions path (`sel` from INDEXER_TOPK, and a hand-made selection with
 // -1 padding, unordered and duplicated positions, more than one 32-key tile).
-// Controls that must FAIL: the comparator family (10x perturbation, negative threshold); v2 bitwise equal to v1 (must be
-// DIFFERENT: the new kernels ran); v2 against a reference that lost ONE selected key (a dropped key must be visible at
-// this tolerance); a selected position past the token's own position must raise the backend's range error (v1 and v2).
-// A printed timing (reported, not asserted) of the MLA node at the Kimi-Linear-48B (32 heads) and K3 (96 heads) widths,
-// ctx 1024, batch 1 and 64, v1 and v2 in the same run. The run ends with "N passed, N failed".
+// Controls that must FAIL: the comparator family (10x perturbation, negative threshold; v2, v3, v4); v2 bitwise equal
+// to v1, v3 to v2, v4 to v3 (must be DIFFERENT: the new kernels ran); v2, v3 and v4 against a reference that lost ONE
+// selected key (a dropped key must be visible at this tolerance); a selected position past the token's own position
+// must raise the backend's range error (v1 .. v4). A printed timing (reported, not asserted) of the MLA node at the
+// Kimi-Linear-48B (32 heads) and K3 (96 heads) widths, ctx 1024, batch 1 and 64, v1 .. v4 in the same run (v4 is v3 at
+// batch 64). The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/fuse-plan.h"
@@ -45,11 +48,12 @@ bool have_gpu() {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the CUDA parity runner needs the GPU machine"
 
 // ver 1: the first kernels, 2: v2, 3: v3 (mla.cu "Decode v3": cache write inside q_absorb's launch, combine inside the
-// output projection, loads before the PDL wait).
+// output projection, loads before the PDL wait), 4: v3 with the attention k_mla_attn_v4 (mla.cu "Decode v4"; T < 8).
 cuda_options opts(int ver, bool split = true) {
     cuda_options o{true, 8};   // guard mode
     o.mla_decode_v2 = ver >= 2;
     o.mla_decode_v3 = ver >= 3;
+    o.mla_attn_v4 = ver >= 4;
     o.mla_split = split;
     return o;
 }
@@ -223,17 +227,27 @@ TEST(cuda_mla, decode_causal_vs_cpu_v1_v2) {
         const ref_out ref = run_cpu(mc);
         const gpu_out v2 = run_gpu(mc, opts(2)), v2one = run_gpu(mc, opts(2, false)), v1 = run_gpu(mc, opts(1));
         const gpu_out v3 = run_gpu(mc, opts(3)), v3one = run_gpu(mc, opts(3, false));
+        const gpu_out v4 = run_gpu(mc, opts(4)), v4one = run_gpu(mc, opts(4, false));
         EXPECT_TRUE(check_case(nm + "/v2", mc, ref, v2)) << nm;
         EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, v2one)) << nm;
         EXPECT_TRUE(check_case(nm + "/v3", mc, ref, v3)) << nm;
         EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, v3one)) << nm;
+        EXPECT_TRUE(check_case(nm + "/v4", mc, ref, v4)) << nm;
+        EXPECT_TRUE(check_case(nm + "/v4-one-range", mc, ref, v4one)) << nm;
         EXPECT_TRUE(check_case(nm + "/v1", mc, ref, v1)) << nm;
         if (c.d.L == 512) control_differs(nm, v2.o, v1.o);
         // v3's combine sums (f_i / den) acc_i where v2 sums f_i acc_i then divides: with several key ranges the two differ
         // in the last bits, so bitwise equality would mean v3's kernels did not run
         if (c.d.L == 512 && c.T == 1 && pos[0] >= 64) control_differs(nm + "/v3-vs-v2", v3.o, v2.o, "v3", "v2");
+        // v4 sums each score over 8 warp slices where v3 sums 4 interleaved lanes of the whole row: with several keys in
+        // a tile the scores (and so the outputs) differ in the last bits; v4 runs at T < 8 only (8-head groups)
+        if (c.d.L == 512 && c.T < 8 && pos[0] >= 31) {
+            control_differs(nm + "/v4-vs-v3", v4.o, v3.o, "v4", "v3");
+            control_differs(nm + "/v4-one-range-vs-v3", v4one.o, v3one.o, "v4", "v3");
+        }
         if (ci == 6 || ci == 11) controls(nm + "/v2", ref.o, v2.o);
         if (ci == 6 || ci == 13) controls(nm + "/v3", ref.o, v3.o);
+        if (ci == 6 || ci == 13) controls(nm + "/v4", ref.o, v4.o);
     }
 }
 
@@ -245,6 +259,8 @@ TEST(cuda_mla, ragged_chunks_vs_cpu) {
         {k_small, {20, 3}, {2, 0}, 8},
         {k_real8, {5, 1, 9}, {60, 130, 0}, 64},
         {k_real12, {31, 33}, {1, 33}, 16},
+        {k_real8, {3, 2}, {40, 95}, 16},   // T 5 < 8: v4's kernel (8-head groups) on chunks, the step's keys from c / kr
+        {k_small, {4, 1}, {6, 0}, 8},
     };
     int ci = 0;
     for (const cs & c : cases) {
@@ -255,6 +271,8 @@ TEST(cuda_mla, ragged_chunks_vs_cpu) {
         EXPECT_TRUE(check_case(nm + "/v2", mc, ref, run_gpu(mc, opts(2)))) << nm;
         EXPECT_TRUE(check_case(nm + "/v3", mc, ref, run_gpu(mc, opts(3)))) << nm;
         EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, run_gpu(mc, opts(3, false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v4", mc, ref, run_gpu(mc, opts(4)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v4-one-range", mc, ref, run_gpu(mc, opts(4, false)))) << nm;
         EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(1)))) << nm;
     }
 }
@@ -278,6 +296,8 @@ TEST(cuda_mla, selected_by_indexer_vs_cpu) {
         EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, run_gpu(mc, opts(2, false)))) << nm;
         EXPECT_TRUE(check_case(nm + "/v3", mc, ref, run_gpu(mc, opts(3)))) << nm;
         EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, run_gpu(mc, opts(3, false)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v4", mc, ref, run_gpu(mc, opts(4)))) << nm;
+        EXPECT_TRUE(check_case(nm + "/v4-one-range", mc, ref, run_gpu(mc, opts(4, false)))) << nm;
         EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(1)))) << nm;
     }
 }
@@ -302,15 +322,19 @@ TEST(cuda_mla, selected_given_and_controls) {
     build(mc, d, lens, pos0, 64, dtype::BF16, 24001, 2, 0, sel);
     const std::string nm = "mla-sel-given/H8/L512/T2/top45";
     const ref_out ref = run_cpu(mc);
-    const gpu_out v2 = run_gpu(mc, opts(2)), v3 = run_gpu(mc, opts(3));
+    const gpu_out v2 = run_gpu(mc, opts(2)), v3 = run_gpu(mc, opts(3)), v4 = run_gpu(mc, opts(4));
     EXPECT_TRUE(check_case(nm + "/v2", mc, ref, v2)) << nm;
     EXPECT_TRUE(check_case(nm + "/v2-one-range", mc, ref, run_gpu(mc, opts(2, false)))) << nm;
     EXPECT_TRUE(check_case(nm + "/v3", mc, ref, v3)) << nm;
     EXPECT_TRUE(check_case(nm + "/v3-one-range", mc, ref, run_gpu(mc, opts(3, false)))) << nm;
+    EXPECT_TRUE(check_case(nm + "/v4", mc, ref, v4)) << nm;
+    EXPECT_TRUE(check_case(nm + "/v4-one-range", mc, ref, run_gpu(mc, opts(4, false)))) << nm;
     EXPECT_TRUE(check_case(nm + "/v1", mc, ref, run_gpu(mc, opts(1)))) << nm;
     controls(nm + "/v2", ref.o, v2.o);
     controls(nm + "/v3", ref.o, v3.o);
-    {   // control: the reference with ONE selected key dropped (in the second tile) must not pass for v2's output
+    controls(nm + "/v4", ref.o, v4.o);
+    control_differs(nm + "/v4-vs-v3", v4.o, v3.o, "v4", "v3");
+    {   // control: the reference with ONE selected key dropped (in the second tile) must not pass for v2's .. v4's output
         auto dropped = sel;
         int j = 40;
         while (dropped[size_t(j)] < 0) ++j;
@@ -318,8 +342,8 @@ TEST(cuda_mla, selected_given_and_controls) {
         mla_case md;
         build(md, d, lens, pos0, 64, dtype::BF16, 24001, 2, 0, dropped);
         const ref_out rd = run_cpu(md);
-        for (const gpu_out * g : {&v2, &v3}) {
-            const char * vn = g == &v2 ? "v2" : "v3";
+        for (const gpu_out * g : {&v2, &v3, &v4}) {
+            const char * vn = g == &v2 ? "v2" : g == &v3 ? "v3" : "v4";
             const bool pass = check(nm + "/control(" + vn + " vs reference without key " + std::to_string(j) + ")", to_f64(rd.o),
                                     g->o, metric::NMSE, k_tol_f32);
             std::printf("[%s/control(dropped key, %s)] %s (must FAIL)\n", nm.c_str(), vn, pass ? "PASSED" : "FAILED");
@@ -327,7 +351,7 @@ TEST(cuda_mla, selected_given_and_controls) {
             tally(!pass);
         }
     }
-    for (int v : {3, 2, 1}) {   // control: position 71 selected by the token at position 70
+    for (int v : {4, 3, 2, 1}) {   // control: position 71 selected by the token at position 70
         auto bad = sel;
         bad[size_t(topk + 5)] = pos0[1] + 1;
         mla_case mb;
@@ -450,16 +474,18 @@ TEST(cuda_mla, kv_split_fold_vs_cpu) {
 // ---- 5. the switch's default ----
 TEST(cuda_mla, default_is_v3) {
     const cuda_options d;
-    std::printf("[defaults] mla_decode_v2 %d, mla_decode_v3 %d, mla_split %d\n", int(d.mla_decode_v2), int(d.mla_decode_v3),
-                int(d.mla_split));
+    std::printf("[defaults] mla_decode_v2 %d, mla_decode_v3 %d, mla_attn_v4 %d, mla_split %d\n", int(d.mla_decode_v2),
+                int(d.mla_decode_v3), int(d.mla_attn_v4), int(d.mla_split));
     EXPECT_TRUE(d.mla_decode_v2);
     EXPECT_TRUE(d.mla_decode_v3);
+    EXPECT_FALSE(d.mla_attn_v4);   // off until its H200 run
     EXPECT_TRUE(d.fuse_mla_kv);
 }
 
 // ---- 6. timing at the true geometries, ctx 1024 (printed, not asserted) ----
 // The node's GPU time (cuda_options::profile_nodes, best of 3 eager runs after one warm-up), v1 (the current defaults
-// before v2: key split on) and v2 in the same process; v2 also held to v1 at the f32 tolerance on these shapes.
+// before v2: key split on), v2, v3 and v4 in the same process; v2 .. v4 also held to v1 at the f32 tolerance on these
+// shapes.
 double node_time_ms(graph & g, node_ref r, cuda_options opt, std::vector<float> * out) {
     opt.guard = false;
     opt.profile_nodes = true;
@@ -487,22 +513,28 @@ TEST(cuda_mla, timing_true_geometries) {
             build(mc, G.d, std::vector<int>(size_t(B), 1), std::vector<int>(size_t(B), ctx), ps, dtype::BF16,
                   25000 + uint32_t(B) + uint32_t(G.d.H));
             const auto init = snapshot(*mc.cache);
-            std::vector<float> o1, o2, o3;
+            std::vector<float> o1, o2, o3, o4;
             const double t1 = node_time_ms(mc.g, mc.o, opts(1), &o1);
             restore(*mc.cache, init);
             const double t2 = node_time_ms(mc.g, mc.o, opts(2), &o2);
             restore(*mc.cache, init);
             const double t3 = node_time_ms(mc.g, mc.o, opts(3), &o3);
             restore(*mc.cache, init);
-            std::printf("[timing] MLA_ATTN %s H %d ctx %d B %d: v1 %.4f ms, v2 %.4f ms, v3 %.4f ms (v2/v3 %.2fx)\n", G.name,
-                        G.d.H, ctx, B, t1, t2, t3, t2 / t3);
+            const double t4 = node_time_ms(mc.g, mc.o, opts(4), &o4);
+            restore(*mc.cache, init);
+            std::printf("[timing] MLA_ATTN %s H %d ctx %d B %d: v1 %.4f ms, v2 %.4f ms, v3 %.4f ms, v4 %.4f ms%s (v2/v3 %.2fx, "
+                        "v3/v4 %.2fx)\n",
+                        G.name, G.d.H, ctx, B, t1, t2, t3, t4, B < 8 ? "" : " (= v3: 16-head groups)", t2 / t3, t3 / t4);
             const std::string nm = fmt::format("mla-timing/{}/B{}", G.name, B);
             const bool ok = check(nm + "/v2-vs-v1", to_f64(o1), o2, metric::NMSE, k_tol_f32);
             const bool ok3 = check(nm + "/v3-vs-v1", to_f64(o1), o3, metric::NMSE, k_tol_f32);
+            const bool ok4 = check(nm + "/v4-vs-v1", to_f64(o1), o4, metric::NMSE, k_tol_f32);
             EXPECT_TRUE(ok) << nm;
             EXPECT_TRUE(ok3) << nm;
+            EXPECT_TRUE(ok4) << nm;
             tally(ok);
             tally(ok3);
+            tally(ok4);
         }
     }
 }
