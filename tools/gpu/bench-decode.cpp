@@ -344,8 +344,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "gemv_v3") co.gemv_v3 = v;
         else if (k == "gemv_v3_max_in") co.gemv_v3_max_in = v;
         else if (k == "gemv_v3_min_in") co.gemv_v3_min_in = v;
-        else if (k == "gemv_v2_early") co.gemv_v2_early = v != 0;
-        else if (k == "moe_bf16_early") co.moe_bf16_early = v != 0;
+        else if (k == "moe_bf16_early") co.moe_bf16_early = v;
         else if (k == "pdl") co.pdl = v != 0;
         else if (k == "moe_decode_v5") co.moe_decode_v5 = v != 0;
         else if (k == "moe_decode_v6") co.moe_decode_v6 = v != 0;

@@ -46,12 +46,6 @@ struct cuda_options {
     int gemv_v3 = 2;
     int gemv_v3_min_in = 2048;
     int gemv_v3_max_in = 2304;
-    // GEMV v2 at one token without the staged norm (what v3 does not take: o_proj, the downs, K3's 7168-wide rows): the
-    // first iteration's weight loads of each block's first tile issued before the PDL wait (linear.cu EARLY; outputs bit
-    // for bit the kernel without). The session-9 kernel timeline (CUPTI, graph step) has the 48B o_proj at 7.5-8 us
-    // exposed for 18.9 MB behind the fused KDA tail while its blocks sit resident ~6 us in their PDL wait. Predicted: 48B
-    // o_proj -2..-3 us per layer (step -0.05..-0.08 ms), k3 small. Off until its H200 run.
-    bool gemv_v2_early = false;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
@@ -118,8 +112,10 @@ struct cuda_options {
     // k_mla_attn_v4, 8 warps per (token, 8 heads) with the 576 score dims and the 512 value columns split over the warps,
     // instead of v3's 4 warps each walking whole rows for 2 heads (ncu: latency-bound, short-scoreboard stalls, 1.5 warps
     // per scheduler). Same grid and partials; k_mla_out_v3 unchanged. Predicted (before any run): attention 48B ~19 ->
-    // ~5 us per MLA layer, K3 ~37 -> ~10 us. Off until its H200 run (bench-cuda-decode --set mla_attn_v4=1).
-    bool mla_attn_v4 = false;
+    // ~5 us per MLA layer, K3 ~37 -> ~10 us. Measured (session 9 call C, kernel timeline in the graph step, H200):
+    // 48B 18.9 -> 11.6 us per MLA layer (7 layers -51 us), step 2.378 -> 2.324 ms; k3 34.8 -> 20.4 us, step 2.417 ->
+    // 2.403. Less than predicted (still 11.6 us for 2.5 MB): the next lever is in the kernel, not around it. On.
+    bool mla_attn_v4 = true;
     // MLA kv_a split (fuse-plan.h rule 6): COLS -> RMS_NORM (the latent) and COLS (k_rope) of one kv_a output in one
     // launch (mla.cu k_mla_kv_split; the norm bitwise the unfused kernel's): 3 -> 1 launch per MLA layer. Predicted 48B
     // step -0.02 ms (7 layers x 2 launches x ~1.5 us under PDL), k3 ~-0.003 ms.
@@ -183,8 +179,11 @@ struct cuda_options {
     // resident while the route runs, and does everything but its writes before the wait. Outputs bit for bit the same.
     // Why: the session-9 kernel timeline (48B graph step) has gate/up 22.4 us exposed (85 MB, floor 20.1) and down 14 us
     // (42.5 MB, floor 10.0), each starting only after its wait. Predicted 48B -2 us (gate/up) and -1.5 us (down) per MoE
-    // layer: step -0.08..-0.1 ms. Off until its H200 run.
-    bool moe_bf16_early = false;
+    // layer: step -0.08..-0.1 ms. Measured (session 9 call C, kernel timeline, H200): down -2.8 us and gate/up -0.6 us
+    // per layer, but the selection +1.3 us (the shared slot's 9.4 MB stream now runs beside it) and the next GEMV group
+    // +0.9 us: step 2.378 -> 2.344 ms (-0.034); k3 unchanged (MXFP4 experts). On. 2: the down stage's loads only (the
+    // shared slot as before: does the selection get its 1.3 us back?).
+    int moe_bf16_early = 1;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the
     // expert's tokens held in registers (the first kernels: 4 tokens per pass, 168 registers for MXFP4 gate/up).

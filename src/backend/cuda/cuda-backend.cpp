@@ -191,6 +191,8 @@ public:
                      opt.gemv_unroll == 8,
                  "cuda_options::gemv_unroll {} is not one of 0, 1, 2, 4, 8", opt.gemv_unroll);
         PG_CHECK(opt.gemv_v3 >= 0 && opt.gemv_v3 <= 2, "cuda_options::gemv_v3 {} is not one of 0, 1, 2", opt.gemv_v3);
+        PG_CHECK(opt.moe_bf16_early >= 0 && opt.moe_bf16_early <= 2, "cuda_options::moe_bf16_early {} is not one of 0, 1, 2",
+                 opt.moe_bf16_early);
         int n = 0;
         PG_CUDA_CHECK(cudaGetDeviceCount(&n));
         PG_CHECK(device >= 0 && device < n, "cuda device {} does not exist ({} devices)", device, n);
@@ -1218,7 +1220,7 @@ private:
                     mo.dec_v5 = opt_.moe_decode_v5;
                     mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0;
                     mo.dec_bf16 = opt_.moe_decode_bf16;
-                    mo.bf16_cfg = opt_.moe_bf16_early ? 100 : 0;
+                    mo.bf16_cfg = 100 * opt_.moe_bf16_early;
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));
                     break;
@@ -1277,8 +1279,7 @@ private:
 
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
-        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
-                              opt_.gemv_v2_early ? 1 : 0};
+        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
@@ -1627,7 +1628,7 @@ private:
         float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
         PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
                                                           c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_,
-                                                          opt_.moe_bf16_early ? 100 : 0));
+                                                          100 * opt_.moe_bf16_early));
         ++n_moe_shared_;
     }
 

@@ -92,7 +92,6 @@ struct gemv_cfg {
     int split = 0;
     int v3 = 0;
     int v3_unroll = 0;
-    int early = 0;   // 1: v2 one-token plain GEMVs issue their first weight loads before the PDL wait (linear.cu EARLY)
 };
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
@@ -223,9 +222,9 @@ struct dmoe_opts {
 // moe-bf16-decode.cu: the BF16 decode pair (T == 1; gate/up one warp per (slot, row); down + combine, y bit for bit v4's).
 // Shapes: Din and d_ff 256 NU with NU in {4, 8, 9} (gate/up) / {4, 8} (down), k <= 16, d_out a multiple of 2 (or of 3,
 // k <= 8). cfg: ones digit 1 = gate/up alone, 2 = down + combine alone (benchmarks); tens digit 1 = down R 2 at 3 blocks
-// per SM instead of R 3 at 2; hundreds digit 1 = early (cuda_options::moe_bf16_early: the down stage's ids and weight
-// loads before its PDL wait; with the shared slot, that slot on blockIdx.y 0 with all its work but the writes before the
-// wait). Outputs bit for bit the same whatever the digits.
+// per SM instead of R 3 at 2; hundreds digit (cuda_options::moe_bf16_early) 1 = the down stage's ids and weight loads
+// before its PDL wait and, with the shared slot, that slot on blockIdx.y 0 with all its work but the writes before the
+// wait; 2 = the down stage's only. Outputs bit for bit the same whatever the digits.
 bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, int cfg = 0);
 // False (nothing launched) when the shape is not supported. hbuf: k * d_ff floats.
 bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,

@@ -562,54 +562,23 @@ __device__ __forceinline__ void gemv_store(const fused_segs & g, int s, int64_t 
 // tiles b, b + gridDim, ... (the plain grid has one block per tile; the staged grid is at most the resident blocks).
 // STAGED: x' = RMSNorm(x) * nw staged once per block in dynamic shared memory [TT, in] as k_linear_gemv_norm_staged
 // does (same arithmetic), yn written from it; needs in % 4 == 0.
-//
-// EARLY (gemv_cfg::early; one token, no staged norm): the first iteration's weight loads of the block's first tile are
-// issued BEFORE the PDL wait (weights are never written by a kernel of the step) and consumed by that iteration; the
-// arithmetic and its order are unchanged, so the outputs are bit for bit those of the kernel without. Why: the kernel
-// timeline of the 48B graph step (bench/RESULTS.md session 9) has o_proj (2304 x 4096, 18.9 MB, one 4-row tile per
-// block) at 7.5-8 us exposed behind the fused KDA tail, whose 32 blocks leave the other SMs idle: o_proj's blocks are
-// resident ~6 us before the tail ends (PDL) but issue nothing until it does. v3 (which has such early loads) ran o_proj
-// slower (9.8 us: a persistent grid with a second tile per block).
-template <wtype WT, int TT, int U, bool STAGED, bool EARLY>
+template <wtype WT, int TT, int U, bool STAGED>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_v2(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
                      float eps, float * __restrict__ yn) {
-    static_assert(!EARLY || (TT == 1 && !STAGED), "early weight loads: one-token plain GEMVs only");
     constexpr int R = gemv2_rows_per_warp(TT, STAGED);
+    if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
+    pdl_enter();
     constexpr int UC = U / R >= 1 ? U / R : 1;   // chunks per iteration (R * UC loads in flight per lane)
     constexpr int VN = wvec<WT>::n;
     constexpr int CH = 32 * VN;                  // elements of one warp-wide chunk (512 bytes)
+    __shared__ float part[k_gemv_warps][R * TT];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
     const int64_t rows_tile = int64_t(groups) * R;
     const unsigned total = g.start[g.n];
     const bool vec = in % VN == 0;
     const int64_t nch = (in + CH - 1) / CH;
-    uint4 pre[R][UC];   // EARLY: the first iteration's loads of tile blockIdx.x
-    bool pre_ok = false;
-    if constexpr (EARLY) {
-        if (vec && blockIdx.x < total) {
-            int s = 0;
-            while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
-            const int64_t out = g.out[s];
-            const int64_t r0 = int64_t(blockIdx.x - g.start[s]) * rows_tile + int64_t(gi) * R;
-            const int64_t kb = nch * ks / S, ke = nch * (ks + 1) / S;
-#pragma unroll
-            for (int u = 0; u < UC; ++u) {
-                const int64_t c = (kb + u) * CH + int64_t(lane) * VN;
-                const bool ok = kb + u < ke && c < in;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int64_t rb = (r0 + r < out ? r0 + r : out - 1) * in;
-                    pre[r][u] = ok ? wraw_load<WT>(g.w[s], rb + c) : make_uint4(0u, 0u, 0u, 0u);
-                }
-            }
-            pre_ok = true;
-        }
-    }
-    if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
-    pdl_enter();
-    __shared__ float part[k_gemv_warps][R * TT];
     const float * xs = x;
     if constexpr (STAGED) {
         // the first loads of this warp's first tile -> L2 while the block stages x' (R * UC * 512 bytes per warp: ~10 MB
@@ -657,20 +626,12 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
             const int64_t kb = nch * ks / S, ke = nch * (ks + 1) / S;
             for (int64_t k = kb; k < ke; k += UC) {
                 uint4 raw[R][UC];
-                if (EARLY && pre_ok) {   // this block's first tile, first iteration: loaded before the wait
 #pragma unroll
-                    for (int u = 0; u < UC; ++u)
+                for (int u = 0; u < UC; ++u) {
+                    const int64_t c = (k + u) * CH + int64_t(lane) * VN;
+                    const bool ok = k + u < ke && c < in;
 #pragma unroll
-                        for (int r = 0; r < R; ++r) raw[r][u] = pre[r][u];
-                    pre_ok = false;
-                } else {
-#pragma unroll
-                    for (int u = 0; u < UC; ++u) {
-                        const int64_t c = (k + u) * CH + int64_t(lane) * VN;
-                        const bool ok = k + u < ke && c < in;
-#pragma unroll
-                        for (int r = 0; r < R; ++r) raw[r][u] = ok ? wraw_load<WT>(W, rb[r] + c) : make_uint4(0u, 0u, 0u, 0u);
-                    }
+                    for (int r = 0; r < R; ++r) raw[r][u] = ok ? wraw_load<WT>(W, rb[r] + c) : make_uint4(0u, 0u, 0u, 0u);
                 }
 #pragma unroll
                 for (int u = 0; u < UC; ++u) {
@@ -713,7 +674,6 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
                 }
             }
         }
-        pre_ok = false;   // only ever the first tile's (a warp without a chunk of it never used them)
         if (S == 1) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
@@ -773,11 +733,11 @@ int gemv2_split(const int64_t * out, int n, int64_t in, int rows_per_warp, int v
     return best;
 }
 
-template <wtype WT, int TT, int U, bool STAGED, bool EARLY>
+template <wtype WT, int TT, int U, bool STAGED>
 cudaError_t v2_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg & cfg, const float * nw, float eps,
                       float * yn, cudaStream_t st) {
     constexpr int R = gemv2_rows_per_warp(TT, STAGED);
-    const auto kern = k_linear_gemv_v2<WT, TT, U, STAGED, EARLY>;
+    const auto kern = k_linear_gemv_v2<WT, TT, U, STAGED>;
     const int th = k_gemv_warps * 32;
     const int sms = device_sms();
     const size_t smem = STAGED ? size_t(TT) * size_t(in) * 4 : 0;
@@ -807,23 +767,15 @@ cudaError_t v2_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg 
     return cudaGetLastError();
 }
 
-template <wtype WT, int TT, bool STAGED, bool EARLY>
-cudaError_t v2_unroll_e(const float * x, int64_t in, const fused_segs & g, const gemv_cfg & cfg, const float * nw, float eps,
-                        float * yn, cudaStream_t st) {
-    switch (cfg.unroll) {
-        case 1: return v2_launch<WT, TT, 1, STAGED, EARLY>(x, in, g, cfg, nw, eps, yn, st);
-        case 2: return v2_launch<WT, TT, 2, STAGED, EARLY>(x, in, g, cfg, nw, eps, yn, st);
-        case 4: return v2_launch<WT, TT, 4, STAGED, EARLY>(x, in, g, cfg, nw, eps, yn, st);
-        default: return v2_launch<WT, TT, 8, STAGED, EARLY>(x, in, g, cfg, nw, eps, yn, st);
-    }
-}
-// gemv_cfg::early applies to one-token chunks without the staged norm; elsewhere it is ignored.
 template <wtype WT, int TT, bool STAGED>
 cudaError_t v2_unroll(const float * x, int64_t in, const fused_segs & g, const gemv_cfg & cfg, const float * nw, float eps,
                       float * yn, cudaStream_t st) {
-    if constexpr (TT == 1 && !STAGED)
-        if (cfg.early) return v2_unroll_e<WT, TT, STAGED, true>(x, in, g, cfg, nw, eps, yn, st);
-    return v2_unroll_e<WT, TT, STAGED, false>(x, in, g, cfg, nw, eps, yn, st);
+    switch (cfg.unroll) {
+        case 1: return v2_launch<WT, TT, 1, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 2: return v2_launch<WT, TT, 2, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 4: return v2_launch<WT, TT, 4, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        default: return v2_launch<WT, TT, 8, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+    }
 }
 
 template <wtype WT, bool STAGED>
@@ -1089,7 +1041,7 @@ bool cfg_valid(const gemv_cfg & c) {
     const bool u = c.unroll == 0 || c.unroll == 1 || c.unroll == 2 || c.unroll == 4 || c.unroll == 8;
     const bool s = c.split == 0 || c.split == 1 || c.split == 2 || c.split == 4 || c.split == 8;
     const bool v3 = (c.v3 >= 0 && c.v3 <= 2) && (c.v3_unroll == 0 || v3_u_valid(c.v3_unroll));
-    return u && s && v3 && (c.early == 0 || c.early == 1);
+    return u && s && v3;
 }
 
 __global__ void k_weight_to_f32(dweight w, int64_t n, float * __restrict__ y) {

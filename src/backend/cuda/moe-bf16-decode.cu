@@ -297,18 +297,20 @@ void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const f
                       int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st, int cfg,
                       const dmoe_shared & sh) {
     const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
-    const bool early = cfg / 100 % 10 == 1;   // the loads before the PDL wait (cuda_options::moe_bf16_early)
+    // the loads before the PDL wait (cuda_options::moe_bf16_early): 1 = down and the shared slot, 2 = down only
+    const int ed = cfg / 100 % 10;
+    const bool early_sh = ed == 1, early_dn = ed == 1 || ed == 2;
     if (stage != 2) {
         switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early); break;
-            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early); break;
-            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early); break;
+            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
+            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
         }
     }
     if (stage != 1) {
         const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early);
-        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn);
+        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn);
     }
 }
 

@@ -472,13 +472,13 @@ TEST(cuda_mla, kv_split_fold_vs_cpu) {
 }
 
 // ---- 5. the switch's default ----
-TEST(cuda_mla, default_is_v3) {
+TEST(cuda_mla, default_is_v4) {
     const cuda_options d;
     std::printf("[defaults] mla_decode_v2 %d, mla_decode_v3 %d, mla_attn_v4 %d, mla_split %d\n", int(d.mla_decode_v2),
                 int(d.mla_decode_v3), int(d.mla_attn_v4), int(d.mla_split));
     EXPECT_TRUE(d.mla_decode_v2);
     EXPECT_TRUE(d.mla_decode_v3);
-    EXPECT_FALSE(d.mla_attn_v4);   // off until its H200 run
+    EXPECT_TRUE(d.mla_attn_v4);   // on since its H200 run (session 9 call C)
     EXPECT_TRUE(d.fuse_mla_kv);
 }
 

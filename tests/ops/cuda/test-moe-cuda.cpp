@@ -1245,7 +1245,7 @@ TEST(cuda_moe, decode_bf16_direct) {
     int f = 0;
     const auto y4 = run(good, false, 0, f);
     EXPECT_EQ(f, 0);
-    for (int bcfg : {0, 10, 100, 110}) {   // 100: the loads before the PDL wait (cuda_options::moe_bf16_early)
+    for (int bcfg : {0, 10, 100, 110, 200}) {   // 100 / 200: the loads before the PDL wait (cuda_options::moe_bf16_early)
         const auto yb = run(good, true, bcfg, f);
         const bool same = bitwise(y4, yb);
         std::printf("[moe-bf16d/direct/cfg%d] %s\n", bcfg, same ? "bitwise v4's: PASS" : "DIFFERS from v4: FAIL");
@@ -1548,21 +1548,21 @@ TEST(cuda_moe, decode_bf16_shared_direct) {
             EXPECT_FALSE(ctl) << nm << ": the one-ulp control compared equal";
             tally(!ctl);
         }
-        // early (cfg + 100, cuda_options::moe_bf16_early): the shared slot on blockIdx.y 0 with its work before the PDL
-        // wait, the down stage's weight loads before it: every output bit for bit the run without; invalid ids still
-        // flagged with the shared outputs unchanged
-        {
-            const outs oe = run(good, bcfg + 100, sh, true);
+        // early (cfg + 100, cuda_options::moe_bf16_early 1): the shared slot on blockIdx.y 0 with its work before the
+        // PDL wait, the down stage's weight loads before it (cfg + 200: the down stage's only): every output bit for bit
+        // the run without; invalid ids still flagged with the shared outputs unchanged
+        for (int ed : {100, 200}) {
+            const outs oe = run(good, bcfg + ed, sh, true);
             const bool esame = oe.rc == cudaSuccess && oe.flag == 0 && bitwise(oe.y, o.y) && bitwise(oe.gate, o.gate) &&
                                bitwise(oe.up, o.up) && bitwise(oe.act, o.act) && bitwise(oe.down, o.down) &&
                                bitwise(oe.sum, o.sum) && bitwise(oe.sum2, o.sum2);
-            std::printf("[%s/early] %s\n", nm.c_str(), esame ? "bitwise the run without it: PASS" : "DIFFERS: FAIL");
-            EXPECT_TRUE(esame) << nm << "/early";
+            std::printf("[%s/early%d] %s\n", nm.c_str(), ed, esame ? "bitwise the run without it: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(esame) << nm << "/early" << ed;
             tally(esame);
-            const outs oeb = run(bad, bcfg + 100, sh, true);
+            const outs oeb = run(bad, bcfg + ed, sh, true);
             const bool eb = oeb.flag != 0 && bitwise(oeb.gate, o.gate) && bitwise(oeb.act, o.act) && bitwise(oeb.down, o.down);
-            std::printf("[%s/early/invalid-ids] flag %d, shared outputs %s\n", nm.c_str(), oeb.flag, eb ? "unchanged: PASS" : "FAIL");
-            EXPECT_TRUE(eb) << nm << "/early/invalid-ids";
+            std::printf("[%s/early%d/invalid-ids] flag %d, shared outputs %s\n", nm.c_str(), ed, oeb.flag, eb ? "unchanged: PASS" : "FAIL");
+            EXPECT_TRUE(eb) << nm << "/early" << ed << "/invalid-ids";
             tally(eb);
         }
         // invalid routed ids: flagged; the shared outputs do not depend on them (bitwise)
