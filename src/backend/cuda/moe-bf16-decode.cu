@@ -171,6 +171,10 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
                                                                                 dmoe_shared sh, bool early) {
     // early: ids (the route's output, complete once this grid runs at all under PDL: the gate/up launch between waited
     // for it) and every weight load issued before the wait; h (the gate/up output) after it. Arithmetic unchanged.
+    // h and the shared slot's act are read with __ldcg, not __ldg: with the wait no longer the kernel's first statement,
+    // a non-coherent read-only load of data the previous grid is still writing read stale values (session 9 call D:
+    // cfg 200, the shared slot written last by gate/up, gave a different shared down in decode_bf16_shared_direct);
+    // an L2 load is coherent and stays after the wait.
     if (!early) pdl_enter();
     __shared__ float part[k_bdn_warps * NS + SH][R];
     const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -203,8 +207,8 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
             if (ok[s]) {
                 const float4 * hv = reinterpret_cast<const float4 *>(hbuf + int64_t(wd + k_bdn_warps * s) * c.d_ff) + 2 * lane;
 #pragma unroll
-                for (int i = 0; i < NU; ++i) {
-                    const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
+                for (int i = 0; i < NU; ++i) {   // h through L2 (__ldcg: coherent, ordered after the wait; see below)
+                    const float4 x0 = __ldcg(hv + 64 * i), x1 = __ldcg(hv + 64 * i + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[s][r][i], x0, x1);
                 }
@@ -230,7 +234,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
         const float4 * hv = reinterpret_cast<const float4 *>(sh.act) + 2 * lane;
 #pragma unroll
         for (int i = 0; i < NU; ++i) {
-            const float4 x0 = __ldg(hv + 64 * i), x1 = __ldg(hv + 64 * i + 1);
+            const float4 x0 = __ldcg(hv + 64 * i), x1 = __ldcg(hv + 64 * i + 1);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[r][i], x0, x1);
         }
