@@ -179,10 +179,11 @@ struct cuda_options {
     // resident while the route runs, and does everything but its writes before the wait. Outputs bit for bit the same.
     // Why: the session-9 kernel timeline (48B graph step) has gate/up 22.4 us exposed (85 MB, floor 20.1) and down 14 us
     // (42.5 MB, floor 10.0), each starting only after its wait. Predicted 48B -2 us (gate/up) and -1.5 us (down) per MoE
-    // layer: step -0.08..-0.1 ms. Measured (session 9 call C, kernel timeline, H200): down -2.8 us and gate/up -0.6 us
-    // per layer, but the selection +1.3 us (the shared slot's 9.4 MB stream now runs beside it) and the next GEMV group
-    // +0.9 us: step 2.378 -> 2.344 ms (-0.034); k3 unchanged (MXFP4 experts). On. 2: the down stage's loads only (the
-    // shared slot as before: does the selection get its 1.3 us back?).
+    // layer: step -0.08..-0.1 ms. Measured (session 9, H200): call C (kernel timeline) down -2.8 us and gate/up -0.6 us
+    // per layer, the selection +1.3 us (the shared slot's 9.4 MB stream now runs beside it), the next GEMV group +0.9;
+    // call G, after h / act moved to coherent loads (moe-bf16-decode.cu, a stale read found by the cfg-200 test): 48B
+    // step 2.367 -> 2.281 ms (three rounds each); k3 unchanged (MXFP4 experts). 1 (on): both; 2: the down stage's
+    // loads only (calls D, E: between 0 and 1; kept for the test that found the stale read); 0: off.
     int moe_bf16_early = 1;
     // MOE_EXPERTS grouped, T > 1, BF16 or MXFP4 experts on the GEMV kernels (fewer than moe_mma_tokens tokens): v4
     // kernels that load each row's units once, dequantize each 8-column chunk once and apply it to up to 8 of the

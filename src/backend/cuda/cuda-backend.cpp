@@ -191,7 +191,7 @@ public:
                      opt.gemv_unroll == 8,
                  "cuda_options::gemv_unroll {} is not one of 0, 1, 2, 4, 8", opt.gemv_unroll);
         PG_CHECK(opt.gemv_v3 >= 0 && opt.gemv_v3 <= 2, "cuda_options::gemv_v3 {} is not one of 0, 1, 2", opt.gemv_v3);
-        PG_CHECK(opt.moe_bf16_early >= 0 && opt.moe_bf16_early <= 3, "cuda_options::moe_bf16_early {} is not one of 0, 1, 2, 3",
+        PG_CHECK(opt.moe_bf16_early >= 0 && opt.moe_bf16_early <= 2, "cuda_options::moe_bf16_early {} is not one of 0, 1, 2",
                  opt.moe_bf16_early);
         int n = 0;
         PG_CUDA_CHECK(cudaGetDeviceCount(&n));

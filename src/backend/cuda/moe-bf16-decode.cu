@@ -168,13 +168,15 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
                                                                                 const float * __restrict__ w, int k,
                                                                                 const dexpert * __restrict__ ex, int64_t E,
                                                                                 dexperts_cfg c, float * __restrict__ y,
-                                                                                dmoe_shared sh, bool early, bool ca) {
+                                                                                dmoe_shared sh, bool early) {
     // early: ids (the route's output, complete once this grid runs at all under PDL: the gate/up launch between waited
     // for it) and every weight load issued before the wait; h (the gate/up output) after it. Arithmetic unchanged.
-    // h and the shared slot's act are read with __ldcg, not __ldg: with the wait no longer the kernel's first statement,
-    // a non-coherent read-only load of data the previous grid is still writing read stale values (session 9 call D:
-    // cfg 200, the shared slot written last by gate/up, gave a different shared down in decode_bf16_shared_direct);
-    // an L2 load is coherent and stays after the wait.
+    // h and the shared slot's act are read with __ldca (ld.global.ca: coherent, L1-cached), not __ldg: with the wait no
+    // longer the kernel's first statement, the non-coherent read-only path read values the previous grid had not yet
+    // written (session 9 call D: cfg 200, the shared slot written last by gate/up, gave a different shared down in
+    // decode_bf16_shared_direct; a load the compiler may treat as invariant can be scheduled before the wait). __ldcg
+    // (L2 only) fixed it at +0.05 ms on the 48B step (call E); __ldca fixed it at no cost (call G: 2.281 vs 2.330 ms,
+    // every early form bitwise the run without over 10 repeats).
     if (!early) pdl_enter();
     __shared__ float part[k_bdn_warps * NS + SH][R];
     const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -207,9 +209,8 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
             if (ok[s]) {
                 const float4 * hv = reinterpret_cast<const float4 *>(hbuf + int64_t(wd + k_bdn_warps * s) * c.d_ff) + 2 * lane;
 #pragma unroll
-                for (int i = 0; i < NU; ++i) {   // h through L2 (__ldcg: coherent, ordered after the wait; see below)
-                    const float4 x0 = ca ? __ldca(hv + 64 * i) : __ldcg(hv + 64 * i);
-                    const float4 x1 = ca ? __ldca(hv + 64 * i + 1) : __ldcg(hv + 64 * i + 1);
+                for (int i = 0; i < NU; ++i) {   // h by __ldca (coherent, ordered after the wait; see above)
+                    const float4 x0 = __ldca(hv + 64 * i), x1 = __ldca(hv + 64 * i + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[s][r][i], x0, x1);
                 }
@@ -235,8 +236,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
         const float4 * hv = reinterpret_cast<const float4 *>(sh.act) + 2 * lane;
 #pragma unroll
         for (int i = 0; i < NU; ++i) {
-            const float4 x0 = ca ? __ldca(hv + 64 * i) : __ldcg(hv + 64 * i);
-            const float4 x1 = ca ? __ldca(hv + 64 * i + 1) : __ldcg(hv + 64 * i + 1);
+            const float4 x0 = __ldca(hv + 64 * i), x1 = __ldca(hv + 64 * i + 1);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] += dot8_bf(q[r][i], x0, x1);
         }
@@ -276,9 +276,9 @@ void launch_bf16_gate_up(const float * x, const int32_t * ids, int64_t k, const 
 
 template <int NU, int R, int NS, int MINB, bool SH>
 void launch_bf16_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, bool early, bool ca) {
+                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, bool early) {
     launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, unsigned(c.d_out / R), (k_bdn_warps + SH) * 32, 0, st, hbuf, ids, w,
-             int(k), ex, E, c, y, sh, early, ca);
+             int(k), ex, E, c, y, sh, early);
 }
 
 // Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
@@ -291,11 +291,10 @@ int down_form(int64_t k, int64_t d_out, int cfg) {
 
 template <int NU, bool SH>
 void launch_bf16_down_nu(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, bool early,
-                         bool ca) {
-    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early, ca);
-    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early, ca);
-    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early, ca);
+                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, bool early) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
+    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
 }
 
 // Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false) or with the shared slot.
@@ -306,7 +305,7 @@ void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const f
     const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
     // the loads before the PDL wait (cuda_options::moe_bf16_early): 1 = down and the shared slot, 2 = down only
     const int ed = cfg / 100 % 10;
-    const bool early_sh = ed == 1 || ed == 3, early_dn = ed != 0, ca = ed == 3;   // 3: 1 with h / act by __ldca (A/B)
+    const bool early_sh = ed == 1, early_dn = ed == 1 || ed == 2;
     if (stage != 2) {
         switch (Din / 256) {
             case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
@@ -316,8 +315,8 @@ void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const f
     }
     if (stage != 1) {
         const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn, ca);
-        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn, ca);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn);
+        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn);
     }
 }
 
