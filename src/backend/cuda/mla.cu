@@ -959,6 +959,9 @@ cudaError_t mla_v3_attrs() {
 // Per warp per tile ~18 x (9 loads + 32 FMAs) for the scores and 32 x (3 loads + 16 FMAs) for the values instead of
 // ~3.4k dependent instructions, 8 warps per block instead of 4. fp32; the score summation order differs from v3 (f32
 // tolerance). Predicted (before any run): 48B attention ~19 -> ~5 us per layer, K3 (the ncu geometry) ~37 -> ~10 us.
+// Measured (session 9 calls C, D; kernel timeline of the graph step, H200): 48B 18.9 -> 11.7 us, K3 34.8 -> 20.4 us. ncu
+// (call D, 48B): 10.5 us isolated, 128 registers, 2 blocks per SM, 0.45 eligible warps per scheduler: still latency-bound;
+// the next step is fewer dependent shared-memory round trips per tile (5-6 barriers), not more warps.
 constexpr int k_v4_warps = 8;   // warps of the block = heads per block (warp h owns head h's softmax)
 constexpr int k_v4_heads = 8;
 constexpr int k_v4_sp_floats = k_v4_warps * k_v4_heads * k_v2_keys;   // the score partials [warp][head][key]
