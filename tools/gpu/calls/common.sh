@@ -5,3 +5,16 @@ export LD_LIBRARY_PATH=$PWD/.gpu-carry-r1/lib:/usr/local/cuda/lib64
 B=$PWD/.gpu-carry-r1/bin; L=$OUT/logs; mkdir -p $L; S=$OUT/summary.txt; T0=$(date +%s)
 run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t "$@" > $L/$t$suf.log 2>&1; local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $t$suf rc=$rc $(( $(date +%s) - s ))s | $(grep -E 'passed, .* failed|PASSED|FAILED' $L/$t$suf.log | tail -3 | tr '\n' ' ')" >> $S; }
+# san TOOL BINARY FILTER TIMEOUT: the binary's gtest filter under compute-sanitizer (memcheck, racecheck, ...), its
+# summary line into the summary. (Session scripts up to session 9 define their own copy; later ones use this.)
+san() { local tool=$1 t=$2 f=$3 to=$4; local s=$(date +%s); timeout $to /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 $B/$t --gtest_filter="$f" > $L/$tool-$t.log 2>&1
+  echo "[$(( $(date +%s) - T0 ))s] $tool $t ($f) rc=$? $(( $(date +%s) - s ))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' $L/$tool-$t.log | tail -1)" >> $S; }
+# compare_models: perigee compare-backends (70-token prompt, 6 decode steps) on the Kimi-Linear goldens, the tiny synth
+# models and the shipped models, one summary line each.
+compare_models() {
+  local IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(70)))')
+  mkdir -p /tmp/pg-models; for p in k3-tiny kimi-linear-tiny k31-tiny; do $B/perigee synth --preset $p --out /tmp/pg-models/$p > /dev/null 2>&1; done
+  for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/ models/default models/k31-default; do
+    timeout 60 $B/perigee compare-backends --model "$m" --ids "$IDS" --decode 6 >> $L/compare.log 2>&1; local rc=$?
+    echo "[$(( $(date +%s) - T0 ))s] compare $m (70 ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $L/compare.log | tail -1)" >> $S
+  done; }
