@@ -658,6 +658,50 @@ __global__ void __launch_bounds__(256, 1) k_mla_q_absorb_v3(const float * __rest
     }
 }
 
+// The key tile of the v3 / v4 attention kernels. mla_key_rows: key j of token t (j < j1) -> the sources of its latent and
+// rope parts (null when masked or past the range): this step's tokens from c / kr (their cache rows are written beside
+// the kernel), earlier positions from the paged cache; a selected position past the token's own sets bad and is masked.
+__device__ __forceinline__ void mla_key_rows(int64_t j, int64_t j1, const float * c, const float * kr, const float * cache,
+                                             const int32_t * sel, int64_t topk, const dbatch & b, int s, int64_t t,
+                                             int64_t pos, int64_t p0, int64_t tok0, int64_t L, int64_t dr, int W,
+                                             const float *& src_c, const float *& src_r, bool & bad) {
+    const float *rc = nullptr, *rr = nullptr;
+    if (j < j1) {
+        int64_t p = j;
+        if (sel) {
+            p = sel[t * topk + j];
+            if (p > pos) {
+                bad = true;
+                p = -1;
+            }
+        }
+        if (p >= p0) {   // a token of this step: its row is not in the cache yet (written beside this kernel)
+            const int64_t tp = tok0 + p - p0;
+            rc = c + tp * L;
+            rr = kr + tp * dr;
+        } else if (p >= 0) {
+            rc = cache + cache_row(b, s, p) * W;
+            rr = rc + L;
+        }
+    }
+    src_c = rc;
+    src_r = rr;
+}
+// mla_tile_copy: the tile's k_v2_keys rows [c | kr] into cs (row stride S float4s) by cp.async, rows over the block's
+// NW warps; a masked row is zero-filled.
+template <int NW>
+__device__ __forceinline__ void mla_tile_copy(float4 * cs, int S, int W4, int L4, const float * const * src_c,
+                                              const float * const * src_r, const float * cache, int wid, int lane) {
+    for (int r = wid; r < k_v2_keys; r += NW) {
+        const float * rc = src_c[r];
+        const float * rr = src_r[r];
+        for (int cc = lane; cc < W4; cc += 32) {
+            const float * src = cc < L4 ? rc + 4 * cc : rr + 4 * (cc - L4);
+            cp_async16_zfill(cs + r * S + cc, rc ? src : cache, rc ? 16 : 0);
+        }
+    }
+}
+
 // Block per (token, group of k_v2_warps * HPW heads) x key range of kpb keys (a multiple of 32). Shapes as v2, plus c
 // and kr 16-byte aligned. Dynamic shared memory: mla_v3_smem(HPW, L + dr).
 template <int HPW>
@@ -693,39 +737,11 @@ __global__ void __launch_bounds__(k_v2_warps * 32, 2) k_mla_attn_v3(
     }
     // the row sources of the tile at jt (warp 0), then every warp's cp.async of its rows
     auto issue_tile = [&](int64_t jt) {
-        if (wid == 0) {
-            const int64_t j = jt + lane;
-            const float *rc = nullptr, *rr = nullptr;
-            if (j < j1) {
-                int64_t p = j;
-                if (sel) {
-                    p = sel[t * topk + j];
-                    if (p > pos) {
-                        bad = true;
-                        p = -1;
-                    }
-                }
-                if (p >= p0) {   // a token of this step: its row is not in the cache yet (written beside this kernel)
-                    const int64_t tp = tok0 + p - p0;
-                    rc = c + tp * L;
-                    rr = kr + tp * dr;
-                } else if (p >= 0) {
-                    rc = cache + cache_row(b, s, p) * W;
-                    rr = rc + L;
-                }
-            }
-            src_c[lane] = rc;
-            src_r[lane] = rr;
-        }
+        if (wid == 0)
+            mla_key_rows(jt + lane, j1, c, kr, cache, sel, topk, b, s, t, pos, p0, tok0, L, dr, W, src_c[lane], src_r[lane],
+                         bad);
         __syncthreads();
-        for (int r = wid; r < k_v2_keys; r += k_v2_warps) {
-            const float * rc = src_c[r];
-            const float * rr = src_r[r];
-            for (int cc = lane; cc < W4; cc += 32) {
-                const float * src = cc < L4 ? rc + 4 * cc : rr + 4 * (cc - L4);
-                cp_async16_zfill(cs + r * S + cc, rc ? src : cache, rc ? 16 : 0);
-            }
-        }
+        mla_tile_copy<k_v2_warps>(cs, S, W4, L4, src_c, src_r, cache, wid, lane);
     };
     if (j0 < j1) issue_tile(j0);
     pdl_wait();
@@ -1009,39 +1025,11 @@ __global__ void __launch_bounds__(k_v4_warps * 32, 2) k_mla_attn_v4(
     }
     // the row sources of the tile at jt (warp 0), then every warp's cp.async of its rows (as v3)
     auto issue_tile = [&](int64_t jt) {
-        if (wid == 0) {
-            const int64_t j = jt + lane;
-            const float *rc = nullptr, *rr = nullptr;
-            if (j < j1) {
-                int64_t p = j;
-                if (sel) {
-                    p = sel[t * topk + j];
-                    if (p > pos) {
-                        bad = true;
-                        p = -1;
-                    }
-                }
-                if (p >= p0) {   // a token of this step: its row is not in the cache yet (written beside this kernel)
-                    const int64_t tp = tok0 + p - p0;
-                    rc = c + tp * L;
-                    rr = kr + tp * dr;
-                } else if (p >= 0) {
-                    rc = cache + cache_row(b, s, p) * W;
-                    rr = rc + L;
-                }
-            }
-            src_c[lane] = rc;
-            src_r[lane] = rr;
-        }
+        if (wid == 0)
+            mla_key_rows(jt + lane, j1, c, kr, cache, sel, topk, b, s, t, pos, p0, tok0, L, dr, W, src_c[lane], src_r[lane],
+                         bad);
         __syncthreads();
-        for (int r = wid; r < k_v2_keys; r += k_v4_warps) {
-            const float * rc = src_c[r];
-            const float * rr = src_r[r];
-            for (int cc = lane; cc < W4; cc += 32) {
-                const float * src = cc < L4 ? rc + 4 * cc : rr + 4 * (cc - L4);
-                cp_async16_zfill(cs + r * S + cc, rc ? src : cache, rc ? 16 : 0);
-            }
-        }
+        mla_tile_copy<k_v4_warps>(cs, S, W4, L4, src_c, src_r, cache, wid, lane);
     };
     if (j0 < j1) issue_tile(j0);
     pdl_wait();
