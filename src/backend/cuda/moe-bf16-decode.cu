@@ -23,8 +23,10 @@
 // bit for bit v4's (test-moe-cuda decode_bf16_t1 checks it).
 //
 // The shared expert as slot k (cuda_options::moe_shared_slot, launch_moe_bf16_decode_shared): the same pair with one more
-// slot, SH = true. gate/up: grid (F / 4, k + 1), blockIdx.y == k reads the shared expert's rows and writes its gate and up
-// projections and the GLU product to the graph's own outputs (sh.gate / sh.up / sh.act; the down stage reads sh.act).
+// slot, SH = true. gate/up: grid (F / 4, k + 1), blockIdx.y == k (0 with early: cuda_options::moe_bf16_early, whose
+// loads and, for the shared slot, whole computation come before the PDL wait; see the kernels) reads the shared expert's
+// rows and writes its gate and up projections and the GLU product to the graph's own outputs (sh.gate / sh.up / sh.act;
+// the down stage reads sh.act).
 // down + combine: a ninth warp per block takes the shared slot's R rows (the 8 routed warps and their slots unchanged);
 // the combine sums the routed slots exactly as before (y, written: the MOE_EXPERTS node), then adds the shared row last:
 // sum = y + down_shared, and optionally sum2 = sum + res (the chained residual ADD). The shared expert's weights travel
