@@ -860,6 +860,7 @@ int main(int argc, char ** argv) {
     }
     try {
         { cuda_options probe; apply_sets(probe, o); }   // an unknown --set name fails here, before any GPU work
+        PG_CHECK(o.timeline >= 0, "--timeline {}: a number of graph replays, >= 0", o.timeline);
         PG_CHECK(o.timeline == 0 || timeline::available(), "--timeline: this binary was built without CUPTI");
         if (o.dry) {
             for (const auto & p : o.presets) {

@@ -127,7 +127,7 @@ void report(std::FILE * f, const std::vector<kernel_rec> & recs, int skip, doubl
     for (const auto & r : reps)
         PG_CHECK(r.size() == n, "kernel timeline: replays with {} and {} kernels (not one graph?)", n, r.size());
 
-    std::vector<std::vector<double>> dur(n), exp(n), lead(n);
+    std::vector<std::vector<double>> dur(n), exposed(n), lead(n);
     std::vector<double> span, gap;
     for (size_t q = 0; q < reps.size(); ++q) {
         const auto & r = reps[q];
@@ -136,7 +136,7 @@ void report(std::FILE * f, const std::vector<kernel_rec> & recs, int skip, doubl
             PG_CHECK(r[k].name == reps[0][k].name, "kernel timeline: replay {} kernel {} is {}, replay 0 has {}", q, k,
                      r[k].name, reps[0][k].name);
             dur[k].push_back((r[k].end - r[k].start) * 1e-3);
-            exp[k].push_back(r[k].end > maxend ? (r[k].end - maxend) * 1e-3 : 0.0);
+            exposed[k].push_back(r[k].end > maxend ? (r[k].end - maxend) * 1e-3 : 0.0);
             lead[k].push_back(k == 0 ? 0.0 : (double(r[k].start) - double(r[k - 1].end)) * 1e-3);
             maxend = std::max(maxend, r[k].end);
         }
@@ -151,7 +151,7 @@ void report(std::FILE * f, const std::vector<kernel_rec> & recs, int skip, doubl
     std::map<std::string, std::pair<double, int>> by_name;
     for (size_t k = 0; k < n; ++k) {
         const auto & r = reps[0][k];
-        const double e = median(exp[k]);
+        const double e = median(exposed[k]);
         sum_exp += e;
         by_name[r.name].first += e;
         by_name[r.name].second += 1;

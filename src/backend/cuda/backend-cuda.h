@@ -338,8 +338,10 @@ struct cuda_options {
     // Predicted (session 8, before any run): ~2 us per 48B MoE layer (14 MB of the shared expert read from L2). Measured
     // (session 8 calls A and B, same binary, two rounds each): 48B B=1 graph step 2.571 -> 2.540 ms (norm_reg off), 2.464
     // -> 2.432 ms (norm_reg on): ~1.2 us per layer; k3 unchanged (no shared slot). test-moe-cuda decode_bf16_shared_direct:
-    // every output bit for bit the run without it. On.
-    bool moe_shared_prefetch = true;
+    // every output bit for bit the run without it. Off since session 9: with moe_bf16_early 1 the blocks that issue the
+    // prefetch are the shared slot's own, which load the same gate / up rows right after it (the request made twice), and
+    // call E measured it neutral (48B 2.320 / 2.324 ms with it, 2.319 / 2.320 without, same binary).
+    bool moe_shared_prefetch = false;
     // RMS_NORM / LAYER_NORM / L2_NORM / GATED_RMS_NORM launches of rows of up to 16 elements per thread: the row held in
     // registers, every load issued at once, the weights before the PDL wait (norm.cu k_norm_reg); bit for bit the loop
     // kernel. false: the loop kernel. Why: ncu (session 8 call A, 48B decode step) timed the post-attention norm of one
