@@ -317,6 +317,7 @@ public:
     int fused_conv_l2s() const override { return n_conv_l2_; }
     int fused_sigmoids() const override { return n_fused_sig_; }
     int fused_kda_decodes() const override { return n_kda_fused_; }
+    int l2_prefetches() const override { return n_l2_prefetch_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
     int fused_routes() const override { return n_fused_routes_; }
 
@@ -1098,7 +1099,8 @@ private:
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
                                                     state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
                                                     has_sel ? in(n, 5).shape.at(1) : 0, db_, ns, scratch, y, err, st_,
-                                                    opt_.mla_decode_v2, opt_.mla_decode_v3, opt_.mla_attn_v4));
+                                                    opt_.mla_decode_v2, opt_.mla_decode_v3, opt_.mla_attn_v4,
+                                                    next_prefetch(g, id)));
                 break;
             }
             case op_type::INDEXER_TOPK: {
@@ -1177,8 +1179,13 @@ private:
                     cuda::gemv_cfg rc = gemv_cfg_for(x.shape.at(1));
                     if (opt_.moe_route_gemv_v2) rc.unroll = opt_.gemv_unroll;   // v2 (row split) whatever the width
                     PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_, rc));
-                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
-                                              st_));
+                    const cuda::dl2_prefetch pf = route_prefetch(g, id, T);
+                    if (pf.n)
+                        PG_CUDA_CHECK(cuda::launch_moe_select_radix_prefetch(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
+                                                                             static_cast<float *>(out[1].p), pf, st_));
+                    else
+                        PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
+                                                  static_cast<float *>(out[1].p), st_));
                     break;
                 }
                 if (opt_.moe_route_fast) {
@@ -1220,7 +1227,7 @@ private:
                     mo.dec_v5 = opt_.moe_decode_v5;
                     mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0;
                     mo.dec_bf16 = opt_.moe_decode_bf16;
-                    mo.bf16_cfg = 100 * opt_.moe_bf16_early;
+                    mo.bf16_cfg = 100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0);
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));
                     break;
@@ -1302,7 +1309,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = n_l2_prefetch_ = 0;
         n_fused_routes_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
@@ -1490,6 +1497,54 @@ private:
         ++n_conv_l2_;
     }
 
+    // cuda_options::l2_prefetch_next: the weight of the LINEAR that alone reads node `id`'s output (fuse plan
+    // next_linear), for a latency-bound launch to ask into L2 after its wait; empty when off or there is none.
+    cuda::dl2_prefetch next_prefetch(const graph & g, int id) const {
+        cuda::dl2_prefetch pf;
+        const int j = opt_.l2_prefetch_next && size_t(id) < fplan_.next_linear.size() ? fplan_.next_linear[size_t(id)] : -1;
+        if (j < 0) return pf;
+        const dtensor & w = in(g.nodes[size_t(j)], 1);   // a leaf: resident, never written by a kernel
+        if ((reinterpret_cast<uintptr_t>(w.p) & 15u) != 0) return pf;
+        pf.p[0] = w.p;
+        pf.bytes[0] = int64_t(w.nbytes);
+        pf.n = 1;
+        ++n_l2_prefetch_;
+        return pf;
+    }
+
+    // cuda_options::l2_prefetch_route_mb: for MOE_ROUTE node `id`'s selection (one token, the threshold form), the weights
+    // of the first launch after its MOE_EXPERTS (the next layer's first projections, in launch order), up to the cap.
+    cuda::dl2_prefetch route_prefetch(const graph & g, int id, int64_t T) const {
+        cuda::dl2_prefetch pf;
+        if (opt_.l2_prefetch_route_mb <= 0 || T != 1 || !opt_.moe_select_radix || fplan_.at.empty()) return pf;
+        int moe = -1;   // the MOE_EXPERTS that reads this route's ids
+        for (size_t j = size_t(id) + 1; j < g.nodes.size() && moe < 0; ++j)
+            if (g.nodes[j].op == op_type::MOE_EXPERTS && g.nodes[j].src.size() > 1 && g.nodes[j].src[1].node == id) moe = int(j);
+        if (moe < 0) return pf;
+        std::vector<int> lins;   // the LINEARs of the first launch after it
+        for (size_t j = size_t(moe) + 1; j < g.nodes.size() && lins.empty(); ++j) {
+            if (!fplan_.at[j].empty()) {
+                for (const auto & grp : fplan_.at[j].groups)
+                    for (const auto & sg : grp)
+                        if (!sg.route) lins.push_back(sg.linear);
+            } else if (g.nodes[j].op == op_type::LINEAR && fplan_.done_by[j] < 0) {
+                lins.push_back(int(j));
+            }
+        }
+        int64_t left = int64_t(opt_.l2_prefetch_route_mb) << 20;
+        for (int l : lins) {
+            if (pf.n == cuda::dl2_prefetch::k_max || left <= 0) break;
+            const dtensor & w = in(g.nodes[size_t(l)], 1);   // a leaf: resident, never written by a kernel
+            if ((reinterpret_cast<uintptr_t>(w.p) & 15u) != 0) continue;
+            pf.p[pf.n] = w.p;
+            pf.bytes[pf.n] = std::min<int64_t>(int64_t(w.nbytes), left);
+            left -= pf.bytes[pf.n];
+            ++pf.n;
+        }
+        if (pf.n) ++n_l2_prefetch_;
+        return pf;
+    }
+
     // GATED_RMS_NORM node `id` (outputs allocated) and the KDA tail the plan folds into it (fuse-plan.h rule 7): one
     // launch; the folded nodes' outputs are allocated here (they were skipped at their own positions). The checks are
     // the unfused ops' checks.
@@ -1567,6 +1622,7 @@ private:
         if (kf.g_b >= 0) a.y_z = outp(kf.g_b);
         a.y_o = outp(kf.scan);
         a.y_on = static_cast<float *>(outs_[size_t(id)].at(0).p);
+        a.pf = next_prefetch(g, id);
         PG_CHECK(cuda::kda_decode_fused_supported(a), "fused KDA decode at '{}': unsupported layout or alignment", nn.name);
         PG_CUDA_CHECK(cuda::launch_kda_decode_fused(a, db_, st_));
         ++n_kda_fused_;
@@ -1628,7 +1684,7 @@ private:
         float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
         PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
                                                           c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_,
-                                                          100 * opt_.moe_bf16_early));
+                                                          100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0)));
         ++n_moe_shared_;
     }
 
@@ -1822,6 +1878,7 @@ private:
     int n_fused_routes_ = 0;
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
+    mutable int n_l2_prefetch_ = 0;   // counted where next_prefetch hands out a range
     int n_moe_shared_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;

@@ -46,11 +46,21 @@ namespace {
 constexpr int k_bgu_warps = 4;   // gate/up: warps (rows) per block
 constexpr int k_bdn_warps = 8;   // down: warps per block (slots j = warp + 8 s)
 
-__device__ __forceinline__ uint4 ld_stream_bf(const uint4 * p) {
+// The weight stream's L2 policy (cfg thousands digit 1, cuda_options::moe_bf16_evict_first): evict_first marks the
+// experts' lines (read once per step) as the first to go, so that what l2_prefetch_route asked into L2 for the next
+// layer survives the ~130 MB the pair streams in between; evict_normal = an ordinary load's policy.
+__device__ __forceinline__ uint64_t l2_stream_policy(bool evict_first) {
+    uint64_t pol;
+    if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
+__device__ __forceinline__ uint4 ld_stream_bf(const uint4 * p, uint64_t pol) {
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
+        : "l"(p), "l"(pol));
     return r;
 }
 
@@ -75,7 +85,9 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
                                                                          const int32_t * __restrict__ ids, int k,
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ hbuf,
-                                                                         int * err, dmoe_shared sh, bool early) {
+                                                                         int * err, dmoe_shared sh, int fl) {
+    const bool early = fl & 1;   // fl: bit 0 early (below), bit 1 the weights' L2 evict_first (l2_stream_policy)
+    const uint64_t pol = l2_stream_policy(fl & 2);
     if (SH && sh.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {   // weights only (dmoe_shared::prefetch)
         // block x of slot 0: the shared gate and up rows block x of the shared slot reads, and 1 / gridDim.x of down
         const int64_t rb = int64_t(k_bgu_warps) * (256 * NU) * 2;
@@ -98,8 +110,8 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
         uint4 qg[NU], qu[NU];
 #pragma unroll
         for (int i = 0; i < NU; ++i) {
-            qg[i] = ld_stream_bf(gp + 32 * i);
-            qu[i] = ld_stream_bf(up + 32 * i);
+            qg[i] = ld_stream_bf(gp + 32 * i, pol);
+            qu[i] = ld_stream_bf(up + 32 * i, pol);
         }
         const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
         float ag = 0.0f, au = 0.0f;
@@ -134,8 +146,8 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     uint4 qg[NU], qu[NU];
 #pragma unroll
     for (int i = 0; i < NU; ++i) {
-        qg[i] = ld_stream_bf(gp + 32 * i);
-        qu[i] = ld_stream_bf(up + 32 * i);
+        qg[i] = ld_stream_bf(gp + 32 * i, pol);
+        qu[i] = ld_stream_bf(up + 32 * i, pol);
     }
     const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
     float ag = 0.0f, au = 0.0f;
@@ -170,7 +182,9 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
                                                                                 const float * __restrict__ w, int k,
                                                                                 const dexpert * __restrict__ ex, int64_t E,
                                                                                 dexperts_cfg c, float * __restrict__ y,
-                                                                                dmoe_shared sh, bool early) {
+                                                                                dmoe_shared sh, int fl) {
+    const bool early = fl & 1;   // fl as the gate/up kernel's
+    const uint64_t pol = l2_stream_policy(fl & 2);
     // early: ids (the route's output, complete once this grid runs at all under PDL: the gate/up launch between waited
     // for it) and every weight load issued before the wait; h (the gate/up output) after it. Arithmetic unchanged.
     // h and the shared slot's act are read with __ldca (ld.global.ca: coherent, L1-cached), not __ldg: with the wait no
@@ -200,7 +214,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
-                    for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i));
+                    for (int i = 0; i < NU; ++i) q[s][r][i] = ld_stream_bf(base[s] + (r * (32 * NU) + 32 * i), pol);
             }
         if (early) pdl_enter();
 #pragma unroll
@@ -230,7 +244,7 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int i = 0; i < NU; ++i) q[r][i] = ld_stream_bf(base + (r * (32 * NU) + 32 * i));
+            for (int i = 0; i < NU; ++i) q[r][i] = ld_stream_bf(base + (r * (32 * NU) + 32 * i), pol);
         if (early) pdl_enter();
         float acc[R];
 #pragma unroll
@@ -271,16 +285,16 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 // sh: the shared slot when SH (else ignored: a zero dmoe_shared).
 template <int NU, bool SH>
 void launch_bf16_gate_up(const float * x, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E, const dexperts_cfg & c,
-                         float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, bool early) {
+                         float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, int fl) {
     launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(k + SH)), k_bgu_warps * 32, 0, st, x,
-             ids, int(k), ex, E, c, hbuf, err, sh, early);
+             ids, int(k), ex, E, c, hbuf, err, sh, fl);
 }
 
 template <int NU, int R, int NS, int MINB, bool SH>
 void launch_bf16_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, bool early) {
+                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, int fl) {
     launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, unsigned(c.d_out / R), (k_bdn_warps + SH) * 32, 0, st, hbuf, ids, w,
-             int(k), ex, E, c, y, sh, early);
+             int(k), ex, E, c, y, sh, fl);
 }
 
 // Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
@@ -293,10 +307,10 @@ int down_form(int64_t k, int64_t d_out, int cfg) {
 
 template <int NU, bool SH>
 void launch_bf16_down_nu(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, bool early) {
-    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
-    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
-    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, early);
+                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, int fl) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, fl);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, fl);
+    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, fl);
 }
 
 // Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false) or with the shared slot.
@@ -308,17 +322,19 @@ void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const f
     // the loads before the PDL wait (cuda_options::moe_bf16_early): 1 = down and the shared slot, 2 = down only
     const int ed = cfg / 100 % 10;
     const bool early_sh = ed == 1, early_dn = ed == 1 || ed == 2;
+    const int ef = cfg / 1000 % 10 == 1 ? 2 : 0;   // the weights' L2 policy evict_first (cuda_options::moe_bf16_evict_first)
+    const int fl_gu = (early_sh ? 1 : 0) | ef, fl_dn = (early_dn ? 1 : 0) | ef;
     if (stage != 2) {
         switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
-            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
-            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, early_sh); break;
+            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
+            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
         }
     }
     if (stage != 1) {
         const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn);
-        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, early_dn);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
+        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
     }
 }
 

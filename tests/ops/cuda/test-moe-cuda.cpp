@@ -1245,7 +1245,9 @@ TEST(cuda_moe, decode_bf16_direct) {
     int f = 0;
     const auto y4 = run(good, false, 0, f);
     EXPECT_EQ(f, 0);
-    for (int bcfg : {0, 10, 100, 110, 200}) {   // 100 / 200: the loads before the PDL wait (cuda_options::moe_bf16_early)
+    // 100 / 200: the loads before the PDL wait (cuda_options::moe_bf16_early); 1000: the weights' L2 policy evict_first
+    // (cuda_options::moe_bf16_evict_first)
+    for (int bcfg : {0, 10, 100, 110, 200, 1000, 1100}) {
         const auto yb = run(good, true, bcfg, f);
         const bool same = bitwise(y4, yb);
         std::printf("[moe-bf16d/direct/cfg%d] %s\n", bcfg, same ? "bitwise v4's: PASS" : "DIFFERS from v4: FAIL");
@@ -1551,7 +1553,8 @@ TEST(cuda_moe, decode_bf16_shared_direct) {
         // early (cfg + 100, cuda_options::moe_bf16_early 1): the shared slot on blockIdx.y 0 with its work before the
         // PDL wait, the down stage's weight loads before it (cfg + 200: the down stage's only): every output bit for bit
         // the run without; invalid ids still flagged with the shared outputs unchanged
-        for (int ed : {100, 200}) {
+        // (cfg + 1100: early with the weights' L2 policy evict_first, cuda_options::moe_bf16_evict_first)
+        for (int ed : {100, 200, 1100}) {
             const outs oe = run(good, bcfg + ed, sh, true);
             const bool esame = oe.rc == cudaSuccess && oe.flag == 0 && bitwise(oe.y, o.y) && bitwise(oe.gate, o.gate) &&
                                bitwise(oe.up, o.up) && bitwise(oe.act, o.act) && bitwise(oe.down, o.down) &&
