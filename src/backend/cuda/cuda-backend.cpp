@@ -1499,14 +1499,16 @@ private:
 
     // cuda_options::l2_prefetch_next: the weight of the LINEAR that alone reads node `id`'s output (fuse plan
     // next_linear), for a latency-bound launch to ask into L2 after its wait; empty when off or there is none.
-    cuda::dl2_prefetch next_prefetch(const graph & g, int id) const {
+    cuda::dl2_prefetch next_prefetch(const graph & g, int id) {   // (binds the weight: weight_dev)
         cuda::dl2_prefetch pf;
         const int j = opt_.l2_prefetch_next && size_t(id) < fplan_.next_linear.size() ? fplan_.next_linear[size_t(id)] : -1;
         if (j < 0) return pf;
-        const dtensor & w = in(g.nodes[size_t(j)], 1);   // a leaf: resident, never written by a kernel
-        if ((reinterpret_cast<uintptr_t>(w.p) & 15u) != 0) return pf;
-        pf.p[0] = w.p;
-        pf.bytes[0] = int64_t(w.nbytes);
+        const node & wn = g.at(g.nodes[size_t(j)].src[1]);   // a leaf (resident, never written by a kernel), maybe not yet bound
+        if (wn.op != op_type::WEIGHT || !wn.leaf) return pf;
+        const void * wp = weight_dev(*wn.leaf);
+        if ((reinterpret_cast<uintptr_t>(wp) & 15u) != 0) return pf;
+        pf.p[0] = wp;
+        pf.bytes[0] = int64_t(wn.leaf->nbytes);
         pf.n = 1;
         ++n_l2_prefetch_;
         return pf;
@@ -1514,7 +1516,7 @@ private:
 
     // cuda_options::l2_prefetch_route_mb: for MOE_ROUTE node `id`'s selection (one token, the threshold form), the weights
     // of the first launch after its MOE_EXPERTS (the next layer's first projections, in launch order), up to the cap.
-    cuda::dl2_prefetch route_prefetch(const graph & g, int id, int64_t T) const {
+    cuda::dl2_prefetch route_prefetch(const graph & g, int id, int64_t T) {   // (binds the weights)
         cuda::dl2_prefetch pf;
         if (opt_.l2_prefetch_route_mb <= 0 || T != 1 || !opt_.moe_select_radix || fplan_.at.empty()) return pf;
         int moe = -1;   // the MOE_EXPERTS that reads this route's ids
@@ -1534,10 +1536,12 @@ private:
         int64_t left = int64_t(opt_.l2_prefetch_route_mb) << 20;
         for (int l : lins) {
             if (pf.n == cuda::dl2_prefetch::k_max || left <= 0) break;
-            const dtensor & w = in(g.nodes[size_t(l)], 1);   // a leaf: resident, never written by a kernel
-            if ((reinterpret_cast<uintptr_t>(w.p) & 15u) != 0) continue;
-            pf.p[pf.n] = w.p;
-            pf.bytes[pf.n] = std::min<int64_t>(int64_t(w.nbytes), left);
+            const node & wn = g.at(g.nodes[size_t(l)].src[1]);   // a leaf (resident), not yet bound at this position
+            if (wn.op != op_type::WEIGHT || !wn.leaf) continue;
+            const void * wp = weight_dev(*wn.leaf);
+            if ((reinterpret_cast<uintptr_t>(wp) & 15u) != 0) continue;
+            pf.p[pf.n] = wp;
+            pf.bytes[pf.n] = std::min<int64_t>(int64_t(wn.leaf->nbytes), left);
             left -= pf.bytes[pf.n];
             ++pf.n;
         }
@@ -1878,7 +1882,7 @@ private:
     int n_fused_routes_ = 0;
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
-    mutable int n_l2_prefetch_ = 0;   // counted where next_prefetch hands out a range
+    int n_l2_prefetch_ = 0;   // launches next_prefetch / route_prefetch handed ranges to
     int n_moe_shared_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
