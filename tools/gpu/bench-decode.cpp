@@ -374,10 +374,10 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
-        else if (k == "l2_prefetch_next") co.l2_prefetch_next = v != 0;
+        else if (k == "gemv_v2_prefetch") co.gemv_v2_prefetch = v != 0;
+        else if (k == "gemv_v3_prefetch") co.gemv_v3_prefetch = int(v);
         else if (k == "linear_split_bf16") co.linear_split_bf16 = v != 0;
         else if (k == "moe_mma_split") co.moe_mma_split = v != 0;
-        else if (k == "l2_prefetch_route_mb") co.l2_prefetch_route_mb = int(v);
         else if (k == "moe_bf16_evict_first") co.moe_bf16_evict_first = v != 0;
         else if (k == "norm_reg") co.norm_reg = v != 0;
         else if (k == "fuse_norm_route") co.fuse_norm_route = v != 0;

@@ -342,22 +342,22 @@ struct cuda_options {
     // prefetch are the shared slot's own, which load the same gate / up rows right after it (the request made twice), and
     // call E measured it neutral (48B 2.320 / 2.324 ms with it, 2.319 / 2.320 without, same binary).
     bool moe_shared_prefetch = false;
-    // Latency-bound launches ask the next streaming launch's weights into L2 after their PDL wait (dl2_prefetch,
-    // common.cuh l2_prefetch_share): the fused KDA decode tail (32 blocks of recurrence, the HBM idle but for 2 MB of
-    // state) and the MLA decode attention v4 ask for the o_proj that alone reads their output (fuse plan next_linear;
-    // the MLA's goes through k_mla_out_v3 first). Results unchanged (a prefetch returns no data). Why: the session-9 kernel timeline put
-    // the 48B o_proj at 7.8 us exposed for 18.9 MB (floor 4.5) right after the 6.4 us tail. Predicted (session 10,
-    // before any run): o_proj 7.8 -> ~4 us per KDA layer, 48B step -0.06..-0.08 ms; k3 (one KDA layer) ~-0.01 ms.
-    bool l2_prefetch_next = false;
-    // MOE_ROUTE's one-token threshold selection (one block, launched while the router GEMV runs) asks up to this many MiB
-    // of the next layer's first launch's weights into L2 before its PDL wait (0: off). Those lines must then survive the
-    // experts' ~130 MB stream: see moe_bf16_evict_first. Results unchanged (a prefetch returns no data). Why: the 48B's
-    // norm -> router -> selection chain is ~10 us per MoE layer in which the HBM moves ~10 MB (session-9 timeline).
-    // Predicted (session 10, before any run): with 24 MiB and evict_first, the next GEMV group 17.3 -> ~13 us, 48B step
-    // -0.08..-0.1 ms; without evict_first ~0 (the lines evicted by the experts' stream).
-    int l2_prefetch_route_mb = 0;
+    // GEMV v2 launches: each block asks its first tile's rows into L2 by one bulk prefetch before its PDL wait
+    // (gemv_cfg::v2_prefetch), i.e. while the kernel before it still runs. Why: the same request issued from the KDA
+    // tail's 32 blocks after their wait (session 10 call B, removed) made the tail 2-3 us slower (one SM's bulk
+    // prefetches drain at ~250 GB/s, so 590 KB per block held it) and o_proj no faster; the o_proj's own 576 blocks are
+    // resident ~8 us before the tail ends, idle in their wait, 32 KB each. Predicted (session 10, before any run): 48B o_proj 7.5 -> ~4 us per KDA
+    // layer, step -0.05..-0.08 ms; k3 ~-0.01.
+    bool gemv_v2_prefetch = false;
+    // GEMV v3 launches: each block asks its next N tiles into L2 before its PDL wait (gemv_cfg::v3_prefetch; 0: off). Why:
+    // the 48B's 2304-wide group (norm + q/k/v/f/g/b, 58.5 MB) is 17.3 us exposed against 13.8 of bytes; its blocks are
+    // resident ~4 us before the experts' down ends, but only the first tile's loads are in flight then (v3 == 2), and
+    // the next are issued after the staged-norm prologue. Predicted (session 10, before any run): with 2 tiles (~20 MB
+    // over the grid) the group 17.3 -> ~15 us, 48B step -0.05 ms.
+    int gemv_v3_prefetch = 0;
     // The BF16 decode expert pair (moe-bf16-decode.cu) loads its weights with the L2 policy evict_first (cfg thousands
-    // digit 1): read once per step, they go first, before lines asked in for the next layer. Results unchanged.
+    // digit 1): read once per step, they go first, so the step's other lines (activations, the next kernels' weights
+    // asked in early) are not evicted by their ~130 MB per layer. Results unchanged (a cache policy).
     bool moe_bf16_evict_first = false;
     // RMS_NORM / LAYER_NORM / L2_NORM / GATED_RMS_NORM launches of rows of up to 16 elements per thread: the row held in
     // registers, every load issued at once, the weights before the PDL wait (norm.cu k_norm_reg); bit for bit the loop
@@ -466,8 +466,6 @@ public:
     virtual int fused_sigmoids() const = 0;
     // Fused KDA decode launches the last run/capture executed (cuda_options::fuse_kda_decode).
     virtual int fused_kda_decodes() const = 0;
-    // Launches of the last run/capture that asked their successor's weights into L2 (cuda_options::l2_prefetch_next).
-    virtual int l2_prefetches() const = 0;
     // MOE_EXPERTS launches the last run/capture executed with the shared expert as their extra slot
     // (cuda_options::moe_shared_slot).
     virtual int fused_moe_shared() const = 0;

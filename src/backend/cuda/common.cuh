@@ -66,24 +66,6 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void * p, uint32_t bytes)
 #endif
 }
 
-// Block `blk` of `nblk` asks its share of `pf` into L2: the ranges cut into 32 KiB pieces, piece i issued by block
-// i % nblk, one piece per thread at a time. Only after pdl_wait() where the predecessor streams (its lines would evict
-// these before the consumer reads them); weights only (never written by a kernel), so no ordering is needed.
-__device__ __forceinline__ void l2_prefetch_share(const dl2_prefetch & pf, int blk, int nblk) {
-    constexpr int64_t piece = 32 << 10;
-    int64_t base = 0;   // pieces of the earlier ranges
-    for (int r = 0; r < pf.n && r < dl2_prefetch::k_max; ++r) {
-        const int64_t bytes = pf.bytes[r] & ~int64_t(15), np = (bytes + piece - 1) / piece;
-        // global piece base + q belongs to block (base + q) % nblk; the block's pieces go to its threads in turn
-        const int64_t first = ((int64_t(blk) - base) % nblk + nblk) % nblk;
-        for (int64_t q = first + int64_t(nblk) * threadIdx.x; q < np; q += int64_t(nblk) * blockDim.x) {
-            const int64_t off = q * piece, len = bytes - off < piece ? bytes - off : piece;
-            prefetch_l2_bulk(static_cast<const char *>(pf.p[r]) + off, uint32_t(len));
-        }
-        base += np;
-    }
-}
-
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
 // Element i of a float-like weight.

@@ -317,7 +317,6 @@ public:
     int fused_conv_l2s() const override { return n_conv_l2_; }
     int fused_sigmoids() const override { return n_fused_sig_; }
     int fused_kda_decodes() const override { return n_kda_fused_; }
-    int l2_prefetches() const override { return n_l2_prefetch_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
     int fused_routes() const override { return n_fused_routes_; }
 
@@ -1099,8 +1098,7 @@ private:
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
                                                     state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
                                                     has_sel ? in(n, 5).shape.at(1) : 0, db_, ns, scratch, y, err, st_,
-                                                    opt_.mla_decode_v2, opt_.mla_decode_v3, opt_.mla_attn_v4,
-                                                    next_prefetch(g, id)));
+                                                    opt_.mla_decode_v2, opt_.mla_decode_v3, opt_.mla_attn_v4));
                 break;
             }
             case op_type::INDEXER_TOPK: {
@@ -1179,13 +1177,8 @@ private:
                     cuda::gemv_cfg rc = gemv_cfg_for(x.shape.at(1));
                     if (opt_.moe_route_gemv_v2) rc.unroll = opt_.gemv_unroll;   // v2 (row split) whatever the width
                     PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_, rc));
-                    const cuda::dl2_prefetch pf = route_prefetch(g, id, T);
-                    if (pf.n)
-                        PG_CUDA_CHECK(cuda::launch_moe_select_radix_prefetch(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
-                                                                             static_cast<float *>(out[1].p), pf, st_));
-                    else
-                        PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p),
-                                                  static_cast<float *>(out[1].p), st_));
+                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                                              st_));
                     break;
                 }
                 if (opt_.moe_route_fast) {
@@ -1286,7 +1279,8 @@ private:
 
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
-        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0};
+        return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
+                              opt_.gemv_v2_prefetch, opt_.gemv_v3_prefetch};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
@@ -1309,7 +1303,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = n_l2_prefetch_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
         n_fused_routes_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
@@ -1497,58 +1491,6 @@ private:
         ++n_conv_l2_;
     }
 
-    // cuda_options::l2_prefetch_next: the weight of the LINEAR that alone reads node `id`'s output (fuse plan
-    // next_linear), for a latency-bound launch to ask into L2 after its wait; empty when off or there is none.
-    cuda::dl2_prefetch next_prefetch(const graph & g, int id) {   // (binds the weight: weight_dev)
-        cuda::dl2_prefetch pf;
-        const int j = opt_.l2_prefetch_next && size_t(id) < fplan_.next_linear.size() ? fplan_.next_linear[size_t(id)] : -1;
-        if (j < 0) return pf;
-        const node & wn = g.at(g.nodes[size_t(j)].src[1]);   // a leaf (resident, never written by a kernel), maybe not yet bound
-        if (wn.op != op_type::WEIGHT || !wn.leaf) return pf;
-        const void * wp = weight_dev(*wn.leaf);
-        if ((reinterpret_cast<uintptr_t>(wp) & 15u) != 0) return pf;
-        pf.p[0] = wp;
-        pf.bytes[0] = int64_t(wn.leaf->nbytes);
-        pf.n = 1;
-        ++n_l2_prefetch_;
-        return pf;
-    }
-
-    // cuda_options::l2_prefetch_route_mb: for MOE_ROUTE node `id`'s selection (one token, the threshold form), the weights
-    // of the first launch after its MOE_EXPERTS (the next layer's first projections, in launch order), up to the cap.
-    cuda::dl2_prefetch route_prefetch(const graph & g, int id, int64_t T) {   // (binds the weights)
-        cuda::dl2_prefetch pf;
-        if (opt_.l2_prefetch_route_mb <= 0 || T != 1 || !opt_.moe_select_radix || fplan_.at.empty()) return pf;
-        int moe = -1;   // the MOE_EXPERTS that reads this route's ids
-        for (size_t j = size_t(id) + 1; j < g.nodes.size() && moe < 0; ++j)
-            if (g.nodes[j].op == op_type::MOE_EXPERTS && g.nodes[j].src.size() > 1 && g.nodes[j].src[1].node == id) moe = int(j);
-        if (moe < 0) return pf;
-        std::vector<int> lins;   // the LINEARs of the first launch after it
-        for (size_t j = size_t(moe) + 1; j < g.nodes.size() && lins.empty(); ++j) {
-            if (!fplan_.at[j].empty()) {
-                for (const auto & grp : fplan_.at[j].groups)
-                    for (const auto & sg : grp)
-                        if (!sg.route) lins.push_back(sg.linear);
-            } else if (g.nodes[j].op == op_type::LINEAR && fplan_.done_by[j] < 0) {
-                lins.push_back(int(j));
-            }
-        }
-        int64_t left = int64_t(opt_.l2_prefetch_route_mb) << 20;
-        for (int l : lins) {
-            if (pf.n == cuda::dl2_prefetch::k_max || left <= 0) break;
-            const node & wn = g.at(g.nodes[size_t(l)].src[1]);   // a leaf (resident), not yet bound at this position
-            if (wn.op != op_type::WEIGHT || !wn.leaf) continue;
-            const void * wp = weight_dev(*wn.leaf);
-            if ((reinterpret_cast<uintptr_t>(wp) & 15u) != 0) continue;
-            pf.p[pf.n] = wp;
-            pf.bytes[pf.n] = std::min<int64_t>(int64_t(wn.leaf->nbytes), left);
-            left -= pf.bytes[pf.n];
-            ++pf.n;
-        }
-        if (pf.n) ++n_l2_prefetch_;
-        return pf;
-    }
-
     // GATED_RMS_NORM node `id` (outputs allocated) and the KDA tail the plan folds into it (fuse-plan.h rule 7): one
     // launch; the folded nodes' outputs are allocated here (they were skipped at their own positions). The checks are
     // the unfused ops' checks.
@@ -1626,7 +1568,6 @@ private:
         if (kf.g_b >= 0) a.y_z = outp(kf.g_b);
         a.y_o = outp(kf.scan);
         a.y_on = static_cast<float *>(outs_[size_t(id)].at(0).p);
-        a.pf = next_prefetch(g, id);
         PG_CHECK(cuda::kda_decode_fused_supported(a), "fused KDA decode at '{}': unsupported layout or alignment", nn.name);
         PG_CUDA_CHECK(cuda::launch_kda_decode_fused(a, db_, st_));
         ++n_kda_fused_;
@@ -1882,7 +1823,6 @@ private:
     int n_fused_routes_ = 0;
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
-    int n_l2_prefetch_ = 0;   // launches next_prefetch / route_prefetch handed ranges to
     int n_moe_shared_ = 0;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;

@@ -19,16 +19,6 @@ struct dweight {
     wtype type = wtype::F32;
 };
 
-// Weight ranges a latency-bound kernel asks into L2 for the streaming launch after it (cuda_options::l2_prefetch_next):
-// the HBM is nearly idle while such a kernel runs, so bytes fetched then are off the step's critical path. A hint only:
-// no data comes back and nothing waits for it. p 16-byte aligned; a tail of bytes % 16 is not asked for.
-struct dl2_prefetch {
-    static constexpr int k_max = 4;
-    const void * p[k_max] = {};
-    int64_t bytes[k_max] = {};
-    int n = 0;
-};
-
 // The step's batch layout on the device (ir/batch.h), uploaded once per run.
 struct dbatch {
     int n_seq = 0, n_tok = 0;
@@ -102,6 +92,12 @@ struct gemv_cfg {
     int split = 0;
     int v3 = 0;
     int v3_unroll = 0;
+    // v2 (cuda_options::gemv_v2_prefetch): each block asks its first tile's weight rows into L2 (one bulk prefetch)
+    // before its PDL wait, while the kernel before it runs. A hint: results unchanged.
+    bool v2_prefetch = false;
+    // v3 (cuda_options::gemv_v3_prefetch): each block asks its next N tiles (after the first, whose loads v3 == 2 issues
+    // early) into L2 before its PDL wait. A hint: results unchanged.
+    int v3_prefetch = 0;
 };
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
@@ -156,15 +152,14 @@ struct mla_shape { int64_t n_head, head_dim_nope, head_dim_rope, head_dim_v, kv_
 // launch, the combine inside the output projection), loads that do not depend on the previous kernel issued before the
 // PDL wait (mla.cu "Decode v3"); c and kr must be 16-byte aligned, else v2 runs.
 // v4 (cuda_options::mla_attn_v4, only with v3): v3 with the attention kernel k_mla_attn_v4 (8 warps per 8-head group,
-// dims split over the warps; mla.cu "Decode v4") where v3 uses 8-head groups (T < 8), else v3's attention. pf: weights
-// v4's attention asks into L2 after its wait (cuda_options::l2_prefetch_next: the o_proj after the MLA).
+// dims split over the warps; mla.cu "Decode v4") where v3 uses 8-head groups (T < 8), else v3's attention.
 bool mla_v2_supported(const mla_shape & d);
 int mla_split_for(int64_t T, const mla_shape & d, bool enabled, bool v2 = false);
 int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split);
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
                             float * scratch, float * o, int * err, cudaStream_t st, bool v2 = false, bool v3 = false,
-                            bool v4 = false, const dl2_prefetch & pf = dl2_prefetch{});
+                            bool v4 = false);
 // The MLA kv_a split (cuda_options::fuse_mla_kv, fuse-plan.h rule 6): x [T, W] -> cols = x[:, :L], c = RMS_NORM(cols)
 // (w may be absent, eps), kr = x[:, L:] in one launch; c bitwise launch_rms_norm's.
 cudaError_t launch_mla_kv_split(const float * x, int64_t T, int64_t W, int64_t L, dweight w, float eps, float * cols, float * c,
@@ -235,7 +230,8 @@ struct dmoe_opts {
 // k <= 8). cfg: ones digit 1 = gate/up alone, 2 = down + combine alone (benchmarks); tens digit 1 = down R 2 at 3 blocks
 // per SM instead of R 3 at 2; hundreds digit (cuda_options::moe_bf16_early) 1 = the down stage's ids and weight loads
 // before its PDL wait and, with the shared slot, that slot on blockIdx.y 0 with all its work but the writes before the
-// wait; 2 = the down stage's only. Outputs bit for bit the same whatever the digits.
+// wait; 2 = the down stage's only; thousands digit (cuda_options::moe_bf16_evict_first) 1 = the weights loaded with
+// the L2 policy evict_first. Outputs bit for bit the same whatever the digits.
 bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, int cfg = 0);
 // False (nothing launched) when the shape is not supported. hbuf: k * d_ff floats.
 bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,

@@ -79,7 +79,6 @@ struct kda_decode_args {
     float * y_z = nullptr;   // z (folded only)
     float * y_o = nullptr;   // the scan's output
     float * y_on = nullptr;  // the gated norm's output
-    dl2_prefetch pf;         // the next launch's weights (o_proj), asked into L2 after the wait (l2_prefetch_next)
 };
 bool kda_decode_fused_supported(const kda_decode_args & a);
 cudaError_t launch_kda_decode_fused(const kda_decode_args & a, const dbatch & b, cudaStream_t st);

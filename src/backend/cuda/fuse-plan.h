@@ -122,7 +122,6 @@ struct plan {
     int moe_shareds = 0;             // MOE_EXPERTS launches with the shared slot
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
     std::vector<int> route_by;       // per MOE_ROUTE node: the RMS_NORM whose launch computes its logits (-1: its own GEMV)
-    std::vector<int> next_linear;    // per node: its output 0's only consumer when that is a LINEAR reading it as x (else -1)
     int routes = 0;                  // router GEMV launches folded into a norm's launch (their logits one more segment)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
@@ -287,12 +286,6 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         for (const node_ref & r : g.nodes[i].src)
             if (r.valid() && r.out == 0 && (cons[size_t(r.node)].empty() || cons[size_t(r.node)].back() != int(i)))
                 cons[size_t(r.node)].push_back(int(i));
-    p.next_linear.assign(N, -1);   // (cuda_options::l2_prefetch_next: whose weights a latency-bound launch asks into L2)
-    for (size_t i = 0; i < N; ++i)
-        if (cons[i].size() == 1) {
-            const node & u = g.nodes[size_t(cons[i][0])];
-            if (u.op == op_type::LINEAR && u.src.size() >= 2 && same(u.src[0], node_ref{int(i), 0})) p.next_linear[i] = cons[i][0];
-        }
 
     // 0. the shared expert as a slot of the routed experts' launch (before the rules that would claim its nodes)
     if (o.moe_shared_slot && o.moe_grouped && o.moe_decode_bf16) plan_moe_shared(g, cons, p);

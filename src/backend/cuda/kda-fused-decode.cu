@@ -118,8 +118,6 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     for (int j = 0; j < kConvW - 1; ++j) win[j] = part < 3 ? hist[j] : 0.0f;
 
     pdl_enter();
-    // the o_proj weights into L2 while this launch's latency chain runs (the HBM is idle but for the state)
-    if (a.pf.n) l2_prefetch_share(a.pf, int(blockIdx.y * gridDim.x + blockIdx.x), int(gridDim.x * gridDim.y));
 
     const float * xin = part == 0 ? a.q : part == 1 ? a.k : a.v;
     float * yconv = part == 0 ? a.y_q : part == 1 ? a.y_k : a.y_v;

@@ -991,7 +991,7 @@ __global__ void __launch_bounds__(k_v4_warps * 32, 2) k_mla_attn_v4(
     const float * __restrict__ q, const float * __restrict__ qlat, const float * __restrict__ c, const float * __restrict__ kr,
     int64_t H, int64_t dn, int64_t dr, int64_t L, float scale, const float * __restrict__ cache,
     const int32_t * __restrict__ sel, int64_t topk, dbatch b, int64_t kpb, float * __restrict__ olat,
-    float * __restrict__ part_acc, float * __restrict__ part_ml, int * err, dl2_prefetch pf) {
+    float * __restrict__ part_acc, float * __restrict__ part_ml, int * err) {
     constexpr int HG = k_v4_heads;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int64_t G = (H + HG - 1) / HG;
@@ -1034,8 +1034,6 @@ __global__ void __launch_bounds__(k_v4_warps * 32, 2) k_mla_attn_v4(
     if (j0 < j1) issue_tile(j0);
     pdl_wait();
     pdl_trigger();
-    // the o_proj after the MLA into L2 while the attention runs (cuda_options::l2_prefetch_next)
-    if (pf.n) l2_prefetch_share(pf, int(blockIdx.y * gridDim.x + blockIdx.x), int(gridDim.x * gridDim.y));
     // ---- after the wait: q_lat ----
     for (int i = threadIdx.x; i < HG * L4; i += blockDim.x) {
         const int hh = i / L4, cc = i % L4;
@@ -1278,8 +1276,7 @@ int64_t mla_scratch_floats(int64_t T, const mla_shape & d, int n_split) {
 
 cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, dweight kv_b, const mla_shape & d,
                             float scale, float * cache, const int32_t * sel, int64_t topk, const dbatch & b, int n_split,
-                            float * scratch, float * o, int * err, cudaStream_t st, bool v2, bool v3, bool v4,
-                            const dl2_prefetch & pf) {
+                            float * scratch, float * o, int * err, cudaStream_t st, bool v2, bool v3, bool v4) {
     const int64_t T = b.n_tok, H = d.n_head, dn = d.head_dim_nope, dr = d.head_dim_rope, dv = d.head_dim_v,
                   L = d.kv_lora_rank;
     if (T == 0) return cudaGetLastError();
@@ -1304,7 +1301,7 @@ cudaError_t launch_mla_attn(const float * q, const float * c, const float * kr, 
             const cudaError_t e = mla_v4_attrs();
             if (e != cudaSuccess) return e;
             launch_k(k_mla_attn_v4, grid, k_v4_warps * 32, mla_v4_smem(L, dr), st, q, qlat, c, kr, H, dn, dr, L, scale, cache,
-                     sel, topk, b, per * k_v2_keys, olat, part_acc, part_ml, err, pf);
+                     sel, topk, b, per * k_v2_keys, olat, part_acc, part_ml, err);
             launch_mla_v3_linears_any(true, olat, kv_b, T, H, dn, dr, dv, L, o, c, kr, cache, b, part_acc, part_ml, ns, sel, err,
                                       st);
             return cudaGetLastError();

@@ -47,8 +47,8 @@ constexpr int k_bgu_warps = 4;   // gate/up: warps (rows) per block
 constexpr int k_bdn_warps = 8;   // down: warps per block (slots j = warp + 8 s)
 
 // The weight stream's L2 policy (cfg thousands digit 1, cuda_options::moe_bf16_evict_first): evict_first marks the
-// experts' lines (read once per step) as the first to go, so that what l2_prefetch_route asked into L2 for the next
-// layer survives the ~130 MB the pair streams in between; evict_normal = an ordinary load's policy.
+// experts' lines (read once per step) as the first to go, so that the ~130 MB the pair streams per layer does not evict
+// the step's other lines; evict_normal = an ordinary load's policy.
 __device__ __forceinline__ uint64_t l2_stream_policy(bool evict_first) {
     uint64_t pol;
     if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));

@@ -262,13 +262,9 @@ __device__ __forceinline__ float bias_of_thread(const dweight & bias, const drou
 }
 
 // grid T, block E rounded up to a warp: token t = blockIdx.x.
-// pf (launch_moe_select_radix_prefetch, one token): weights asked into L2 before the wait, while the router GEMV before it
-// runs and the HBM is idle (cuda_options::l2_prefetch_route_mb: the next layer's first projections).
 __global__ void __launch_bounds__(k_sw_max_e) k_moe_select_radix(const float * __restrict__ logits, dweight bias, droute c,
-                                                                 int32_t * __restrict__ ids, float * __restrict__ w,
-                                                                 dl2_prefetch pf) {
+                                                                 int32_t * __restrict__ ids, float * __restrict__ w) {
     const float bias_mine = bias_of_thread(bias, c);   // a weight (never written by a kernel): before the PDL wait
-    if (pf.n) l2_prefetch_share(pf, int(blockIdx.x), int(gridDim.x));
     pdl_enter();
     select_radix_token(logits + int64_t(blockIdx.x) * c.n_expert, bias, c, blockIdx.x, bias_mine, ids, w);
 }
@@ -372,16 +368,7 @@ cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bia
     if (c.n_expert < 1 || c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk < 1 || c.topk > 64 || c.topk > c.n_expert)
         return cudaErrorInvalidValue;
     const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
-    if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w, dl2_prefetch{});
-    return cudaGetLastError();
-}
-
-cudaError_t launch_moe_select_radix_prefetch(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids,
-                                             float * w, const dl2_prefetch & pf, cudaStream_t st) {
-    if (c.n_expert < 1 || c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk < 1 || c.topk > 64 || c.topk > c.n_expert)
-        return cudaErrorInvalidValue;
-    const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
-    if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w, pf);
+    if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
 }
 

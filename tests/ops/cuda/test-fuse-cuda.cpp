@@ -714,16 +714,14 @@ TEST(cuda_fuse, kda_decode_tail) {
             for (tensor * t : kg.st) ref_st.push_back(as_f32(*t));
         }
         const bool folds = T <= 8;
-        // fuse 2: fused, and the launch asks o_proj's weights into L2 (l2_prefetch_next): bit for bit fuse 1
-        std::vector<std::vector<float>> got[3][2];   // [fused][step]
-        std::vector<std::vector<float>> got_st[3];
-        for (int fuse = 2; fuse >= 0; --fuse) {
+        std::vector<std::vector<float>> got[2][2];   // [fused][step]
+        std::vector<std::vector<float>> got_st[2];
+        for (int fuse = 1; fuse >= 0; --fuse) {
             restore();
             cuda_options o = fuse_opts(true, true);   // the decode defaults around it: norm folded, projections grouped
             o.fuse_conv_l2 = o.fuse_sigmoid = true;
             o.fuse_kda_decode = fuse != 0;
-            o.l2_prefetch_next = fuse == 2;
-            const std::string m = nm + (fuse == 2 ? "/fused+l2_prefetch" : fuse ? "/fused" : "/unfused");
+            const std::string m = nm + (fuse ? "/fused" : "/unfused");
             auto gpu = backend_cuda_init(0, o);
             gpu->check_supported(kg.g);
             for (int step = 0; step < 2; ++step) {
@@ -738,9 +736,6 @@ TEST(cuda_fuse, kda_decode_tail) {
                 const int want = fuse && folds ? 1 : 0;
                 EXPECT_EQ(gpu->fused_kda_decodes(), want) << m;
                 tally(gpu->fused_kda_decodes() == want);
-                const int want_pf = fuse == 2 && folds ? 1 : 0;   // the fused tail asked for o_proj (its only consumer)
-                EXPECT_EQ(gpu->l2_prefetches(), want_pf) << m;
-                tally(gpu->l2_prefetches() == want_pf);
             }
             gpu->sync_state_to_host();
             for (int i = 0; i < 4; ++i) {
@@ -751,18 +746,6 @@ TEST(cuda_fuse, kda_decode_tail) {
                 tally(ok);
             }
             std::printf("[%s] fused_kda_decodes %d\n", m.c_str(), gpu->fused_kda_decodes());
-        }
-        {   // the prefetch is a hint: every output and state bit for bit the fused run without it
-            bool same = true;
-            for (int step = 0; step < 2; ++step)
-                for (size_t i = 0; i < kg.outs.size(); ++i)
-                    same &= got[2][step][i].size() == got[1][step][i].size() &&
-                            std::memcmp(got[2][step][i].data(), got[1][step][i].data(), got[1][step][i].size() * 4) == 0;
-            for (int i = 0; i < 4; ++i) same &= std::memcmp(got_st[2][size_t(i)].data(), got_st[1][size_t(i)].data(),
-                                                            got_st[1][size_t(i)].size() * 4) == 0;
-            std::printf("[%s/bitwise l2_prefetch == fused] %s\n", nm.c_str(), same ? "yes" : "NO");
-            EXPECT_TRUE(same) << nm;
-            tally(same);
         }
         if (c.form == kda_form::inputs && folds) {   // every output and state bit for bit the unfused kernels'
             bool same = true;

@@ -57,12 +57,8 @@ struct result {
     std::vector<float> w;
 };
 
-// radix_pf: the threshold form asking a 3 MiB device buffer into L2 first (launch_moe_select_radix_prefetch): a hint,
-// so bit for bit radix.
-enum class kind { block, warp, sort, radix, radix_pf };
-const char * kind_name(kind k) {
-    return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : k == kind::radix_pf ? "radix+l2_prefetch" : "block";
-}
+enum class kind { block, warp, sort, radix };
+const char * kind_name(kind k) { return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : "block"; }
 
 // Runs one selection kernel on the device over logits [T, E].
 result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
@@ -82,18 +78,7 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     const dweight bw{db, wtype::F32};
     cudaStream_t st;
     cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    void * pbuf = nullptr;
-    dl2_prefetch pf;
-    if (kk == kind::radix_pf) {   // two ranges, the second with a tail that is not a multiple of 16 bytes
-        cudaMalloc(&pbuf, size_t(3) << 20);
-        pf.p[0] = pbuf;
-        pf.bytes[0] = int64_t(2) << 20;
-        pf.p[1] = static_cast<char *>(pbuf) + (size_t(2) << 20);
-        pf.bytes[1] = (int64_t(1) << 20) - 9;
-        pf.n = 2;
-    }
-    const cudaError_t e = kk == kind::radix_pf ? launch_moe_select_radix_prefetch(dl, c.T, bw, r, di, dw, pf, st)
-                          : kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
+    const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
                           : kk == kind::sort  ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
                           : kk == kind::radix ? launch_moe_select_radix(dl, c.T, bw, r, di, dw, st)
                                               : launch_moe_select(dl, c.T, bw, r, di, dw, st);
@@ -107,7 +92,6 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     cudaFree(db);
     cudaFree(di);
     cudaFree(dw);
-    cudaFree(pbuf);
     return out;
 }
 
@@ -245,7 +229,7 @@ std::string describe(const rcase & c) {
            std::to_string(c.softmax) + " renorm " + std::to_string(c.renorm) + " special " + std::to_string(c.special);
 }
 
-const kind k_fast[] = {kind::warp, kind::sort, kind::radix, kind::radix_pf};
+const kind k_fast[] = {kind::warp, kind::sort, kind::radix};
 
 TEST(route_select, fast_equals_block) {
     NEED_GPU();
@@ -259,7 +243,7 @@ TEST(route_select, fast_equals_block) {
             EXPECT_EQ(diff_bitwise(run_select(kk, c, logits, bias), blk), "") << kind_name(kk) << ": " << describe(c);
         ++n;
     }
-    std::printf("[route_select] warp, sort, radix and radix+l2_prefetch == block bit for bit on %d cases\n", n);
+    std::printf("[route_select] warp, sort and radix == block bit for bit on %d cases\n", n);
 }
 
 TEST(route_select, fast_equals_cpu_rule) {

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran on commits 038b7b8 (call A) and d158d43 (call B); l2_prefetch_next and l2_prefetch_route_mb were removed after call B (bench/RESULTS.md, session 10), so this script does not run on later trees.
 # session 10, call A: the L2 prefetch levers (all off by default in this binary).
 #  - tests: the fused KDA tail and the MLA v4 attention with l2_prefetch_next bit for bit the runs without; the radix
 #    selection with a prefetch list bit for bit the block selection; the BF16 pair with the evict_first policy (cfg 1000,
