@@ -82,6 +82,10 @@ struct cuda_options {
     // selection (test-route-cuda). On by prediction pending its H200 run (session 4: ncu k_moe_select_sort 19.8 us K3,
     // 8.9 us 48B; predicted ~4 us both, isolated).
     bool moe_select_radix = true;
+    // ... whose PDL trigger comes before its wait (route-select.cu, launch_moe_select_radix_et), so the experts' launch
+    // is resident while the router GEMV runs: the 48B shared slot (moe_bf16_early) streams its 9.4 MB a router earlier.
+    // Same results. Predicted (session 10, before any run): 48B -0.5..-1 us per MoE layer (-0.015..-0.025 ms).
+    bool moe_select_early_trigger = false;
     // The decode router's GEMV (MOE_ROUTE, GEMV path with moe_route_fast) on the v2 kernels with the row split whatever
     // gemv_v2_min_in says (gemv_unroll 0 still means the first kernels): the 48B router (256 rows of 2304) ran 32 blocks
     // on the first kernels (ncu session 4: 6.4 us for 1.2 MB). false: gemv_v2_min_in decides, as for any LINEAR. gemv_v3
@@ -342,23 +346,20 @@ struct cuda_options {
     // prefetch are the shared slot's own, which load the same gate / up rows right after it (the request made twice), and
     // call E measured it neutral (48B 2.320 / 2.324 ms with it, 2.319 / 2.320 without, same binary).
     bool moe_shared_prefetch = false;
-    // GEMV v2 launches: each block asks its first tile's rows into L2 by one bulk prefetch before its PDL wait
-    // (gemv_cfg::v2_prefetch), i.e. while the kernel before it still runs. Why: the same request issued from the KDA
-    // tail's 32 blocks after their wait (session 10 call B, removed) made the tail 2-3 us slower (one SM's bulk
-    // prefetches drain at ~250 GB/s, so 590 KB per block held it) and o_proj no faster; the o_proj's own 576 blocks are
-    // resident ~8 us before the tail ends, idle in their wait, 32 KB each. Predicted (session 10, before any run): 48B o_proj 7.5 -> ~4 us per KDA
-    // layer, step -0.05..-0.08 ms; k3 ~-0.01.
-    bool gemv_v2_prefetch = false;
-    // GEMV v3 launches: each block asks its next N tiles into L2 before its PDL wait (gemv_cfg::v3_prefetch; 0: off). Why:
-    // the 48B's 2304-wide group (norm + q/k/v/f/g/b, 58.5 MB) is 17.3 us exposed against 13.8 of bytes; its blocks are
-    // resident ~4 us before the experts' down ends, but only the first tile's loads are in flight then (v3 == 2), and
-    // the next are issued after the staged-norm prologue. Predicted (session 10, before any run): with 2 tiles (~20 MB
-    // over the grid) the group 17.3 -> ~15 us, 48B step -0.05 ms.
-    int gemv_v3_prefetch = 0;
     // The BF16 decode expert pair (moe-bf16-decode.cu) loads its weights with the L2 policy evict_first (cfg thousands
-    // digit 1): read once per step, they go first, so the step's other lines (activations, the next kernels' weights
-    // asked in early) are not evicted by their ~130 MB per layer. Results unchanged (a cache policy).
-    bool moe_bf16_evict_first = false;
+    // digit 1, common.cuh l2_stream_policy): read once per step, they go first, so their ~130 MB per 48B MoE layer does
+    // not evict the step's other lines. Results unchanged (a cache policy; test-moe-cuda cfg 1000 / 1100 bit for bit).
+    // Measured (session 10 call C, same binary, two rounds): 48B B=1 2.309 / 2.307 -> 2.287 / 2.286 ms. On.
+    // (Tried with it in session 10 and removed, calls B and C: L2 prefetches of the next kernel's weights issued by a
+    // latency-bound kernel after its wait (the KDA tail for o_proj: tail +2-3 us, o_proj no faster; one SM drains bulk
+    // prefetches at ~250 GB/s), by the route's one-block selection (48B 2.31 -> 3.5-5.9 ms), and by the streaming
+    // GEMVs' own blocks before their PDL wait (v2 first tile: 48B +0.016 ms, k3 +0.26 ms; v3 next 1 / 2 / 4 tiles: 48B
+    // +0.015 / +0.048 / +0.07 ms).)
+    bool moe_bf16_evict_first = true;
+    // GEMV v2 / v3 launches load their weights with the L2 policy evict_first (gemv_cfg::evict_first), as
+    // moe_bf16_evict_first does for the experts. Results unchanged. Predicted (session 10, before any run): if the
+    // experts' gain came from the step's activations and states surviving in L2, another -0.01..-0.03 ms on the 48B.
+    bool gemv_evict_first = false;
     // RMS_NORM / LAYER_NORM / L2_NORM / GATED_RMS_NORM launches of rows of up to 16 elements per thread: the row held in
     // registers, every load issued at once, the weights before the PDL wait (norm.cu k_norm_reg); bit for bit the loop
     // kernel. false: the loop kernel. Why: ncu (session 8 call A, 48B decode step) timed the post-attention norm of one

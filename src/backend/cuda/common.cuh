@@ -66,6 +66,18 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void * p, uint32_t bytes)
 #endif
 }
 
+// An L2 cache policy for weight streams (read once per step): evict_first marks their lines as the first to go, so that
+// a stream of tens of MB does not evict the step's other lines (activations, state, caches); evict_normal is an ordinary
+// load's policy. For ld.global...L2::cache_hint (cuda_options::moe_bf16_evict_first, gemv_evict_first).
+__device__ __forceinline__ uint64_t l2_stream_policy(bool evict_first) {
+    uint64_t pol = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+#endif
+    return pol;
+}
+
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
 // Element i of a float-like weight.

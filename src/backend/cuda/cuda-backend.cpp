@@ -1272,7 +1272,7 @@ private:
     using select_launcher = cudaError_t (*)(const float *, int64_t, cuda::dweight, const cuda::droute &, int32_t *, float *,
                                             cudaStream_t);
     select_launcher select_fn() const {
-        if (opt_.moe_select_radix) return cuda::launch_moe_select_radix;
+        if (opt_.moe_select_radix) return opt_.moe_select_early_trigger ? cuda::launch_moe_select_radix_et : cuda::launch_moe_select_radix;
         return opt_.moe_select_sort ? cuda::launch_moe_select_sort
                                     : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;
     }
@@ -1280,7 +1280,7 @@ private:
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
         return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
-                              opt_.gemv_v2_prefetch, opt_.gemv_v3_prefetch};
+                              opt_.gemv_evict_first};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?

@@ -92,12 +92,8 @@ struct gemv_cfg {
     int split = 0;
     int v3 = 0;
     int v3_unroll = 0;
-    // v2 (cuda_options::gemv_v2_prefetch): each block asks its first tile's weight rows into L2 (one bulk prefetch)
-    // before its PDL wait, while the kernel before it runs. A hint: results unchanged.
-    bool v2_prefetch = false;
-    // v3 (cuda_options::gemv_v3_prefetch): each block asks its next N tiles (after the first, whose loads v3 == 2 issues
-    // early) into L2 before its PDL wait. A hint: results unchanged.
-    int v3_prefetch = 0;
+    // v2 / v3 (cuda_options::gemv_evict_first): weights loaded with the L2 policy evict_first. Results unchanged.
+    bool evict_first = false;
 };
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,

@@ -516,12 +516,12 @@ static_assert(k_gemv_norm_stage_max + (k_gemv_warps * gemv2_rows_per_warp(8, tru
               "v2 staged: x' and the static scratch (partials, x^2 sums, inv) must fit 48 KiB (no dynamic-smem opt-in)");
 
 template <wtype WT>
-__device__ __forceinline__ uint4 wraw_load(const void * base, int64_t i) {
+__device__ __forceinline__ uint4 wraw_load(const void * base, int64_t i, uint64_t pol) {
     const char * p = static_cast<const char *>(base) + i * (WT == wtype::F32 ? 4 : 2);
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
+        : "l"(p), "l"(pol));
     return r;
 }
 template <wtype WT>
@@ -565,21 +565,10 @@ __device__ __forceinline__ void gemv_store(const fused_segs & g, int s, int64_t 
 template <wtype WT, int TT, int U, bool STAGED>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_v2(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
-                     float eps, float * __restrict__ yn, bool pf_tile) {
+                     float eps, float * __restrict__ yn, bool ef) {
     constexpr int R = gemv2_rows_per_warp(TT, STAGED);
+    const uint64_t pol = l2_stream_policy(ef);   // the weights' L2 policy (gemv_cfg::evict_first)
     if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
-    if (pf_tile && threadIdx.x == 0 && blockIdx.x < g.start[g.n]) {
-        // gemv_cfg::v2_prefetch: this block's first tile (rows_tile consecutive rows: one contiguous range) into L2 before
-        // the wait. Under PDL the block is resident while the previous kernel (a latency-bound one: the KDA tail, the MLA
-        // output projection) still runs, so the HBM streams the tile then; a prefetch holds no register (the early loads
-        // of gemv_v2_early held 33 more and cost occupancy). The launcher sets it only where rows are 16-byte multiples.
-        int s = 0;
-        while (s + 1 < g.n && blockIdx.x >= g.start[s + 1]) ++s;
-        constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
-        const int64_t rows_tile = int64_t(k_gemv_warps / split) * R, r0 = int64_t(blockIdx.x - g.start[s]) * rows_tile;
-        const int64_t rows = g.out[s] - r0 < rows_tile ? g.out[s] - r0 : rows_tile;
-        prefetch_l2_bulk(static_cast<const char *>(g.w[s]) + r0 * in * esz, uint32_t(rows * in * esz));
-    }
     pdl_enter();
     constexpr int UC = U / R >= 1 ? U / R : 1;   // chunks per iteration (R * UC loads in flight per lane)
     constexpr int VN = wvec<WT>::n;
@@ -643,7 +632,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
                     const int64_t c = (k + u) * CH + int64_t(lane) * VN;
                     const bool ok = k + u < ke && c < in;
 #pragma unroll
-                    for (int r = 0; r < R; ++r) raw[r][u] = ok ? wraw_load<WT>(W, rb[r] + c) : make_uint4(0u, 0u, 0u, 0u);
+                    for (int r = 0; r < R; ++r) raw[r][u] = ok ? wraw_load<WT>(W, rb[r] + c, pol) : make_uint4(0u, 0u, 0u, 0u);
                 }
 #pragma unroll
                 for (int u = 0; u < UC; ++u) {
@@ -775,10 +764,7 @@ cudaError_t v2_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg 
     for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
     const unsigned total = g.start[g.n];
     const unsigned grid = STAGED ? unsigned(std::min<int64_t>(total, slots)) : total;
-    // v2_prefetch: 16-bit or f32 rows whose bytes are a multiple of 16, tiles under 4 GiB (prefetch_l2_bulk's limits)
-    constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
-    const bool pf = cfg.v2_prefetch && (in * esz) % 16 == 0 && rows_tile * in * esz < (int64_t(1) << 32);
-    launch_k(kern, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
+    launch_k(kern, grid, th, smem, st, x, in, g, S, nw, eps, yn, cfg.evict_first);
     return cudaGetLastError();
 }
 
@@ -841,8 +827,9 @@ cudaError_t v2_chunk(const float * x, int64_t tt, int64_t in, wtype wt, const fu
 template <wtype WT, int U, bool STAGED, bool EARLY>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
     k_linear_gemv_v3(const float * __restrict__ x, int64_t in, fused_segs g, int split, const float * __restrict__ nw,
-                     float eps, float * __restrict__ yn, int pf_tiles) {
+                     float eps, float * __restrict__ yn, bool ef) {
     constexpr int VN = wvec<WT>::n;
+    const uint64_t pol = l2_stream_policy(ef);   // the weights' L2 policy (gemv_cfg::evict_first)
     constexpr int CH = 32 * VN;
     __shared__ float part[k_gemv_warps];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -861,7 +848,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     };
     auto issue = [&](uint4 & r, int s, int64_t row, bool ok, int rd, int u) {
         const int64_t k = kb + int64_t(rd) * U + u, c = k * CH + int64_t(lane) * VN;
-        r = ok && k < ke && c < in ? wraw_load<WT>(g.w[s], row * in + c) : make_uint4(0u, 0u, 0u, 0u);
+        r = ok && k < ke && c < in ? wraw_load<WT>(g.w[s], row * in + c, pol) : make_uint4(0u, 0u, 0u, 0u);
     };
     unsigned vb = blockIdx.x;
     int rd = 0, s = 0;
@@ -874,21 +861,6 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
         for (int u = 0; u < U; ++u) issue(raw[u], s, row, ok, 0, u);
     }
     if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
-    if (pf_tiles > 0 && tid == 0) {
-        // gemv_cfg::v3_prefetch: the block's next pf_tiles tiles (vb + i gridDim; each groups consecutive rows, one
-        // contiguous range) asked into L2 before the wait, so the HBM keeps streaming across the previous kernel's end
-        // and this one's staged-norm prologue (the first tile's loads are the EARLY ones above). The launcher sets it
-        // only where rows are 16-byte multiples.
-        constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
-        for (int i = 1; i <= pf_tiles; ++i) {
-            const unsigned t = vb + unsigned(i) * gridDim.x;
-            if (t >= total) break;
-            int ts = 0;
-            while (ts + 1 < g.n && t >= g.start[ts + 1]) ++ts;
-            const int64_t r0 = int64_t(t - g.start[ts]) * groups, rows = g.out[ts] - r0 < groups ? g.out[ts] - r0 : groups;
-            prefetch_l2_bulk(static_cast<const char *>(g.w[ts]) + r0 * in * esz, uint32_t(rows * in * esz));
-        }
-    }
     pdl_enter();
     if constexpr (!EARLY) {
 #pragma unroll
@@ -1035,17 +1007,16 @@ cudaError_t v3_run(const float * x, int64_t in, fused_segs g, const gemv_cfg & c
     for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
     const unsigned grid = unsigned(std::min<int64_t>(g.start[g.n], int64_t(sms) * occ));
     const int th = k_gemv_warps * 32;
-    constexpr int64_t esz = WT == wtype::F32 ? 4 : 2;
-    const int pf = cfg.v3_prefetch > 0 && (in * esz) % 16 == 0 ? cfg.v3_prefetch : 0;   // prefetch_l2_bulk's 16-byte rule
+    const bool ef = cfg.evict_first;
     switch (U) {
-        case 1: return launch_k(v3_kern<WT, 1, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        case 2: return launch_k(v3_kern<WT, 2, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        case 3: return launch_k(v3_kern<WT, 3, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        case 4: return launch_k(v3_kern<WT, 4, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        case 5: return launch_k(v3_kern<WT, 5, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        case 8: return launch_k(v3_kern<WT, 8, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        case 9: return launch_k(v3_kern<WT, 9, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
-        default: return launch_k(v3_kern<WT, 16, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, pf);
+        case 1: return launch_k(v3_kern<WT, 1, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        case 2: return launch_k(v3_kern<WT, 2, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        case 3: return launch_k(v3_kern<WT, 3, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        case 4: return launch_k(v3_kern<WT, 4, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        case 5: return launch_k(v3_kern<WT, 5, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        case 8: return launch_k(v3_kern<WT, 8, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        case 9: return launch_k(v3_kern<WT, 9, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
+        default: return launch_k(v3_kern<WT, 16, STAGED, EARLY>::fn, grid, th, smem, st, x, in, g, S, nw, eps, yn, ef);
     }
 }
 

@@ -46,16 +46,8 @@ namespace {
 constexpr int k_bgu_warps = 4;   // gate/up: warps (rows) per block
 constexpr int k_bdn_warps = 8;   // down: warps per block (slots j = warp + 8 s)
 
-// The weight stream's L2 policy (cfg thousands digit 1, cuda_options::moe_bf16_evict_first): evict_first marks the
-// experts' lines (read once per step) as the first to go, so that the ~130 MB the pair streams per layer does not evict
-// the step's other lines; evict_normal = an ordinary load's policy.
-__device__ __forceinline__ uint64_t l2_stream_policy(bool evict_first) {
-    uint64_t pol;
-    if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
-
+// pol: the weight stream's L2 policy (common.cuh l2_stream_policy; cfg thousands digit 1 = evict_first,
+// cuda_options::moe_bf16_evict_first).
 __device__ __forceinline__ uint4 ld_stream_bf(const uint4 * p, uint64_t pol) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"

@@ -1085,13 +1085,11 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                                               {4, 1},       {4, 2},       {4, 8},       {8, 8},       {1, 2},
                                               {0, 0, 1, 0}, {0, 0, 2, 0}, {0, 1, 1, 0}, {0, 0, 1, 3}, {0, 0, 1, 9},
                                               {0, 0, 1, 16}, {0, 2, 1, 1}, {0, 8, 1, 1},
-                                              // v2 with each block's first tile asked into L2 before the wait
-                                              // (gemv_cfg::v2_prefetch): the references, and at T = 1 split 1 bit for
-                                              // bit v2 u4 s1 without it
+                                              // the weights with the L2 policy evict_first (gemv_cfg::evict_first):
+                                              // the references, and at T = 1 split 1 bit for bit the same cfg without
+                                              // it (v2 u4 s1; v3 early s1)
                                               {4, 1, 0, 0, true}, {4, 0, 0, 0, true},
-                                              // v3 early, split 1, then the same with its next 3 tiles asked into L2
-                                              // before the wait (gemv_cfg::v3_prefetch): bit for bit at T = 1
-                                              {0, 1, 2, 0}, {0, 1, 2, 0, false, 3}, {0, 0, 2, 0, false, 1}};
+                                              {0, 1, 2, 0}, {0, 1, 2, 0, true}, {0, 0, 2, 0, true}};
     const char * kinds[] = {"plain", "group", "epilogue", "norm"};
     std::map<std::string, std::pair<double, int>> worst;   // (dtype/kind/cfg) -> (worst NMSE, cases)
     int n_bad = 0, n_v3_bitwise = 0, n_v3_expected = 0, n_pf_bitwise = 0, n_pf3_bitwise = 0;
@@ -1155,7 +1153,7 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                     cudaMemset(dyn.p, 0xff, size_t(T * in) * 4);
                 };
                 std::vector<std::vector<float>> v2_s1[4];   // T = 1: v2 u4 s1's outputs per kind (the v3 bitwise check)
-                std::vector<std::vector<float>> v3e_s1[4];  // T = 1: v3 early s1's (the v3_prefetch bitwise check)
+                std::vector<std::vector<float>> v3e_s1[4];  // T = 1: v3 early s1's (the evict_first bitwise check)
                 for (const auto & cfg : cfgs)
                     for (int kind = 0; kind < 4; ++kind) {
                         nan_fill();
@@ -1177,9 +1175,9 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         if (e == cudaSuccess) e = cudaDeviceSynchronize();
                         const std::string key = cfg.v3 ? fmt::format("gemv/{}/{}/v3-{}u{}s{}{}", dtype_name(wt), kinds[kind], cfg.v3,
                                                                       cfg.v3_unroll, cfg.split,
-                                                                      cfg.v3_prefetch ? fmt::format("-pf{}", cfg.v3_prefetch) : "")
+                                                                      cfg.evict_first ? "-ef" : "")
                                                        : fmt::format("gemv/{}/{}/u{}s{}{}", dtype_name(wt), kinds[kind], cfg.unroll, cfg.split,
-                                                                     cfg.v2_prefetch ? "-pf" : "");
+                                                                     cfg.evict_first ? "-ef" : "");
                         const std::string nm_case = fmt::format("{}/{}x{}/T{}", key, out0, in, T);
                         EXPECT_EQ(e, cudaSuccess) << nm_case << ": " << cudaGetErrorString(e);
                         // (reference, candidate) pairs of this launch
@@ -1235,32 +1233,32 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         }
                         // v3 with one warp per row sums each lane's chunks in v2's order (v2 at T = 1: one row per warp):
                         // every output bit for bit equal to v2 u4 s1's; v2 without the split keeps its outputs for that
-                        if (T == 1 && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1 && !cfg.v2_prefetch) {
+                        if (T == 1 && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1 && !cfg.evict_first) {
                             v2_s1[kind].clear();
                             for (const auto & q : pr) v2_s1[kind].push_back(q.second);
                         }
-                        if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && cfg.v3_prefetch == 0) {
+                        if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && !cfg.evict_first) {
                             v3e_s1[kind].clear();
                             for (const auto & q : pr) v3e_s1[kind].push_back(q.second);
                         }
-                        if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && cfg.v3_prefetch > 0) {   // a hint: the same bits
+                        if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && cfg.evict_first) {   // a cache policy: the same bits
                             bool same = v3e_s1[kind].size() == pr.size();
                             for (size_t i = 0; same && i < pr.size(); ++i)
                                 same = pr[i].second.size() == v3e_s1[kind][i].size() &&
                                        std::memcmp(pr[i].second.data(), v3e_s1[kind][i].data(), pr[i].second.size() * 4) == 0;
-                            if (!same) std::printf("[%s/vs v3 early s1 without the prefetch] NOT bitwise equal\n", nm_case.c_str());
+                            if (!same) std::printf("[%s/vs v3 early s1 without evict_first] NOT bitwise equal\n", nm_case.c_str());
                             else ++n_pf3_bitwise;
-                            EXPECT_TRUE(same) << nm_case << ": v3_prefetch vs without";
+                            EXPECT_TRUE(same) << nm_case << ": v3 evict_first vs without";
                             tally(same);
                         }
-                        if (T == 1 && cfg.v2_prefetch && cfg.unroll == 4 && cfg.split == 1) {   // a hint: the same bits
+                        if (T == 1 && cfg.evict_first && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1) {   // the same bits
                             bool same = v2_s1[kind].size() == pr.size();
                             for (size_t i = 0; same && i < pr.size(); ++i)
                                 same = pr[i].second.size() == v2_s1[kind][i].size() &&
                                        std::memcmp(pr[i].second.data(), v2_s1[kind][i].data(), pr[i].second.size() * 4) == 0;
-                            if (!same) std::printf("[%s/vs v2 u4s1 without the prefetch] NOT bitwise equal\n", nm_case.c_str());
+                            if (!same) std::printf("[%s/vs v2 u4s1 without evict_first] NOT bitwise equal\n", nm_case.c_str());
                             else ++n_pf_bitwise;
-                            EXPECT_TRUE(same) << nm_case << ": v2_prefetch vs without";
+                            EXPECT_TRUE(same) << nm_case << ": v2 evict_first vs without";
                             tally(same);
                         }
                         if (v3_ran && cfg.v3 == 1 && cfg.split == 1 && cfg.v3_unroll == 0) {
@@ -1298,10 +1296,10 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     std::printf("[gemv] %d failing outputs; v3 s1 bitwise equal to v2 u4s1 in %d of %d launches (16-bit weights, T = 1, in %% 8 "
                 "== 0: 15 shapes x 4 kinds = 60 expected)\n", n_bad, n_v3_bitwise, n_v3_expected);
     EXPECT_EQ(n_v3_expected, 60);
-    // v2_prefetch at T = 1, split 1: (9 BF16 + 8 F16 + 8 F32 shapes) x 4 kinds, every output bit for bit the run without
-    std::printf("[gemv] v2_prefetch u4s1 bitwise equal to v2 u4s1 in %d of 100 launches\n", n_pf_bitwise);
+    // evict_first at T = 1, split 1: (9 BF16 + 8 F16 + 8 F32 shapes) x 4 kinds, every output bit for bit the run without
+    std::printf("[gemv] v2 u4s1 evict_first bitwise equal to v2 u4s1 in %d of 100 launches\n", n_pf_bitwise);
     EXPECT_EQ(n_pf_bitwise, 100);
-    std::printf("[gemv] v3_prefetch 3 early s1 bitwise equal to v3 early s1 in %d of 100 launches\n", n_pf3_bitwise);
+    std::printf("[gemv] v3 early s1 evict_first bitwise equal to v3 early s1 in %d of 100 launches\n", n_pf3_bitwise);
     EXPECT_EQ(n_pf3_bitwise, 100);
     // an invalid cfg is refused, not run
     {

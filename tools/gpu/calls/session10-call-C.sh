@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran on commit cf05ce5; gemv_v2_prefetch / gemv_v3_prefetch were removed after call C (bench/RESULTS.md, session 10).
 # session 10, call C: prefetches issued by the streaming kernels' own blocks before their PDL wait (all off by default
 # in this binary): gemv_v2_prefetch (each v2 block its first tile), gemv_v3_prefetch N (each v3 block its next N tiles),
 # and moe_bf16_evict_first alone. Tests: every GEMV variant against the fp64 references with the prefetches bit for bit
