@@ -375,7 +375,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
         else if (k == "gemv_evict_first") co.gemv_evict_first = v != 0;
-        else if (k == "moe_select_early_trigger") co.moe_select_early_trigger = v != 0;
         else if (k == "linear_split_bf16") co.linear_split_bf16 = v != 0;
         else if (k == "moe_mma_split") co.moe_mma_split = v != 0;
         else if (k == "moe_bf16_evict_first") co.moe_bf16_evict_first = v != 0;

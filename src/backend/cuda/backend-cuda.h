@@ -82,10 +82,6 @@ struct cuda_options {
     // selection (test-route-cuda). On by prediction pending its H200 run (session 4: ncu k_moe_select_sort 19.8 us K3,
     // 8.9 us 48B; predicted ~4 us both, isolated).
     bool moe_select_radix = true;
-    // ... whose PDL trigger comes before its wait (route-select.cu, launch_moe_select_radix_et), so the experts' launch
-    // is resident while the router GEMV runs: the 48B shared slot (moe_bf16_early) streams its 9.4 MB a router earlier.
-    // Same results. Predicted (session 10, before any run): 48B -0.5..-1 us per MoE layer (-0.015..-0.025 ms).
-    bool moe_select_early_trigger = false;
     // The decode router's GEMV (MOE_ROUTE, GEMV path with moe_route_fast) on the v2 kernels with the row split whatever
     // gemv_v2_min_in says (gemv_unroll 0 still means the first kernels): the 48B router (256 rows of 2304) ran 32 blocks
     // on the first kernels (ncu session 4: 6.4 us for 1.2 MB). false: gemv_v2_min_in decides, as for any LINEAR. gemv_v3
@@ -357,9 +353,14 @@ struct cuda_options {
     // +0.015 / +0.048 / +0.07 ms).)
     bool moe_bf16_evict_first = true;
     // GEMV v2 / v3 launches load their weights with the L2 policy evict_first (gemv_cfg::evict_first), as
-    // moe_bf16_evict_first does for the experts. Results unchanged. Predicted (session 10, before any run): if the
-    // experts' gain came from the step's activations and states surviving in L2, another -0.01..-0.03 ms on the 48B.
-    bool gemv_evict_first = false;
+    // moe_bf16_evict_first does for the experts. Results unchanged (test-ops-cuda: every v2 / v3 form bit for bit the
+    // run without). Predicted (session 10, before any run): if the experts' gain came from the step's activations and
+    // states surviving in L2, another -0.01..-0.03 ms on the 48B. Measured (call D, same binary, two rounds): 48B B=1
+    // 2.300 / 2.297 -> 2.282 / 2.281 ms; k3-layers-4 2.540 / 2.541 -> 2.395 / 2.396 ms (83.3% -> 88.4% of that machine's
+    // floor; its k3 base was the slowest of the session's machines, 2.398-2.426 elsewhere). On.
+    // (Tried with it and removed, call D: the route selection's PDL trigger before its wait, so that the experts' launch
+    // is resident while the router runs: 48B 2.300 -> 2.380 ms.)
+    bool gemv_evict_first = true;
     // RMS_NORM / LAYER_NORM / L2_NORM / GATED_RMS_NORM launches of rows of up to 16 elements per thread: the row held in
     // registers, every load issued at once, the weights before the PDL wait (norm.cu k_norm_reg); bit for bit the loop
     // kernel. false: the loop kernel. Why: ncu (session 8 call A, 48B decode step) timed the post-attention norm of one

@@ -1272,7 +1272,7 @@ private:
     using select_launcher = cudaError_t (*)(const float *, int64_t, cuda::dweight, const cuda::droute &, int32_t *, float *,
                                             cudaStream_t);
     select_launcher select_fn() const {
-        if (opt_.moe_select_radix) return opt_.moe_select_early_trigger ? cuda::launch_moe_select_radix_et : cuda::launch_moe_select_radix;
+        if (opt_.moe_select_radix) return cuda::launch_moe_select_radix;
         return opt_.moe_select_sort ? cuda::launch_moe_select_sort
                                     : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;
     }

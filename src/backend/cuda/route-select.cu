@@ -262,23 +262,10 @@ __device__ __forceinline__ float bias_of_thread(const dweight & bias, const drou
 }
 
 // grid T, block E rounded up to a warp: token t = blockIdx.x.
-// ET (launch_moe_select_radix_et, cuda_options::moe_select_early_trigger): the trigger BEFORE the wait, so the experts'
-// launch after it becomes resident while the router GEMV still runs (its pre-wait work, the 48B shared slot's whole
-// stream, starts a router earlier). This breaks the rule that the kernel after a launch_k kernel starts only once the
-// one before that has completed (common.cuh): the next kernel may start while the router runs, so before its own wait
-// it may read only what was written two launches back or earlier (the BF16 pair's shared slot reads x, the norm's
-// output, written before the router; every moe.cu kernel waits first). The ids and weights it writes are read after
-// that kernel's wait, which still returns only once this grid has completed.
-template <bool ET>
 __global__ void __launch_bounds__(k_sw_max_e) k_moe_select_radix(const float * __restrict__ logits, dweight bias, droute c,
                                                                  int32_t * __restrict__ ids, float * __restrict__ w) {
     const float bias_mine = bias_of_thread(bias, c);   // a weight (never written by a kernel): before the PDL wait
-    if constexpr (ET) {
-        pdl_trigger();
-        pdl_wait();
-    } else {
-        pdl_enter();
-    }
+    pdl_enter();
     select_radix_token(logits + int64_t(blockIdx.x) * c.n_expert, bias, c, blockIdx.x, bias_mine, ids, w);
 }
 
@@ -381,16 +368,7 @@ cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bia
     if (c.n_expert < 1 || c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk < 1 || c.topk > 64 || c.topk > c.n_expert)
         return cudaErrorInvalidValue;
     const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
-    if (T > 0) return launch_k(k_moe_select_radix<false>, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
-    return cudaGetLastError();
-}
-
-cudaError_t launch_moe_select_radix_et(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
-                                       cudaStream_t st) {
-    if (c.n_expert < 1 || c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk < 1 || c.topk > 64 || c.topk > c.n_expert)
-        return cudaErrorInvalidValue;
-    const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
-    if (T > 0) return launch_k(k_moe_select_radix<true>, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
+    if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
 }
 

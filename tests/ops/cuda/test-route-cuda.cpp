@@ -57,11 +57,8 @@ struct result {
     std::vector<float> w;
 };
 
-// radix_et: the threshold form with its PDL trigger before its wait (launch_moe_select_radix_et): the same results.
-enum class kind { block, warp, sort, radix, radix_et };
-const char * kind_name(kind k) {
-    return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : k == kind::radix_et ? "radix-et" : "block";
-}
+enum class kind { block, warp, sort, radix };
+const char * kind_name(kind k) { return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : "block"; }
 
 // Runs one selection kernel on the device over logits [T, E].
 result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
@@ -81,8 +78,7 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     const dweight bw{db, wtype::F32};
     cudaStream_t st;
     cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    const cudaError_t e = kk == kind::radix_et ? launch_moe_select_radix_et(dl, c.T, bw, r, di, dw, st)
-                          : kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
+    const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
                           : kk == kind::sort  ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
                           : kk == kind::radix ? launch_moe_select_radix(dl, c.T, bw, r, di, dw, st)
                                               : launch_moe_select(dl, c.T, bw, r, di, dw, st);
@@ -233,7 +229,7 @@ std::string describe(const rcase & c) {
            std::to_string(c.softmax) + " renorm " + std::to_string(c.renorm) + " special " + std::to_string(c.special);
 }
 
-const kind k_fast[] = {kind::warp, kind::sort, kind::radix, kind::radix_et};
+const kind k_fast[] = {kind::warp, kind::sort, kind::radix};
 
 TEST(route_select, fast_equals_block) {
     NEED_GPU();
@@ -247,7 +243,7 @@ TEST(route_select, fast_equals_block) {
             EXPECT_EQ(diff_bitwise(run_select(kk, c, logits, bias), blk), "") << kind_name(kk) << ": " << describe(c);
         ++n;
     }
-    std::printf("[route_select] warp, sort, radix and radix-et == block bit for bit on %d cases\n", n);
+    std::printf("[route_select] warp, sort and radix == block bit for bit on %d cases\n", n);
 }
 
 TEST(route_select, fast_equals_cpu_rule) {

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran on commit 341e095; moe_select_early_trigger was removed after call D (bench/RESULTS.md, session 10).
 # session 10, call D: moe_bf16_evict_first on by default; gemv_evict_first (GEMV v2 / v3 weights evict_first) and
 # moe_select_early_trigger (the selection's PDL trigger before its wait) off, switched on here. Tests first: every GEMV
 # variant with evict_first bit for bit without; the selection forms (radix-et) bit for bit the block selection; the
