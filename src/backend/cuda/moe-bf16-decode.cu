@@ -17,7 +17,8 @@
 //   - down + combine: v4's structure (the k slots on the 8 warps of a block, the combine summed in shared memory in slot
 //     order) with R = 3 output rows per block where d_out % 3 == 0 (48B: 768 blocks = 2.91 waves of 264) and the same
 //     lean loads; R = 2 with 3 blocks per SM otherwise (1152 blocks = 2.91 waves of 396 for 48B; bench cfg 1).
-//   - weights loaded ld.global.nc.L1::no_allocate (streamed once: they must not evict x / h from L1).
+//   - weights loaded ld.global.nc.L1::no_allocate (streamed once: they must not evict x / h from L1), with the L2 policy
+//     evict_first by default (cfg thousands digit, cuda_options::moe_bf16_evict_first: nor the step's other lines from L2).
 // Arithmetic: exactly v4's (fp32; per lane the units lane + 32 i in increasing i, each unit an fma chain over its 8 columns
 // from 0 added to the lane's sum; warp_sum; the activation; down's partial rows summed over slots in slot order), so y is
 // bit for bit v4's (test-moe-cuda decode_bf16_t1 checks it).
