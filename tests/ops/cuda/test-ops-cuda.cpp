@@ -1094,6 +1094,24 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     std::map<std::string, std::pair<double, int>> worst;   // (dtype/kind/cfg) -> (worst NMSE, cases)
     int n_bad = 0, n_v3_bitwise = 0, n_v3_expected = 0, n_pf_bitwise = 0, n_pf3_bitwise = 0;
     bool controls_done[3][4] = {}, controls_v3_done[3][4] = {};
+    // Every candidate output of one launch bit for bit the kept outputs of another (`ref`), counted in n_equal; and its
+    // control: the first output with one element moved by one ulp must compare unequal (the check can fail).
+    using ref_pairs = std::vector<std::pair<std::vector<double>, std::vector<float>>>;
+    auto same_bits = [&](const ref_pairs & pr, const std::vector<std::vector<float>> & ref, const std::string & what, int & n_equal) {
+        bool same = ref.size() == pr.size();
+        for (size_t i = 0; same && i < pr.size(); ++i)
+            same = pr[i].second.size() == ref[i].size() && std::memcmp(pr[i].second.data(), ref[i].data(), ref[i].size() * 4) == 0;
+        if (!same) std::printf("[%s] NOT bitwise equal\n", what.c_str());
+        else ++n_equal;
+        EXPECT_TRUE(same) << what;
+        tally(same);
+        if (pr.empty() || ref.empty() || pr[0].second.empty()) return;
+        auto moved = pr[0].second;
+        moved[0] = std::nextafter(moved[0], INFINITY);
+        const bool ctl = moved.size() == ref[0].size() && std::memcmp(moved.data(), ref[0].data(), moved.size() * 4) == 0;
+        EXPECT_FALSE(ctl) << what << ": the one-ulp control compared equal";
+        tally(!ctl);
+    };
     for (dtype wt : {dtype::BF16, dtype::F16, dtype::F32}) {
         const cuda::wtype cw = wt == dtype::BF16 ? cuda::wtype::BF16 : wt == dtype::F16 ? cuda::wtype::F16 : cuda::wtype::F32;
         // + the Kimi-Linear-48B widths: 2304 (9 chunks per lane: one v3 round), 4096 (o_proj), 128 (KDA f_b: half a chunk)
@@ -1241,42 +1259,14 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                             v3e_s1[kind].clear();
                             for (const auto & q : pr) v3e_s1[kind].push_back(q.second);
                         }
-                        if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && cfg.evict_first) {   // a cache policy: the same bits
-                            bool same = v3e_s1[kind].size() == pr.size();
-                            for (size_t i = 0; same && i < pr.size(); ++i)
-                                same = pr[i].second.size() == v3e_s1[kind][i].size() &&
-                                       std::memcmp(pr[i].second.data(), v3e_s1[kind][i].data(), pr[i].second.size() * 4) == 0;
-                            if (!same) std::printf("[%s/vs v3 early s1 without evict_first] NOT bitwise equal\n", nm_case.c_str());
-                            else ++n_pf3_bitwise;
-                            EXPECT_TRUE(same) << nm_case << ": v3 evict_first vs without";
-                            tally(same);
-                        }
-                        if (T == 1 && cfg.evict_first && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1) {   // the same bits
-                            bool same = v2_s1[kind].size() == pr.size();
-                            for (size_t i = 0; same && i < pr.size(); ++i)
-                                same = pr[i].second.size() == v2_s1[kind][i].size() &&
-                                       std::memcmp(pr[i].second.data(), v2_s1[kind][i].data(), pr[i].second.size() * 4) == 0;
-                            if (!same) std::printf("[%s/vs v2 u4s1 without evict_first] NOT bitwise equal\n", nm_case.c_str());
-                            else ++n_pf_bitwise;
-                            EXPECT_TRUE(same) << nm_case << ": v2 evict_first vs without";
-                            tally(same);
-                        }
+                        // a cache policy changes no bit: evict_first at T = 1, split 1 against the same cfg without it
+                        if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && cfg.evict_first)
+                            same_bits(pr, v3e_s1[kind], nm_case + "/vs v3 early s1 without evict_first", n_pf3_bitwise);
+                        if (T == 1 && cfg.evict_first && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1)
+                            same_bits(pr, v2_s1[kind], nm_case + "/vs v2 u4s1 without evict_first", n_pf_bitwise);
                         if (v3_ran && cfg.v3 == 1 && cfg.split == 1 && cfg.v3_unroll == 0) {
                             ++n_v3_expected;
-                            bool same = v2_s1[kind].size() == pr.size();
-                            for (size_t i = 0; same && i < pr.size(); ++i)
-                                same = pr[i].second.size() == v2_s1[kind][i].size() &&
-                                       std::memcmp(pr[i].second.data(), v2_s1[kind][i].data(), pr[i].second.size() * 4) == 0;
-                            if (!same) std::printf("[%s/vs v2 u4s1] NOT bitwise equal\n", nm_case.c_str());
-                            else ++n_v3_bitwise;
-                            EXPECT_TRUE(same) << nm_case << ": v3 (split 1) vs v2 u4s1";
-                            tally(same);
-                            // its control: one output element changed by one ulp must break the bitwise equality
-                            auto moved = pr[0].second;
-                            moved[0] = std::nextafter(moved[0], INFINITY);
-                            const bool ctl = std::memcmp(moved.data(), v2_s1[kind][0].data(), moved.size() * 4) == 0;
-                            EXPECT_FALSE(ctl) << nm_case << ": the one-ulp control compared equal";
-                            tally(!ctl);
+                            same_bits(pr, v2_s1[kind], nm_case + "/vs v2 u4s1", n_v3_bitwise);
                         }
                         // determinism: the same launch again gives the same bits (split rows summed in a fixed order)
                         if (kind == 1 && cfg.split != 1 && (T == 1 || T == 8)) {

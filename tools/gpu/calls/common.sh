@@ -18,3 +18,7 @@ compare_models() {
     timeout 60 $B/perigee compare-backends --model "$m" --ids "$IDS" --decode 6 >> $L/compare.log 2>&1; local rc=$?
     echo "[$(( $(date +%s) - T0 ))s] compare $m (70 ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $L/compare.log | tail -1)" >> $S
   done; }
+# b PRESET TAG [SETS]: one bench-cuda-decode run ($D: its command line, set by the calling script) with --set SETS,
+# the preset's "new" rows (batch, ms, tok/s, floor share) into the summary.
+b() { local p=$1 tag=$2 sets=${3:-}; $D --preset $p ${sets:+--set $sets} > $L/d-$p-$tag.log 2>&1
+  echo "[$(( $(date +%s) - T0 ))s] $p $tag rc=$? | $(grep -E "^$p +new" $L/d-$p-$tag.log | awk '{print $1, $5, $6, $NF}' | tr '\n' ' ')" >> $S; }

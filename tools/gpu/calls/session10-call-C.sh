@@ -11,8 +11,6 @@ grep -E '^\[gemv\]' $L/test-ops-cuda.log >> $S
 run test-moe-cuda 300 "" --gtest_filter='cuda_moe.decode_bf16_direct:cuda_moe.decode_bf16_shared_direct'
 san memcheck test-ops-cuda 'cuda_ops.linear_gemv_kernels_all_variants' 500
 D="timeout 150 $B/bench-cuda-decode --steps 30 --no-compare --no-profile --batch 1"
-b() { local p=$1 tag=$2 sets=$3; $D --preset $p ${sets:+--set $sets} > $L/d-$p-$tag.log 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] $p $tag rc=$? | $(grep -E "^$p +new" $L/d-$p-$tag.log | awk '{print $1, $5, $6, $NF}' | tr '\n' ' ')" >> $S; }
 for r in 1 2; do
   b kimi-linear-48b base$r ""
   b kimi-linear-48b v2pf$r "gemv_v2_prefetch=1"

@@ -14,8 +14,6 @@ run test-fuse-cuda 400 "-msh" --gtest_filter='cuda_fuse.moe_shared_slot' --gtest
 echo "early-trigger bitwise: $(grep -c 'bitwise select-early-trigger == fused\] yes' $L/test-fuse-cuda-msh.log) yes, $(grep -c 'bitwise select-early-trigger == fused\] NO' $L/test-fuse-cuda-msh.log) NO" >> $S
 run test-moe-cuda 300 "" --gtest_filter='cuda_moe.decode_bf16_direct:cuda_moe.decode_bf16_shared_direct'
 D="timeout 150 $B/bench-cuda-decode --steps 30 --no-compare --no-profile --batch 1"
-b() { local p=$1 tag=$2 sets=$3; $D --preset $p ${sets:+--set $sets} > $L/d-$p-$tag.log 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] $p $tag rc=$? | $(grep -E "^$p +new" $L/d-$p-$tag.log | awk '{print $1, $5, $6, $NF}' | tr '\n' ' ')" >> $S; }
 for r in 1 2; do
   b kimi-linear-48b base$r ""
   b kimi-linear-48b noef$r "moe_bf16_evict_first=0"
