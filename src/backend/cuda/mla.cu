@@ -702,6 +702,17 @@ __device__ __forceinline__ void mla_tile_copy(float4 * cs, int S, int W4, int L4
     }
 }
 
+// mla_q_rows: the query rows of heads h0 .. h0 + HG - 1 of token t into qs by cp.async: each head's n4 float4s at
+// src + (t * H + h) * row + off go to qs row hh (stride qs_s float4s) from column qs_c; heads past H are zero-filled.
+__device__ __forceinline__ void mla_q_rows(float4 * qs, int qs_s, int qs_c, int n4, const float * src, int64_t row,
+                                           int64_t off, int64_t t, int64_t h0, int64_t H, int HG) {
+    for (int i = threadIdx.x; i < HG * n4; i += blockDim.x) {
+        const int hh = i / n4, cc = i % n4;
+        const int64_t h = h0 + hh;
+        cp_async16_zfill(qs + hh * qs_s + qs_c + cc, h < H ? src + (t * H + h) * row + off + 4 * cc : src, h < H ? 16 : 0);
+    }
+}
+
 // Block per (token, group of k_v2_warps * HPW heads) x key range of kpb keys (a multiple of 32). Shapes as v2, plus c
 // and kr 16-byte aligned. Dynamic shared memory: mla_v3_smem(HPW, L + dr).
 template <int HPW>
@@ -729,12 +740,7 @@ __global__ void __launch_bounds__(k_v2_warps * 32, 2) k_mla_attn_v3(
     const int64_t j0 = int64_t(blockIdx.y) * kpb, j1 = min(n_keys, j0 + kpb);
     bool bad = false;   // a selected position past the token's own (reported after the wait: no write before it)
     // q_rope rows of the group
-    const int R4 = W4 - L4;
-    for (int i = threadIdx.x; i < HG * R4; i += blockDim.x) {
-        const int hh = i / R4, cc = i % R4;
-        const int64_t h = h0 + hh;
-        cp_async16_zfill(qs + hh * S + L4 + cc, h < H ? q + (t * H + h) * (dn + dr) + dn + 4 * cc : q, h < H ? 16 : 0);
-    }
+    mla_q_rows(qs, S, L4, W4 - L4, q, dn + dr, dn, t, h0, H, HG);
     // the row sources of the tile at jt (warp 0), then every warp's cp.async of its rows
     auto issue_tile = [&](int64_t jt) {
         if (wid == 0)
@@ -747,11 +753,7 @@ __global__ void __launch_bounds__(k_v2_warps * 32, 2) k_mla_attn_v3(
     pdl_wait();
     pdl_trigger();
     // ---- after the wait: q_lat ----
-    for (int i = threadIdx.x; i < HG * L4; i += blockDim.x) {
-        const int hh = i / L4, cc = i % L4;
-        const int64_t h = h0 + hh;
-        cp_async16_zfill(qs + hh * S + cc, h < H ? qlat + (t * H + h) * L + 4 * cc : qlat, h < H ? 16 : 0);
-    }
+    mla_q_rows(qs, S, 0, L4, qlat, L, 0, t, h0, H, HG);
     cp_async_commit_wait_all();
     __syncthreads();
     float m[HPW], lsum[HPW];
@@ -1017,12 +1019,7 @@ __global__ void __launch_bounds__(k_v4_warps * 32, 2) k_mla_attn_v4(
     const int64_t j0 = int64_t(blockIdx.y) * kpb, j1 = min(n_keys, j0 + kpb);
     bool bad = false;   // a selected position past the token's own (reported after the wait: no write before it)
     // q_rope rows of the group
-    const int R4 = W4 - L4;
-    for (int i = threadIdx.x; i < HG * R4; i += blockDim.x) {
-        const int hh = i / R4, cc = i % R4;
-        const int64_t h = h0 + hh;
-        cp_async16_zfill(qs + hh * W4 + L4 + cc, h < H ? q + (t * H + h) * (dn + dr) + dn + 4 * cc : q, h < H ? 16 : 0);
-    }
+    mla_q_rows(qs, W4, L4, W4 - L4, q, dn + dr, dn, t, h0, H, HG);
     // the row sources of the tile at jt (warp 0), then every warp's cp.async of its rows (as v3)
     auto issue_tile = [&](int64_t jt) {
         if (wid == 0)
@@ -1035,11 +1032,7 @@ __global__ void __launch_bounds__(k_v4_warps * 32, 2) k_mla_attn_v4(
     pdl_wait();
     pdl_trigger();
     // ---- after the wait: q_lat ----
-    for (int i = threadIdx.x; i < HG * L4; i += blockDim.x) {
-        const int hh = i / L4, cc = i % L4;
-        const int64_t h = h0 + hh;
-        cp_async16_zfill(qs + hh * W4 + cc, h < H ? qlat + (t * H + h) * L + 4 * cc : qlat, h < H ? 16 : 0);
-    }
+    mla_q_rows(qs, W4, 0, L4, qlat, L, 0, t, h0, H, HG);
     cp_async_commit_wait_all();
     __syncthreads();
     // this warp's dims for the scores (float4 columns [cb, ce)) and latent columns for the values (col, col + 1)

@@ -71,6 +71,37 @@ __device__ __forceinline__ float dot8_bf(const uint4 & q, const float4 & x0, con
     return a;
 }
 
+// One warp's row of gate and up over x: (gate[row] . x, up[row] . x), warp-summed, all 2 NU weight loads in flight
+// first. X_L2: x read through L2 (__ldcg; the early path, which runs before the PDL wait, must never take a line an L1
+// kept from before x's write), else __ldg.
+template <int NU, bool X_L2>
+__device__ __forceinline__ float2 bf16_gate_up_row(const void * gw, const void * uw, int row, const float * __restrict__ x,
+                                                   uint64_t pol, int lane) {
+    const uint4 * gp = static_cast<const uint4 *>(gw) + (row * (32 * NU) + lane);
+    const uint4 * up = static_cast<const uint4 *>(uw) + (row * (32 * NU) + lane);
+    uint4 qg[NU], qu[NU];
+#pragma unroll
+    for (int i = 0; i < NU; ++i) {
+        qg[i] = ld_stream_bf(gp + 32 * i, pol);
+        qu[i] = ld_stream_bf(up + 32 * i, pol);
+    }
+    const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
+    float ag = 0.0f, au = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NU; ++i) {
+        const float4 x0 = X_L2 ? __ldcg(xv + 64 * i) : __ldg(xv + 64 * i);
+        const float4 x1 = X_L2 ? __ldcg(xv + 64 * i + 1) : __ldg(xv + 64 * i + 1);
+        ag += dot8_bf(qg[i], x0, x1);
+        au += dot8_bf(qu[i], x0, x1);
+    }
+    return make_float2(warp_sum(ag), warp_sum(au));
+}
+
+// The GLU node of one row: SiTU (act 1) or SiLU(gate) * up.
+__device__ __forceinline__ float bf16_glu(const dexperts_cfg & c, float ag, float au) {
+    return c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+}
+
 // hbuf [k, F]: hbuf[j, row] = act(gate_e . x, up_e . x), e = ids[j]; grid (F / 4, k + SH), block 4 warps, warp = row.
 // Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks). SH: slot k is the shared expert (sh).
 template <int NU, bool SH>
@@ -98,29 +129,12 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     if (SH && early && shared) {
         const int lane = threadIdx.x & 31;
         const int row = int(blockIdx.x) * k_bgu_warps + int(threadIdx.x >> 5);
-        const uint4 * gp = static_cast<const uint4 *>(sh.w.gate.w) + (row * (32 * NU) + lane);
-        const uint4 * up = static_cast<const uint4 *>(sh.w.up.w) + (row * (32 * NU) + lane);
-        uint4 qg[NU], qu[NU];
-#pragma unroll
-        for (int i = 0; i < NU; ++i) {
-            qg[i] = ld_stream_bf(gp + 32 * i, pol);
-            qu[i] = ld_stream_bf(up + 32 * i, pol);
-        }
-        const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
-        float ag = 0.0f, au = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NU; ++i) {   // x through L2 (__ldcg): never a line an L1 kept from before the write
-            const float4 x0 = __ldcg(xv + 64 * i), x1 = __ldcg(xv + 64 * i + 1);
-            ag += dot8_bf(qg[i], x0, x1);
-            au += dot8_bf(qu[i], x0, x1);
-        }
-        ag = warp_sum(ag);
-        au = warp_sum(au);
+        const float2 gu = bf16_gate_up_row<NU, true>(sh.w.gate.w, sh.w.up.w, row, x, pol, lane);
         pdl_enter();   // nothing written before it
         if (lane == 0) {
-            sh.gate[row] = ag;
-            sh.up[row] = au;
-            sh.act[row] = c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+            sh.gate[row] = gu.x;
+            sh.up[row] = gu.y;
+            sh.act[row] = bf16_glu(c, gu.x, gu.y);
         }
         return;
     }
@@ -132,28 +146,11 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     }
     const int lane = threadIdx.x & 31;
     const int row = int(blockIdx.x) * k_bgu_warps + int(threadIdx.x >> 5);
-    const void * gw = shared ? sh.w.gate.w : ex[e].gate.w;
-    const void * uw = shared ? sh.w.up.w : ex[e].up.w;
-    const uint4 * gp = static_cast<const uint4 *>(gw) + (row * (32 * NU) + lane);
-    const uint4 * up = static_cast<const uint4 *>(uw) + (row * (32 * NU) + lane);
-    uint4 qg[NU], qu[NU];
-#pragma unroll
-    for (int i = 0; i < NU; ++i) {
-        qg[i] = ld_stream_bf(gp + 32 * i, pol);
-        qu[i] = ld_stream_bf(up + 32 * i, pol);
-    }
-    const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
-    float ag = 0.0f, au = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NU; ++i) {
-        const float4 x0 = __ldg(xv + 64 * i), x1 = __ldg(xv + 64 * i + 1);
-        ag += dot8_bf(qg[i], x0, x1);
-        au += dot8_bf(qu[i], x0, x1);
-    }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
+    const float2 gu = bf16_gate_up_row<NU, false>(shared ? sh.w.gate.w : ex[e].gate.w, shared ? sh.w.up.w : ex[e].up.w, row,
+                                                  x, pol, lane);
+    const float ag = gu.x, au = gu.y;
     if (lane == 0) {
-        const float h = c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
+        const float h = bf16_glu(c, ag, au);
         if (shared) {   // the shared LINEARs' and the GLU node's outputs (the GLU product is the down stage's input)
             sh.gate[row] = ag;
             sh.up[row] = au;
