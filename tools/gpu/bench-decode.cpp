@@ -361,7 +361,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
         else if (k == "moe_select_sort") co.moe_select_sort = v != 0;
         else if (k == "moe_select_radix") co.moe_select_radix = v != 0;
-        else if (k == "moe_select_small") co.moe_select_small = v != 0;
         else if (k == "moe_route_gemv_v2") co.moe_route_gemv_v2 = v != 0;
         else if (k == "moe_route_fused_radix") co.moe_route_fused_radix = v != 0;
         else if (k == "attn_res_chunk") co.attn_res_chunk = v;
@@ -379,7 +378,6 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "linear_split_bf16") co.linear_split_bf16 = v != 0;
         else if (k == "moe_mma_split") co.moe_mma_split = v != 0;
         else if (k == "moe_bf16_evict_first") co.moe_bf16_evict_first = v != 0;
-        else if (k == "moe_mxfp4_evict_first") co.moe_mxfp4_evict_first = v != 0;
         else if (k == "norm_reg") co.norm_reg = v != 0;
         else if (k == "fuse_norm_route") co.fuse_norm_route = v != 0;
         else if (k == "fuse_norm_max_mib") co.fuse_norm_max_weight_bytes = int64_t(v) << 20;

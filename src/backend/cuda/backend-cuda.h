@@ -82,11 +82,11 @@ struct cuda_options {
     // selection (test-route-cuda). On by prediction pending its H200 run (session 4: ncu k_moe_select_sort 19.8 us K3,
     // 8.9 us 48B; predicted ~4 us both, isolated).
     bool moe_select_radix = true;
-    // MOE_ROUTE selection by one warp with each lane's experts in registers (route-select.cu "Small form") where
-    // cuda::moe_select_small_supported holds (sigmoid, no group pruning, E <= 256: the Kimi-Linear-48B router); other
-    // shapes keep the forms above. Bit for bit the block selection (test-route-cuda). Predicted (session 11, before any
-    // run): the 48B selection 4.2-5.3 -> ~2 us exposed per MoE layer, step -0.05..-0.08 ms; K3 (E 896) unchanged.
-    bool moe_select_small = false;
+    // (Tried and removed, session 11 call A: a one-warp form with each lane's 8 experts' keys in registers, each pick a
+    // lane max and two warp reductions, for E <= 256 sigmoid ungrouped routes, bit for bit the block selection over 118
+    // cases. Predicted 48B -0.05..-0.08 ms; measured 48B B=1 2.287 / 2.288 -> 2.318 / 2.316 ms, selection 4.5 -> 5.6 us
+    // exposed per layer, router + selection microbenchmark 6.24 -> 7.00 us: 8 dependent picks on one warp cost more than
+    // 33 counting barriers of 8 warps.)
     // The decode router's GEMV (MOE_ROUTE, GEMV path with moe_route_fast) on the v2 kernels with the row split whatever
     // gemv_v2_min_in says (gemv_unroll 0 still means the first kernels): the 48B router (256 rows of 2304) ran 32 blocks
     // on the first kernels (ncu session 4: 6.4 us for 1.2 MB). false: gemv_v2_min_in decides, as for any LINEAR. gemv_v3
@@ -170,12 +170,9 @@ struct cuda_options {
     // Benchmarks: the v7 kernel forms as moe.cu's cfg digits (100 x gate/up form 0-4 + 10 x down form 0-3; 0 = the
     // defaults above; bench-cuda-decode rejects other values).
     int moe_decode_v7_form = 0;
-    // The v7 kernels' weight copies (cp.async into the ring) with the L2 policy evict_first (moe.cu v5_cfg 10 000s digit;
-    // the scale bytes keep the default policy), as moe_bf16_evict_first does for the BF16 experts. The same bytes in the
-    // same order: y bit for bit the run without (test-moe-cuda decode_v7_forms_k3). Predicted (session 11, before any
-    // run): K3 gate/up + down are ~114 us of the k3-layers-4 step at ~60% of the copy rate, ring-latency bound rather
-    // than L2-thrash bound, so at most the BF16 pair's ~1-2%: k3 B=1 -0..-0.01 ms.
-    bool moe_mxfp4_evict_first = false;
+    // (Tried and removed, session 11 call A: the v7 ring's weight copies with the L2 policy evict_first
+    // (cp.async...L2::cache_hint), as moe_bf16_evict_first; every form bit for bit v6. Measured k3-layers-4 B=1 2.427 /
+    // 2.426 -> 2.434 / 2.433 ms, same binary: the ring's copies are latency bound, not L2-thrash bound.)
     // MOE_EXPERTS grouped, T == 1, BF16 experts (Kimi-Linear-48B) in the shapes of cuda::moe_bf16_decode_supported: the
     // moe-bf16-decode.cu pair (gate/up: one warp per (slot, row), all of the lane's units of both rows in flight in one
     // pass, no bounds, L1::no_allocate; down + combine: v4's slots-on-warps block with 3 rows per block, 2.91 waves

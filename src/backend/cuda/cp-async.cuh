@@ -13,11 +13,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void * p) { return uint32_t(_
 __device__ __forceinline__ void cp_async16(void * dst, const void * src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
-// 16 bytes, L2 only, with an L2 cache policy (createpolicy: common.cuh l2_stream_policy) on the global read.
-__device__ __forceinline__ void cp_async16_policy(void * dst, const void * src, uint64_t pol) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "l"(pol)
-                 : "memory");
-}
 // 16 bytes of which the first src_bytes are read, the rest zero-filled (src_bytes 0: a zero row).
 __device__ __forceinline__ void cp_async16_zfill(void * dst, const void * src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes) : "memory");

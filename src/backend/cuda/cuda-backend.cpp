@@ -1129,7 +1129,7 @@ private:
                 const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
                                      n.p.router == router_act::SOFTMAX ? 1 : 0};
                 if (const float * lg = route_logits_.empty() ? nullptr : route_logits_[size_t(id)]) {   // fuse_norm_route
-                    PG_CUDA_CHECK(select_fn(c)(lg, x.shape.at(0), bias, c, static_cast<int32_t *>(out[0].p),
+                    PG_CUDA_CHECK(select_fn()(lg, x.shape.at(0), bias, c, static_cast<int32_t *>(out[0].p),
                                               static_cast<float *>(out[1].p), st_));
                     break;
                 }
@@ -1150,7 +1150,7 @@ private:
                         for (int k = 2; k >= 0; --k)
                             lt_matmul(gw.data, xb[k], CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
                     }
-                    PG_CUDA_CHECK(select_fn(c)(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
                                               st_));
                     break;
                 }
@@ -1177,7 +1177,7 @@ private:
                     cuda::gemv_cfg rc = gemv_cfg_for(x.shape.at(1));
                     if (opt_.moe_route_gemv_v2) rc.unroll = opt_.gemv_unroll;   // v2 (row split) whatever the width
                     PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_, rc));
-                    PG_CUDA_CHECK(select_fn(c)(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
                                               st_));
                     break;
                 }
@@ -1218,10 +1218,7 @@ private:
                     mo.mma_large_step = opt_.moe_mma_large_step;
                     mo.mma_large_tokens = opt_.moe_mma_large_tokens;
                     mo.dec_v5 = opt_.moe_decode_v5;
-                    mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 +
-                                                                               (opt_.moe_mxfp4_evict_first ? 10000 : 0)
-                                                                         : 1000)
-                                                   : 0;
+                    mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0;
                     mo.dec_bf16 = opt_.moe_decode_bf16;
                     mo.bf16_cfg = 100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0);
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
@@ -1270,12 +1267,11 @@ private:
         }
     }
 
-    // MOE_ROUTE's selection kernel from the logits: the register warp form where its shapes hold (moe_select_small),
-    // threshold (moe_select_radix), sort (moe_select_sort), warp (moe_select_warp) or the block kernel.
+    // MOE_ROUTE's selection kernel from the logits: threshold (moe_select_radix), sort (moe_select_sort), warp
+    // (moe_select_warp) or the block kernel.
     using select_launcher = cudaError_t (*)(const float *, int64_t, cuda::dweight, const cuda::droute &, int32_t *, float *,
                                             cudaStream_t);
-    select_launcher select_fn(const cuda::droute & c) const {
-        if (opt_.moe_select_small && cuda::moe_select_small_supported(c)) return cuda::launch_moe_select_small;
+    select_launcher select_fn() const {
         if (opt_.moe_select_radix) return cuda::launch_moe_select_radix;
         return opt_.moe_select_sort ? cuda::launch_moe_select_sort
                                     : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;
@@ -1367,9 +1363,6 @@ private:
                     segs[k].w = w.p;
                     segs[k].y = lg;
                     segs[k].out = w.shape[0];
-                    wp[k] = segs[k].w;
-                    yp[k] = segs[k].y;
-                    op[k] = segs[k].out;
                     ++n_fused_routes_;
                     continue;
                 }
@@ -1401,10 +1394,8 @@ private:
                     segs[k].sig = static_cast<float *>(so.at(0).p);
                     ++n_fused_sig_;
                 }
-                wp[k] = segs[k].w;
-                yp[k] = segs[k].y;
-                op[k] = segs[k].out;
             }
+            for (size_t k = 0; k < gr.size(); ++k) wp[k] = segs[k].w, yp[k] = segs[k].y, op[k] = segs[k].out;   // the plain group's arrays
             n_grouped_ += int(gr.size()) - 1;
             if (plain_group) {
                 PG_CUDA_CHECK(cuda::launch_linear_gemv_group(static_cast<const float *>(x.p), T, K, wt, wp, yp, op,

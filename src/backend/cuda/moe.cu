@@ -1634,8 +1634,6 @@ template <int NM>
 struct v7_lane {
     v6_lane<NM> w;
     const uint8_t * sc;   // this lane's scale row (nullptr: the lane copies no scales)
-    bool ef;              // the weight copies with the L2 policy evict_first (pol); the scale bytes keep the default
-    uint64_t pol;
 };
 
 // Batch bt (steps U bt .. U bt + U - 1) of the lane's streams into ring slot `slot`.
@@ -1648,12 +1646,8 @@ __device__ __forceinline__ void v7_issue(uint8_t * slot, const v7_lane<NM> & p, 
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int u = 0; u < U; ++u) {   // a row's U steps back to back: U x 64 contiguous bytes over the quad
-                uint4 * d = q + ((u * NM + m) * 2 + h) * 32 + lane;
-                const uint4 * src = p.w.q[m] + (h ? p.w.rs : 0) + 4 * (U * bt + u);
-                if (p.ef) cp_async16_policy(d, src, p.pol);
-                else cp_async16(d, src);
-            }
+            for (int u = 0; u < U; ++u)   // a row's U steps back to back: U x 64 contiguous bytes over the quad
+                cp_async16(q + ((u * NM + m) * 2 + h) * 32 + lane, p.w.q[m] + (h ? p.w.rs : 0) + 4 * (U * bt + u));
     if (p.sc) {
         uint8_t * d = slot + U * NM * 1024 + lane * 4 * U;
         if constexpr (U == 4) cp_async16(d, p.sc + 4 * U * bt);
@@ -1748,7 +1742,7 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * _
                                                                 const int32_t * __restrict__ ids,
                                                                 const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
                                                                 float * __restrict__ hbuf, int * err, int * __restrict__ cnt,
-                                                                int n_cnt, bool ef) {
+                                                                int n_cnt) {
     pdl_enter();
     if (blockIdx.x == 0 && blockIdx.y == 0)
         for (int i = threadIdx.x; i < n_cnt; i += blockDim.x) cnt[i] = 0;
@@ -1769,7 +1763,6 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * _
     const auto stage = [&] { return v5_stage_x<W>(x, Din, xs_hi, xs_lo); };
     if constexpr (U > 0) {
         v7_lane<2> p;
-        p.ef = ef, p.pol = l2_stream_policy(ef);
         const uint32_t * xl = v6_setup<2>(p.w, base, scl, row_g, Din / 32, xs_hi, xs_lo);
         p.sc = v7_scale_row<2>(scl, warp_row0, Din / 32);
         v7_rows<2, U, NB>(p, int(Din / 128), xl, v7_ring<2, U, NB>(xs_v5, Din), stage, acc);
@@ -1797,8 +1790,7 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
                                                                   const int32_t * __restrict__ ids,
                                                                   const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
                                                                   float * __restrict__ ybuf, const float * __restrict__ w,
-                                                                  int64_t k, int * __restrict__ cnt, float * __restrict__ y,
-                                                                  bool ef) {
+                                                                  int64_t k, int * __restrict__ cnt, float * __restrict__ y) {
     pdl_enter();
     extern __shared__ uint32_t xs_v5[];
     __shared__ int last;
@@ -1818,7 +1810,6 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
         const auto stage = [&] { return v5_stage_x<W>(h, c.d_ff, xs_hi, xs_lo); };
         if constexpr (U > 0) {
             v7_lane<1> p;
-            p.ef = ef, p.pol = l2_stream_policy(ef);
             const uint32_t * xl = v6_setup<1>(p.w, base, scl, row_g, c.d_ff / 32, xs_hi, xs_lo);
             p.sc = v7_scale_row<1>(scl, warp_row0, c.d_ff / 32);
             v7_rows<1, U, NB>(p, int(c.d_ff / 128), xl, v7_ring<1, U, NB>(xs_v5, c.d_ff), stage, acc);
@@ -1869,17 +1860,17 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
 // fail the launch, never run partial batches or a mismatched set of combine counters.
 template <int W, int U, int NB, int MINB>
 cudaError_t launch_v7_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
-                              const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, bool ef, cudaStream_t st) {
+                              const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
     if ((Din / 32) % (4 * U) != 0 || Din % 128 != 0 || c.d_ff % (16 * W) != 0) return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_gate_up_v6<1, MINB, W, U, NB>;
     const cudaError_t attr = smem_attr<kern>(v7_smem<2, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din, ids,
-                    experts, E, c, hbuf, err, cnt, n_cnt, ef);
+                    experts, E, c, hbuf, err, cnt, n_cnt);
 }
 template <int W, int U, int NB, int MINB>
 cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
-                           const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, int n_cnt, float * y, bool ef,
+                           const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, int n_cnt, float * y,
                            cudaStream_t st) {
     if ((c.d_ff / 32) % (4 * U) != 0 || c.d_ff % 128 != 0 || c.d_out % (16 * W) != 0 || n_cnt != c.d_out / (16 * W))
         return cudaErrorInvalidValue;
@@ -1887,7 +1878,7 @@ cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, c
     const cudaError_t attr = smem_attr<kern>(v7_smem<1, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf, ids,
-                    experts, E, c, ybuf, w, k, cnt, y, ef);
+                    experts, E, c, ybuf, w, k, cnt, y);
 }
 
 // The v7 forms, (warps W, steps per batch U, batches NB, blocks per SM), gate/up by cfg / 100 % 10, down + combine by
@@ -1920,23 +1911,20 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
     // v7: the weight stream through a shared-memory ring in batches (same outputs); outside its bounds v6 below runs
     // with its default forms (v7's form digits name other forms there).
     bool v7 = cfg / 1000 % 10 == 2;
-    // v7 only: the 10 000s digit 1 loads the weight stream with the L2 policy evict_first (cuda_options::
-    // moe_mxfp4_evict_first; the same bytes, so the same outputs)
-    const bool ef = cfg / 10000 % 10 == 1;
     if (v7 && !((Din / 32) % (4 * fg.U) == 0 && (c.d_ff / 32) % (4 * fd.U) == 0 && vt <= n_gw)) v7 = false, gu = dn = 0;
     if (v7) {
         cudaError_t e = cudaSuccess;
         const int nc = int(vt);
         if (stages != 2) {
-            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, ef, st);
-            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, ef, st);
-            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, ef, st);
-            else e = launch_v7_gate_up<4, 2, 3, 3>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, ef, st);
+            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else e = launch_v7_gate_up<4, 2, 3, 3>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
         }
         if (stages != 1 && e == cudaSuccess) {
-            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, ef, st);
-            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, ef, st);
-            else e = launch_v7_down<8, 2, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, ef, st);
+            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            else e = launch_v7_down<8, 2, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
         }
         *launch_err = e;
         return true;
@@ -1945,23 +1933,23 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
         const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
         if (gu == 2)
             launch_k(k_moe_gate_up_v6<2, 2>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, experts, E, c, hbuf, err, cnt,
-                     int(tiles), false);
+                     int(tiles));
         else
             launch_k(k_moe_gate_up_v6<1, 3>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, experts, E, c, hbuf, err, cnt,
-                     int(tiles), false);
+                     int(tiles));
     }
     if (stages != 1) {
         const dim3 grid{unsigned(tiles), unsigned(k)};
         const float * hb = hbuf;
         if (dn == 2)
             launch_k(k_moe_down_comb_v6<3, 2>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
-                     cnt, y, false);
+                     cnt, y);
         else if (dn == 4)
             launch_k(k_moe_down_comb_v6<2, 3>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
-                     cnt, y, false);
+                     cnt, y);
         else
             launch_k(k_moe_down_comb_v6<2, 4>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
-                     cnt, y, false);
+                     cnt, y);
     }
     return true;
 }

@@ -19,12 +19,6 @@ cudaError_t launch_moe_select(const float * logits, int64_t T, dweight bias, con
 // bit for bit those of launch_moe_select. E <= 1024, topk <= 64, n_group <= 64.
 cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                                    cudaStream_t st);
-// The same selection with one warp per token holding its experts' keys in registers (cuda_options::moe_select_small):
-// ids and weights bit for bit those of launch_moe_select, for the shapes of moe_select_small_supported (sigmoid scores,
-// no group pruning, E <= 256, 1 <= topk <= min(64, E)); cudaErrorInvalidValue for any other.
-bool moe_select_small_supported(const droute & c);
-cudaError_t launch_moe_select_small(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
-                                    cudaStream_t st);
 // The same selection by a bitonic sort of (score, id) keys per token (cuda_options::moe_select_sort); a token with a NaN
 // score takes the serial scan. Same limits.
 cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,

@@ -151,71 +151,6 @@ __global__ void __launch_bounds__(32) k_moe_select_warp(const float * __restrict
     route_write(score, sel, c, t, ids, w);
 }
 
-// ---- Small form (cuda_options::moe_select_small): the warp form for the shapes where a lane holds all of its experts
-// in registers: sigmoid scores, no group pruning, E <= 256 (8 per lane, expert lane + 32 i in slot i), topk <= 64
-// (moe_select_small_supported). Each pick is a lane-local max over 8 keys in registers and two warp reductions
-// (__reduce_max_sync on the keys, __reduce_min_sync on the ids at that key: ties to the lower id); no shared-memory
-// scan, no barrier. The bias is loaded before the PDL wait (a weight). A token with a NaN biased score takes the serial
-// scan (serial_pick), as every form does. Why: the threshold form's 33 counting barriers of 8 warps are most of the
-// 48B's ~5 us selection per MoE layer (session 10 timeline: 26 x 4.2-5.3 us, the serial chain between the router and
-// the experts); the warp form walks shared memory and a NaN rule on every pick. Scores, picks and weights are the block
-// selection's bit for bit (test-route-cuda).
-constexpr int k_small_e = 256, k_small_per_lane = k_small_e / 32;
-
-__global__ void __launch_bounds__(32) k_moe_select_small(const float * __restrict__ logits, dweight bias, droute c,
-                                                         int32_t * __restrict__ ids, float * __restrict__ w) {
-    __shared__ float score[k_small_e];
-    __shared__ float biased[k_small_e];   // the NaN path's serial scan only
-    __shared__ int32_t sel[64];
-    const int lane = threadIdx.x, E = int(c.n_expert);
-    float bv[k_small_per_lane];
-#pragma unroll
-    for (int i = 0; i < k_small_per_lane; ++i) {
-        const int e = lane + 32 * i;
-        bv[i] = bias.data && e < E ? wload(bias, e) : 0.0f;
-    }
-    pdl_enter();
-    const float * lrow = logits + int64_t(blockIdx.x) * E;
-    unsigned key[k_small_per_lane];
-    bool nan = false;
-#pragma unroll
-    for (int i = 0; i < k_small_per_lane; ++i) {
-        const int e = lane + 32 * i;
-        key[i] = 0u;   // no candidate
-        if (e < E) {
-            const float sc = sigmoid_d(__ldcg(lrow + e));   // route_prologue's score and biased score, the same expressions
-            const float b = sc + bv[i];
-            score[e] = sc;
-            biased[e] = b;
-            nan |= b != b;
-            key[i] = order_key(b);
-        }
-    }
-    const int k = int(c.topk);
-    if (__any_sync(0xffffffffu, nan)) {   // the serial rule, as the reference scans
-        __syncwarp();
-        if (lane == 0) serial_pick(biased, E, k, sel);
-    } else {
-        for (int j = 0; j < k; ++j) {
-            unsigned bk = 0u;
-            int be = INT_MAX;
-#pragma unroll
-            for (int i = 0; i < k_small_per_lane; ++i)   // strict: the lane's lower id keeps a tie
-                if (key[i] > bk) bk = key[i], be = lane + 32 * i;
-            const unsigned top = __reduce_max_sync(0xffffffffu, bk);   // >= 1: k <= E, every expert's key >= 1
-            const int pick = __reduce_min_sync(0xffffffffu, bk == top ? be : INT_MAX);
-            if ((pick & 31) == lane) {
-#pragma unroll
-                for (int i = 0; i < k_small_per_lane; ++i)
-                    if (i == (pick >> 5)) key[i] = 0u;
-            }
-            if (lane == 0) sel[j] = pick;
-        }
-    }
-    __syncwarp();
-    route_write(score, sel, c, blockIdx.x, ids, w);
-}
-
 // ---- Sort form (cuda_options::moe_select_sort): one block per token; the E biased scores become 64-bit keys
 // (order-preserving value bits << 32 | ~id: descending key = descending score, ties to the lower id, -0 == +0) and a
 // bitonic sort in shared memory orders them in log2(N)(log2(N)+1)/2 barrier-separated stages (55 at N = 1024); the
@@ -414,18 +349,6 @@ cudaError_t launch_moe_select_warp(const float * logits, int64_t T, dweight bias
                                    cudaStream_t st) {
     if (c.n_expert > k_sw_max_e || c.n_group > 64 || c.topk > 64 || c.topk > c.n_expert) return cudaErrorInvalidValue;
     if (T > 0) return launch_k(k_moe_select_warp, unsigned(T), 32, 0, st, logits, bias, c, ids, w);
-    return cudaGetLastError();
-}
-
-bool moe_select_small_supported(const droute & c) {
-    return c.n_expert >= 1 && c.n_expert <= k_small_e && c.topk >= 1 && c.topk <= 64 && c.topk <= c.n_expert && !c.softmax &&
-           (c.n_group <= 1 || c.topk_group >= c.n_group);
-}
-
-cudaError_t launch_moe_select_small(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
-                                    cudaStream_t st) {
-    if (!moe_select_small_supported(c)) return cudaErrorInvalidValue;
-    if (T > 0) return launch_k(k_moe_select_small, unsigned(T), 32, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
 }
 

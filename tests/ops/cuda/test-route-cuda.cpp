@@ -1,6 +1,5 @@
 // MOE_ROUTE selection kernels (route-select.cu) on the GPU: one warp per token (cuda_options::moe_select_warp), a
-// bitonic sort per token (moe_select_sort), the threshold search (moe_select_radix) and the register warp form
-// (moe_select_small, on the shapes it takes: E <= 256, sigmoid, no group pruning), all held to the same checks:
+// bitonic sort per token (moe_select_sort) and the threshold search (moe_select_radix), all held to the same checks:
 //  1. fast_equals_block: over many shapes (E 1..1024, top-1..64, T 1..37, bias or none, sigmoid/softmax, grouped or not,
 //     renormalized or not) with logits from a coarse grid (so that exact ties are everywhere), continuous logits, NaN,
 //     -inf and all-equal cases, each form's ids and weights are bit for bit those of the block-wide selection (moe.cu
@@ -58,15 +57,8 @@ struct result {
     std::vector<float> w;
 };
 
-enum class kind { block, warp, sort, radix, small };
-const char * kind_name(kind k) {
-    return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : k == kind::small ? "small" : "block";
-}
-
-droute route_of(const rcase & c) { return droute{c.E, c.k, c.n_group, c.topk_group, c.renorm, 2.5f, c.softmax ? 1 : 0}; }
-
-// The small form runs only where moe_select_small_supported holds (its launcher refuses the rest, tested below).
-bool runs(kind kk, const rcase & c) { return kk != kind::small || moe_select_small_supported(route_of(c)); }
+enum class kind { block, warp, sort, radix };
+const char * kind_name(kind k) { return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : "block"; }
 
 // Runs one selection kernel on the device over logits [T, E].
 result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
@@ -82,14 +74,13 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     cudaMalloc(reinterpret_cast<void **>(&dw), size_t(c.T * c.k) * 4);
     cudaMemset(di, 0xff, size_t(c.T * c.k) * 4);   // sentinels: an unwritten slot shows up as -1 / NaN
     cudaMemset(dw, 0xff, size_t(c.T * c.k) * 4);
-    const droute r = route_of(c);
+    const droute r{c.E, c.k, c.n_group, c.topk_group, c.renorm, 2.5f, c.softmax ? 1 : 0};
     const dweight bw{db, wtype::F32};
     cudaStream_t st;
     cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
     const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
                           : kk == kind::sort  ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
                           : kk == kind::radix ? launch_moe_select_radix(dl, c.T, bw, r, di, dw, st)
-                          : kk == kind::small ? launch_moe_select_small(dl, c.T, bw, r, di, dw, st)
                                               : launch_moe_select(dl, c.T, bw, r, di, dw, st);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
@@ -238,26 +229,21 @@ std::string describe(const rcase & c) {
            std::to_string(c.softmax) + " renorm " + std::to_string(c.renorm) + " special " + std::to_string(c.special);
 }
 
-const kind k_fast[] = {kind::warp, kind::sort, kind::radix, kind::small};
+const kind k_fast[] = {kind::warp, kind::sort, kind::radix};
 
 TEST(route_select, fast_equals_block) {
     NEED_GPU();
-    int n = 0, n_small = 0;
+    int n = 0;
     uint32_t seed = 1;
     for (const rcase & c : cases()) {
         std::vector<float> logits, bias;
         make_inputs(c, seed++, logits, bias);
         const result blk = run_select(kind::block, c, logits, bias);
         for (const kind kk : k_fast)
-            if (runs(kk, c)) {
-                EXPECT_EQ(diff_bitwise(run_select(kk, c, logits, bias), blk), "") << kind_name(kk) << ": " << describe(c);
-                n_small += kk == kind::small;
-            }
+            EXPECT_EQ(diff_bitwise(run_select(kk, c, logits, bias), blk), "") << kind_name(kk) << ": " << describe(c);
         ++n;
     }
-    std::printf("[route_select] warp, sort and radix == block bit for bit on %d cases, small on the %d of them in its shapes\n",
-                n, n_small);
-    EXPECT_GE(n_small, 100);   // E <= 256 sigmoid ungrouped cases, NaN ones included
+    std::printf("[route_select] warp, sort and radix == block bit for bit on %d cases\n", n);
 }
 
 TEST(route_select, fast_equals_cpu_rule) {
@@ -269,10 +255,8 @@ TEST(route_select, fast_equals_cpu_rule) {
         std::vector<float> logits, bias;
         make_inputs(c, seed++, logits, bias);
         const result ref = host_select(c, logits, bias);
-        for (const kind kk : k_fast) {
-            if (!runs(kk, c)) continue;
+        for (const kind kk : k_fast)
             EXPECT_EQ(diff_ids_close(run_select(kk, c, logits, bias), ref, 1e-6f), "") << kind_name(kk) << ": " << describe(c);
-        }
         ++n;
     }
     std::printf("[route_select] warp, sort and radix == the reference rule on %d cases\n", n);
@@ -281,8 +265,7 @@ TEST(route_select, fast_equals_cpu_rule) {
 TEST(route_select, controls_fail) {
     NEED_GPU();
     for (const kind kk : k_fast) {
-        // the K3 shape; the small form at the 48B's (its largest E)
-        const rcase c = kk == kind::small ? rcase{256, 8, 3, 1, 1, true, false, true, 0} : rcase{896, 16, 3, 1, 1, true, false, true, 0};
+        const rcase c{896, 16, 3, 1, 1, true, false, true, 0};
         std::vector<float> logits, bias;
         make_inputs(c, 77, logits, bias);
         const result got = run_select(kk, c, logits, bias), blk = run_select(kind::block, c, logits, bias),
@@ -311,25 +294,6 @@ TEST(route_select, controls_fail) {
     for (int j = 0; j < eq.k; ++j) EXPECT_EQ(got.ids[size_t(j)], j) << "radix, all scores equal: pick " << j;
     EXPECT_NE(diff_ids_close(got, host_select(eq, logits, bias, true), 1e-6f), "")
         << "control: ties to the higher id must pick 255..248 on all-equal scores";
-}
-
-// The small form's launcher refuses every shape outside its registers' reach (E > 256, softmax, group pruning, top-k
-// above 64 or E) with cudaErrorInvalidValue and launches nothing: the backend then keeps another form.
-TEST(route_select, small_refuses_other_shapes) {
-    NEED_GPU();
-    const droute ok{256, 8, 1, 1, true, 2.5f, 0};
-    EXPECT_TRUE(moe_select_small_supported(ok));
-    EXPECT_TRUE(moe_select_small_supported(droute{256, 8, 8, 8, true, 2.5f, 0}));   // groups, none pruned
-    const droute bad[] = {{257, 8, 1, 1, true, 2.5f, 0}, {896, 16, 1, 1, true, 2.5f, 0}, {256, 8, 1, 1, true, 2.5f, 1},
-                          {256, 8, 8, 4, true, 2.5f, 0}, {256, 65, 1, 1, true, 2.5f, 0}, {8, 9, 1, 1, true, 2.5f, 0},
-                          {256, 0, 1, 1, true, 2.5f, 0}};
-    for (const droute & r : bad) {
-        EXPECT_FALSE(moe_select_small_supported(r)) << "E " << r.n_expert << " k " << r.topk;
-        EXPECT_EQ(launch_moe_select_small(nullptr, 1, dweight{nullptr, wtype::F32}, r, nullptr, nullptr, nullptr),
-                  cudaErrorInvalidValue)
-            << "E " << r.n_expert << " k " << r.topk;
-    }
-    std::printf("[route_select] small form: 2 shapes accepted, 7 refused\n");
 }
 
 // The one-launch route at T == 1 (launch_moe_route_radix_fused): its logits against a double-precision host dot product,
@@ -512,9 +476,8 @@ TEST(route_select, timing) {
         const droute r{g.E, g.k, 1, 1, true, 2.5f, 0};
         const dweight bw{db, wtype::F32};
         using sel_fn = cudaError_t (*)(const float *, int64_t, dweight, const droute &, int32_t *, float *, cudaStream_t);
-        std::vector<std::pair<const char *, sel_fn>> sels = {
+        const std::pair<const char *, sel_fn> sels[] = {
             {"block", launch_moe_select}, {"sort", launch_moe_select_sort}, {"radix", launch_moe_select_radix}};
-        if (moe_select_small_supported(r)) sels.push_back({"small", launch_moe_select_small});
         const std::pair<const char *, gemv_cfg> gemvs[] = {{"gemv-v1", gemv_cfg{0, 0}}, {"gemv-v2", gemv_cfg{4, 0}}};
         for (int T : {1, 8}) {
             auto gemv = [&](int i, const gemv_cfg & cfg) {
