@@ -14,9 +14,9 @@ option(PERIGEE_FUZZ "Build the libFuzzer targets in tests/fuzz (clang; implies A
 set(_pg_host "$<OR:$<COMPILE_LANGUAGE:CXX>,$<COMPILE_LANGUAGE:C>>")
 # ASan/TSan builds: -O1 -g1 (they come after the build type's -O2 -g, so they win). -g1 keeps the line tables,
 # so every report still names file:line; it drops the local-variable debug info, which no report uses. Measured
-# on the 2-core CI machine (test_server.cpp, one file alone): -O2 -g 157 s, -O1 -g 112 s, -O1 -g1 64 s; the whole
-# ASan build was 36 of CI's 78 minutes with -O2 -g (session 10's landing). -O1 is what the ASan and TSan manuals
-# recommend for reports with usable stacks.
+# on the 2-core CI machine (test_server.cpp, one file alone): -O2 -g 157 s, -O1 -g 112 s, -O1 -g1 64 s; with -O2 -g the
+# whole ASan build was 36 of the ~93 minutes of a cold-cache rehearsal of .ci/run (session 10's landing took 78), with
+# -O1 -g1 15. -O1 is what the ASan and TSan manuals recommend for reports with usable stacks.
 set(_pg_san_opt -O1 -g1)
 set(_pg_san_flags "")
 if(PERIGEE_FUZZ)

@@ -7,8 +7,12 @@ run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t
   echo "[$(( $(date +%s) - T0 ))s] $t$suf rc=$rc $(( $(date +%s) - s ))s | $(grep -E 'passed, .* failed|PASSED|FAILED' $L/$t$suf.log | tail -3 | tr '\n' ' ')" >> $S; }
 # san TOOL BINARY FILTER TIMEOUT: the binary's gtest filter under compute-sanitizer (memcheck, racecheck, ...), its
 # summary line into the summary. (Session scripts up to session 9 define their own copy; later ones use this.)
+# (rc is taken right after the command: inside the echo, $? would be the status of the $(date) expansions before it.
+# The scripts that ran before session 11's fix, and their own echo rows written that way, logged rc=0 on those rows
+# whatever the outcome; their test rows, from run(), were right, and the sanitizer rows carry the tool's summary line.)
 san() { local tool=$1 t=$2 f=$3 to=$4; local s=$(date +%s); timeout $to /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 $B/$t --gtest_filter="$f" > $L/$tool-$t.log 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] $tool $t ($f) rc=$? $(( $(date +%s) - s ))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' $L/$tool-$t.log | tail -1)" >> $S; }
+  local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] $tool $t ($f) rc=$rc $(( $(date +%s) - s ))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' $L/$tool-$t.log | tail -1)" >> $S; }
 # compare_models: perigee compare-backends (70-token prompt, 6 decode steps) on the Kimi-Linear goldens, the tiny synth
 # models and the shipped models, one summary line each.
 compare_models() {
@@ -20,5 +24,5 @@ compare_models() {
   done; }
 # b PRESET TAG [SETS]: one bench-cuda-decode run ($D: its command line, set by the calling script) with --set SETS,
 # the preset's "new" rows (batch, ms, tok/s, floor share) into the summary.
-b() { local p=$1 tag=$2 sets=${3:-}; $D --preset $p ${sets:+--set $sets} > $L/d-$p-$tag.log 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] $p $tag rc=$? | $(grep -E "^$p +new" $L/d-$p-$tag.log | awk '{print $1, $5, $6, $NF}' | tr '\n' ' ')" >> $S; }
+b() { local p=$1 tag=$2 sets=${3:-}; $D --preset $p ${sets:+--set $sets} > $L/d-$p-$tag.log 2>&1; local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] $p $tag rc=$rc | $(grep -E "^$p +new" $L/d-$p-$tag.log | awk '{print $1, $5, $6, $NF}' | tr '\n' ' ')" >> $S; }
