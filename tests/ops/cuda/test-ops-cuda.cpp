@@ -1095,7 +1095,8 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     int n_bad = 0, n_v3_bitwise = 0, n_v3_expected = 0, n_pf_bitwise = 0, n_pf3_bitwise = 0;
     bool controls_done[3][4] = {}, controls_v3_done[3][4] = {};
     // Every candidate output of one launch bit for bit the kept outputs of another (`ref`), counted in n_equal; and its
-    // control: the first output with one element moved by one ulp must compare unequal (the check can fail).
+    // control: the first output with the low bit of its LAST element flipped (one ulp, never inf or NaN) must compare
+    // unequal, so a comparison that stopped short of the end (a byte count off) could not pass it.
     using ref_pairs = std::vector<std::pair<std::vector<double>, std::vector<float>>>;
     auto same_bits = [&](const ref_pairs & pr, const std::vector<std::vector<float>> & ref, const std::string & what, int & n_equal) {
         bool same = ref.size() == pr.size();
@@ -1107,7 +1108,10 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
         tally(same);
         if (pr.empty() || ref.empty() || pr[0].second.empty()) return;
         auto moved = pr[0].second;
-        moved[0] = std::nextafter(moved[0], INFINITY);
+        uint32_t u;
+        std::memcpy(&u, &moved.back(), 4);
+        u ^= 1u;
+        std::memcpy(&moved.back(), &u, 4);
         const bool ctl = moved.size() == ref[0].size() && std::memcmp(moved.data(), ref[0].data(), moved.size() * 4) == 0;
         EXPECT_FALSE(ctl) << what << ": the one-ulp control compared equal";
         tally(!ctl);
