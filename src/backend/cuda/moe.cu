@@ -263,6 +263,24 @@ __global__ void __launch_bounds__(k_grp_threads) k_moe_group(const int32_t * __r
     for (int a = threadIdx.x; a < n_act; a += blockDim.x) pos[a] = cnt[active[a]];   // pos reused: count per segment
 }
 
+// Active expert a of the grouped layout (gw above, after k_moe_group): its id, first slot in the by-expert slot list, slot
+// count and that list. false: no such active expert, or (n_max) more slots than the kernel takes (another kernel runs
+// that expert): the block leaves.
+struct group_entry {
+    int e, s0, n;
+    const int32_t * slots;
+};
+__device__ __forceinline__ bool group_of(const int32_t * __restrict__ gw, int64_t A, int64_t S, int a, int n_max,
+                                         group_entry & g) {
+    if (a >= gw[0]) return false;
+    g.n = gw[2 + 2 * A + S + a];
+    if (g.n >= n_max) return false;
+    g.e = gw[1 + a];
+    g.s0 = gw[1 + A + a];
+    g.slots = gw + 2 + 2 * A;
+    return true;
+}
+
 // One 16-byte unit of a weight row: FMT 1 = BF16 (8 columns), 2 = MXFP4 (32 columns, one E8M0 scale),
 // 3 = NVFP4 (32 columns, two E4M3 scales, global scale). dot() returns sum_c w[c] x[c] over the unit, scales applied.
 template <int FMT> struct wunit {
@@ -319,14 +337,13 @@ __global__ void __launch_bounds__(k_g_warps * 32) k_moe_gate_up_g(const float * 
                                                                   const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                   float * __restrict__ hbuf, int n_max) {
     pdl_enter();
-    const int a = blockIdx.y;
-    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
+    group_entry ge;
+    if (!group_of(gw, A, S, int(blockIdx.y), n_max, ge)) return;
     const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
     if (r >= c.d_ff) return;
     const int lane = threadIdx.x & 31;
-    const int e = gw[1 + a];
-    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
-    const int32_t * slots = gw + 2 + 2 * A;
+    const int e = ge.e, s0 = ge.s0, n = ge.n;
+    const int32_t * slots = ge.slots;
     const dexpert_matrix G = ex[e].gate, U = ex[e].up;
     constexpr int C = wunit<FMT>::C;
     const int64_t nu = Din / C;
@@ -367,14 +384,13 @@ __global__ void __launch_bounds__(k_g_warps * 32) k_moe_down_g(const float * __r
                                                                int64_t A, int64_t S, const int32_t * __restrict__ gw,
                                                                dexperts_cfg c, float * __restrict__ ybuf, int n_max) {
     pdl_enter();
-    const int a = blockIdx.y;
-    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
+    group_entry ge;
+    if (!group_of(gw, A, S, int(blockIdx.y), n_max, ge)) return;
     const int64_t r = int64_t(blockIdx.x) * k_g_warps + (threadIdx.x >> 5);
     if (r >= c.d_out) return;
     const int lane = threadIdx.x & 31;
-    const int e = gw[1 + a];
-    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
-    const int32_t * slots = gw + 2 + 2 * A;
+    const int e = ge.e, s0 = ge.s0, n = ge.n;
+    const int32_t * slots = ge.slots;
     const dexpert_matrix D = ex[e].down;
     constexpr int C = wunit<FMT>::C;
     const int64_t nu = c.d_ff / C;
@@ -509,14 +525,13 @@ __global__ void __launch_bounds__(k_v2_warps * 32) k_moe_gate_up_fp4_v2(const fl
                                                                        const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                        float * __restrict__ hbuf) {
     pdl_enter();
-    const int a = blockIdx.y;
-    if (a >= gw[0]) return;
+    group_entry ge;
+    if (!group_of(gw, A, S, int(blockIdx.y), INT_MAX, ge)) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v2_warps + (threadIdx.x >> 5)) * R;
     if (r0 >= c.d_ff) return;
     const int lane = threadIdx.x & 31;
-    const int e = gw[1 + a];
-    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
-    const int32_t * slots = gw + 2 + 2 * A;
+    const int e = ge.e, s0 = ge.s0, n = ge.n;
+    const int32_t * slots = ge.slots;
     const dexpert_matrix mats[2] = {ex[e].gate, ex[e].up};
     for (int ti = 0; ti < n; ++ti) {
         const int slot = slots[s0 + ti];
@@ -538,14 +553,13 @@ __global__ void __launch_bounds__(k_v2_warps * 32) k_moe_down_fp4_v2(const float
                                                                     int64_t A, int64_t S, const int32_t * __restrict__ gw,
                                                                     dexperts_cfg c, float * __restrict__ ybuf) {
     pdl_enter();
-    const int a = blockIdx.y;
-    if (a >= gw[0]) return;
+    group_entry ge;
+    if (!group_of(gw, A, S, int(blockIdx.y), INT_MAX, ge)) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v2_warps + (threadIdx.x >> 5)) * R;
     if (r0 >= c.d_out) return;
     const int lane = threadIdx.x & 31;
-    const int e = gw[1 + a];
-    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
-    const int32_t * slots = gw + 2 + 2 * A;
+    const int e = ge.e, s0 = ge.s0, n = ge.n;
+    const int32_t * slots = ge.slots;
     const dexpert_matrix mats[1] = {ex[e].down};
     for (int ti = 0; ti < n; ++ti) {
         const int slot = slots[s0 + ti];
@@ -1012,13 +1026,12 @@ __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_gate_up_small_v4(const
                                                                          const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                          float * __restrict__ hbuf, int n_max) {
     pdl_enter();
-    const int a = blockIdx.y;
-    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
+    group_entry ge;
+    if (!group_of(gw, A, S, int(blockIdx.y), n_max, ge)) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v4s_warps + (threadIdx.x >> 5)) * R;
     if (r0 >= c.d_ff) return;
-    const int e = gw[1 + a];
-    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
-    const int32_t * slots = gw + 2 + 2 * A;
+    const int e = ge.e, s0 = ge.s0, n = ge.n;
+    const int32_t * slots = ge.slots;
     const uint8_t * const base[2] = {mat_base(ex[e].gate, FMT), mat_base(ex[e].up, FMT)};
     const uint8_t * const scl[2] = {ex[e].gate.scale, ex[e].up.scale};
     for (int t0 = 0; t0 < n; t0 += TT) {
@@ -1051,13 +1064,12 @@ __global__ void __launch_bounds__(k_v4s_warps * 32) k_moe_down_small_v4(const fl
                                                                       const int32_t * __restrict__ gw, dexperts_cfg c,
                                                                       float * __restrict__ ybuf, int n_max) {
     pdl_enter();
-    const int a = blockIdx.y;
-    if (a >= gw[0] || gw[2 + 2 * A + S + a] >= n_max) return;
+    group_entry ge;
+    if (!group_of(gw, A, S, int(blockIdx.y), n_max, ge)) return;
     const int64_t r0 = (int64_t(blockIdx.x) * k_v4s_warps + (threadIdx.x >> 5)) * R;
     if (r0 >= c.d_out) return;
-    const int e = gw[1 + a];
-    const int s0 = gw[1 + A + a], n = gw[2 + 2 * A + S + a];
-    const int32_t * slots = gw + 2 + 2 * A;
+    const int e = ge.e, s0 = ge.s0, n = ge.n;
+    const int32_t * slots = ge.slots;
     const uint8_t * const base[1] = {mat_base(ex[e].down, FMT)};
     const uint8_t * const scl[1] = {ex[e].down.scale};
     for (int t0 = 0; t0 < n; t0 += TT) {
