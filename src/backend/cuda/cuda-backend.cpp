@@ -1342,9 +1342,6 @@ private:
         for (size_t gi = 0; gi < L.groups.size(); ++gi) {
             const auto & gr = L.groups[gi];
             cuda::gemv_fused_seg segs[cuda::k_gemv_group_max];
-            const void * wp[cuda::k_gemv_group_max];
-            float * yp[cuda::k_gemv_group_max];
-            int64_t op[cuda::k_gemv_group_max];
             PG_CHECK(!gr.empty() && gr.size() <= size_t(cuda::k_gemv_group_max), "fused launch of {} LINEARs", gr.size());
             wtype wt = wtype::F32;
             for (size_t k = 0; k < gr.size(); ++k) {
@@ -1395,9 +1392,16 @@ private:
                     ++n_fused_sig_;
                 }
             }
-            for (size_t k = 0; k < gr.size(); ++k) wp[k] = segs[k].w, yp[k] = segs[k].y, op[k] = segs[k].out;   // the plain group's arrays
             n_grouped_ += int(gr.size()) - 1;
-            if (plain_group) {
+            if (plain_group) {   // the grouped kernel takes the segments' weights, outputs and widths as arrays
+                const void * wp[cuda::k_gemv_group_max];
+                float * yp[cuda::k_gemv_group_max];
+                int64_t op[cuda::k_gemv_group_max];
+                for (size_t k = 0; k < gr.size(); ++k) {
+                    wp[k] = segs[k].w;
+                    yp[k] = segs[k].y;
+                    op[k] = segs[k].out;
+                }
                 PG_CUDA_CHECK(cuda::launch_linear_gemv_group(static_cast<const float *>(x.p), T, K, wt, wp, yp, op,
                                                              int(gr.size()), st_, gemv_cfg_for(K)));
                 continue;
