@@ -26,3 +26,11 @@ compare_models() {
 # the preset's "new" rows (batch, ms, tok/s, floor share) into the summary.
 b() { local p=$1 tag=$2 sets=${3:-}; $D --preset $p ${sets:+--set $sets} > $L/d-$p-$tag.log 2>&1; local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $p $tag rc=$rc | $(grep -E "^$p +new" $L/d-$p-$tag.log | awk '{print $1, $5, $6, $NF}' | tr '\n' ' ')" >> $S; }
+# decode_rounds N [ARGS]: N rounds of the defaults at batches 1, 8, 64 ($D: the bench command line, set by the caller),
+# each round's "new" rows (preset, B, graph ms, tok/s, floor share) into the summary.
+decode_rounds() { local n=$1; shift; for round in $(seq 1 $n); do $D --batch 1,8,64 "$@" > $L/dec-$round.log 2>&1; local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] r$round defaults rc=$rc | $(grep -E '^(k3-layers-4|kimi-linear-48b) +new' $L/dec-$round.log | awk '{print $1, $3, $5, $6, $9}' | tr '\n' ' ')" >> $S; done; }
+# prefill PRESET SIZES TAG: bench-cuda-decode --prefill on one preset with the per-op profile; the step times, the GEMM
+# share and the GEMM-class roofline lines into the summary, the whole log kept under $OUT.
+prefill() { local p=$1 sizes=$2 tag=$3; shift 3; timeout 300 $B/bench-cuda-decode --preset $p --prefill $sizes "$@" > $OUT/prefill-$p-$tag.log 2>&1; local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] prefill $p $tag rc=$rc | $(grep -E 'default +T|GEMM share|roofline' $OUT/prefill-$p-$tag.log | tr '\n' ' ')" >> $S; }
