@@ -357,6 +357,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_mma_v3") co.moe_mma_v3 = v != 0;
         else if (k == "moe_mma_v4") co.moe_mma_v4 = v != 0;
+        else if (k == "moe_mma_v4_bf16") co.moe_mma_v4_bf16 = v != 0;
         else if (k == "moe_decode_v4") co.moe_decode_v4 = v != 0;
         else if (k == "moe_select_warp") co.moe_select_warp = v != 0;
         else if (k == "moe_select_sort") co.moe_select_sort = v != 0;
@@ -598,10 +599,53 @@ double gemm_flops(const graph & g, backend_cuda & be) {
     return f;
 }
 
+// The GEMM-class nodes' roofline of a prefill step (LINEAR + MOE_EXPERTS): per node, the larger of its tensor-core
+// time (FLOPs x passes over the measured bf16 GEMM rate) and its memory time (the weights it must read, the selected
+// experts' once each, plus its fp32 activations in and out, over the measured copy rate). passes = 2 is the split
+// policy the backend runs by default (activations as bf16 hi + lo: two GEMMs per LINEAR, two wgmmas per expert tile),
+// 1 the one-bf16-pass policy of ARCHITECTURE section 3.0. An expert at ~18 tokens (K3 at T = 2048: 16 384 slots over
+// 896 experts) is memory bound, so a FLOP-rate target over the GEMM share has to be read against this floor.
+struct gemm_floor { double flop_ms = 0, byte_ms = 0, floor_ms = 0; };
+gemm_floor gemm_roofline(const graph & g, backend_cuda & be, double bw_gbs, double gemm_tf, int passes) {
+    gemm_floor r;
+    const double T = double(g.b->n_tokens());
+    auto add = [&](double flops, double bytes) {
+        const double f = passes * flops / (gemm_tf * 1e12) * 1e3, b = bytes / (bw_gbs * 1e9) * 1e3;
+        r.flop_ms += f;
+        r.byte_ms += b;
+        r.floor_ms += std::max(f, b);
+    };
+    for (const node & n : g.nodes) {
+        if (n.op == op_type::LINEAR) {
+            const node & wn = g.at(n.src[1]);
+            if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) continue;
+            const double O = double(wn.leaf->shape[0]), K = double(wn.leaf->shape[1]);
+            add(2.0 * T * O * K, double(wn.leaf->nbytes) + 4.0 * T * (O + K));
+        } else if (n.op == op_type::MOE_EXPERTS) {
+            const tensor ids = be.read(n.src[1]);
+            const auto & ex = *n.p.experts;
+            std::set<int32_t> used;
+            double flops = 0, bytes = 0;
+            for (int64_t i = 0; i < ids.numel(); ++i) {
+                const int32_t e = ids.as<int32_t>()[i];
+                if (e < 0 || size_t(e) >= ex.size()) continue;
+                const bool first = used.insert(e).second;
+                for (const expert_matrix * m : {&ex[size_t(e)].gate, &ex[size_t(e)].up, &ex[size_t(e)].down}) {
+                    flops += 2.0 * double(m->out) * double(m->in);
+                    if (first) bytes += m->weight ? double(m->weight->nbytes) : double(m->packed->nbytes) + double(m->scale->nbytes);
+                }
+            }
+            const expert_matrix & d = ex.at(0).down;   // activations: the tokens' rows in (d->out wide) and out
+            add(flops, bytes + 8.0 * T * double(d.out));
+        }
+    }
+    return r;
+}
+
 // Prefill: one sequence of T prompt tokens from position 0, eager (one step per prompt). Two passes: LINEARs on
 // cuBLASLt with split bf16 activations (hi + lo, two GEMMs: the default) and with one bf16 GEMM. Then the per-op
 // profile of the default pass: GEMM share (LINEAR + MOE_EXPERTS node time) and what it achieves vs the ceiling.
-void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
+void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, double bw_gbs) {
     const std::string dir = model_dir(preset);
     write_sparse_model(preset, dir);
     const kimi_config c = config_load(dir);
@@ -715,6 +759,13 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf) {
         std::sort(rows.rbegin(), rows.rend());
         for (size_t i = 0; i < std::min<size_t>(10, rows.size()); ++i)
             std::printf("    %9.3f ms %5.1f%%  %s\n", rows[i].first, 100 * rows[i].first / tot, rows[i].second.c_str());
+        for (int passes : {2, 1}) {
+            const gemm_floor f = gemm_roofline(g, *pb, bw_gbs, gemm_tf, passes);
+            std::printf("  GEMM-class roofline, %s T=%d, %s: floor %.3f ms (tensor %.3f ms, bytes %.3f ms at %.0f GB/s); the"
+                        " GEMM share %.3f ms is %.1f%% of it\n", preset.c_str(), T,
+                        passes == 2 ? "split policy (2 bf16 passes, the default)" : "one bf16 pass (ARCHITECTURE 3.0)",
+                        f.floor_ms, f.flop_ms, f.byte_ms, bw_gbs, gemm_ms, 100.0 * f.floor_ms / gemm_ms);
+        }
         std::fflush(stdout);
     }
 }
@@ -902,7 +953,7 @@ int main(int argc, char ** argv) {
             std::printf("prefill: one sequence of T prompt tokens from position 0, eager, median of 3 steps\n");
         for (const auto & p : o.presets) {
             if (o.prefill.empty()) bench_preset(p, o, bw);
-            else bench_prefill(p, o, tf);
+            else bench_prefill(p, o, tf, bw);
         }
     } catch (const std::exception & e) {
         std::fprintf(stderr, "bench-cuda-decode: %s\n", e.what());

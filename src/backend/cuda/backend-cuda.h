@@ -239,6 +239,11 @@ struct cuda_options {
     // slower (call H, k3-layers-4 B=64 step 83.25 vs 82.39 ms; almost no expert reaches the threshold of 8 tokens, cause
     // of the difference not isolated).
     bool moe_mma_v4 = true;
+    // v4 over BF16 experts too (moe-wgmma.cu FMT 1: the A fragments are the rows' bf16 straight from the stage, no
+    // dequant; Din and d_ff multiples of 64), in the same prefill-sized steps; false: v1 (moe-mma.cu k_moe_mma, wmma
+    // through a bf16 tile in shared memory), which took 55.6 of the 48B's 89.2 ms prefill step at T=512 (session 12
+    // call B; 89.3 of 152.6 ms at T=1024). Prediction before its first run: 48B MOE_EXPERTS T=512 55.6 -> 20-30 ms.
+    bool moe_mma_v4_bf16 = true;
     // Measured and removed (call C): two fragment sets per warp, the second scale block of a K-tile dequantized while
     // the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
     // Measured and removed (call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks = 24 warps

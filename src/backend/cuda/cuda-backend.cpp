@@ -1213,6 +1213,7 @@ private:
                     mo.mma_v2 = opt_.moe_mma_v2;
                     mo.mma_v3 = opt_.moe_mma_v3;
                     mo.mma_v4 = opt_.moe_mma_v4;
+                    mo.mma_v4_bf16 = opt_.moe_mma_v4_bf16;
                     mo.dec_v4 = opt_.moe_decode_v4;
                     mo.small_v4 = opt_.moe_small_v4;
                     mo.mma_large_step = opt_.moe_mma_large_step;

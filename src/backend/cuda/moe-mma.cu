@@ -717,8 +717,8 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
     // is set): in a decode batch almost no expert reaches the threshold, and there v4 measured slower than v2 (session
     // 7 call H: k3-layers-4 B=64 step 83.25 vs 82.39 ms). A failed launch stays in cudaGetLastError.
     const bool large = o.mma_large_step <= 0 || S / k >= o.mma_large_step;
-    if (large && o.mma_v4 && moe_mma4_supported(vfmt, Din, k, c)) {
-        if (launch_moe_mma4_stages(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
+    if (large && o.mma_v4 && (vfmt != 1 || o.mma_v4_bf16) && moe_mma4_supported(vfmt, Din, k, c)) {
+        if (launch_moe_mma4_stages(vfmt, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
             g_mma_launches[1].fetch_add(1, std::memory_order_relaxed);
         return;
     }

@@ -1,5 +1,6 @@
 // MOE_EXPERTS on Hopper's warpgroup tensor cores (cuda_options::moe_mma_v4): the tensor-core experts' MXFP4 stages with
-// wgmma.mma_async. Called by launch_moe_mma_stages (moe-mma.cu); declarations in cuda-ops.h.
+// wgmma.mma_async, and the same kernel over BF16 experts (cuda_options::moe_mma_v4_bf16; the 48B's). Called by
+// launch_moe_mma_stages (moe-mma.cu); declarations in cuda-ops.h.
 //
 // Limiter of v3 (moe-mma.cu, Nsight Compute on the H200, k3-layers-4 prefill T 2048, session 7 call A): the gate/up
 // kernel issues ~320 instructions per warp per 32-column scale block for ~40 mma.sync (5 token tiles x 2 row tiles x
@@ -18,6 +19,14 @@
 // B from shared memory in logical order, so the activation planes are written permuted inside each 32-column block:
 // column c sits at plane position m4_pos(c). The sum over k is the same; its order inside the tensor core is not v3's,
 // so y is compared with v3 at the f32 tolerance, not bit for bit.
+//
+// BF16 experts (FMT 1). Before this form they ran on v1 (moe-mma.cu k_moe_mma: wmma 16x16x16 through a bf16 copy of the
+// tile in shared memory, 32-token tiles); Kimi-Linear-48B prefill at T=512 spent 55.6 of its 89 ms there (session 12
+// call B). The A fragment of lane q is then simply the row's 16 bytes of columns 8q .. 8q + 7 of the 32-column block:
+// 4 bf16 pairs in exactly the order fp4x8_pairs gives the FP4 form, so the planes, their permutation and the wgmmas are
+// shared. A stage holds 128 bytes per row (64 columns), 16-byte chunks swizzled by the row's parity (chunk ^ 4 on odd
+// rows: the 8 lanes of a read phase take rows g and g + 1 and land on all 32 banks); two stages, so that two blocks
+// still fit an SM (2 x 99 KB).
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
@@ -30,18 +39,29 @@ namespace perigee::cuda {
 
 namespace {
 
-constexpr int k_m4_rows = 256, k_m4_kt = 64, k_m4_tok = 64, k_m4_threads = 256, k_m4_stages = 3;
+constexpr int k_m4_rows = 256, k_m4_kt = 64, k_m4_tok = 64, k_m4_threads = 256;
 constexpr int k_m4_xbytes = k_m4_tok * 128;                        // a plane of a stage: 64 tokens x 64 bf16, 8 KB
-constexpr int k_m4_wbytes = k_m4_rows * k_m4_kt / 2;              // the raw FP4 of a stage, 8 KB
-constexpr int k_m4_stage_bytes = 2 * k_m4_xbytes + k_m4_wbytes;   // 24 KB: planes first, 1024-byte aligned
-constexpr int k_m4_pipe_bytes = k_m4_stages * k_m4_stage_bytes;
 constexpr int k_m4_cld = k_m4_rows + 4;                            // floats per token row of the epilogue tile
-static_assert(k_m4_tok * k_m4_cld * 4 <= k_m4_pipe_bytes, "v4: the epilogue tile lives in the pipeline's memory");
-static_assert(k_m4_xbytes % 1024 == 0 && k_m4_stage_bytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
 constexpr int64_t k_m4_max_smem = 113 * 1024;   // two blocks per SM
 
+// The weight format's stage geometry. FMT 2 (MXFP4): 32 bytes of raw FP4 per row and K-tile (8 KB a stage), 3 stages,
+// the E8M0 scales of the block's rows copied once. FMT 1 (BF16): 128 bytes per row and K-tile (32 KB), 2 stages.
+template <int FMT> struct m4_fmt {
+    static_assert(FMT == 1 || FMT == 2, "v4: MXFP4 or BF16");
+    static constexpr int row_bytes = FMT == 1 ? k_m4_kt * 2 : k_m4_kt / 2;   // one row's K-tile
+    static constexpr int stages = FMT == 1 ? 2 : 3;
+    static constexpr int wbytes = k_m4_rows * row_bytes;
+    static constexpr int stage_bytes = 2 * k_m4_xbytes + wbytes;          // planes first, 1024-byte aligned
+    static constexpr int pipe_bytes = stages * stage_bytes;
+    static constexpr int wcopies = wbytes / 16 / k_m4_threads;            // 16-byte weight copies per thread per stage
+    static_assert(k_m4_tok * k_m4_cld * 4 <= pipe_bytes, "v4: the epilogue tile lives in the pipeline's memory");
+    static_assert(k_m4_xbytes % 1024 == 0 && stage_bytes % 1024 == 0, "v4: swizzle atoms are 1024-byte aligned");
+    static_assert(wcopies * 16 * k_m4_threads == wbytes, "v4: the stage's weights split evenly over the threads");
+};
+
 // + 1024: the dynamic window is aligned up to the swizzle atom at run time.
-constexpr int64_t m4_smem(int64_t K) { return 1024 + k_m4_pipe_bytes + k_m4_rows * mma_scale_ld(K); }
+template <int FMT>
+constexpr int64_t m4_smem(int64_t K) { return 1024 + m4_fmt<FMT>::pipe_bytes + (FMT == 2 ? k_m4_rows * mma_scale_ld(K) : 0); }
 
 // Plane position of column c inside its 32-column block (the k order of the A fragments; see the top of the file):
 // c = 8 q + 4 s + j -> 16 s + 2 q + j (j < 2) or 16 s + 8 + 2 q + j - 2.
@@ -197,22 +217,24 @@ __device__ __forceinline__ uint32_t m4_desc_lo(uint32_t saddr) { return ((saddr 
 __device__ __forceinline__ uint64_t m4_desc(uint32_t lo) { return (uint64_t(k_m4_desc_hi) << 32) | lo; }
 
 // What a pass of v4 needs from its block (the pass's tokens' offsets are in xoff).
+template <int FMT>
 struct m4_block {
     const __nv_bfloat16 * xh;
     const __nv_bfloat16 * xl;
-    unsigned char * sm;           // the aligned window: stages, then the scales
-    const unsigned char * ssm;    // [256][sld] scales
+    unsigned char * sm;           // the aligned window: stages, then the scales (MXFP4)
+    const unsigned char * ssm;    // [256][sld] scales (MXFP4)
     int64_t sld;
-    const uint8_t * wsrc[2];      // this thread's two 16-byte weight copies per stage
-    int wdst[2];
+    const uint8_t * wsrc[m4_fmt<FMT>::wcopies];   // this thread's 16-byte weight copies per stage (at K-tile 0)
+    int wdst[m4_fmt<FMT>::wcopies];
     const int64_t * xoff;         // [64]: plane row offsets of the pass's tokens
     int nk, nt;
 };
 
 // One pass over K for the pass's nt <= 8 NJ tokens (acc[mi] = the warpgroup's row tile mi, 64 rows, x 8 NJ tokens),
 // then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too.
-template <int NJ, bool XS>
-__device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
+template <int FMT, int NJ, bool XS>
+__device__ __forceinline__ void m4_pass(const m4_block<FMT> & b, float * Cs) {
+    using F = m4_fmt<FMT>;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     float acc[2][4 * NJ];
@@ -220,15 +242,15 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int r = 0; r < 4 * NJ; ++r) acc[mi][r] = 0.0f;
-    // stage st <- K-tile kt: raw weights (2 x 16 B per thread), the tokens' plane chunks (chunk tid % 8 of tokens
-    // tid / 8 and tid / 8 + 32, hi and lo)
+    // stage st <- K-tile kt: raw weights (F::wcopies x 16 B per thread), the tokens' plane chunks (chunk tid % 8 of
+    // tokens tid / 8 and tid / 8 + 32, hi and lo)
     auto issue = [&](int kt, int st) {
-        unsigned char * X = b.sm + st * k_m4_stage_bytes;
+        unsigned char * X = b.sm + st * F::stage_bytes;
         unsigned char * W = X + 2 * k_m4_xbytes;
         const int64_t k0 = int64_t(kt) * k_m4_kt;
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-            if (b.wsrc[i]) cp_async16(W + b.wdst[i], b.wsrc[i] + k0 / 2);
+        for (int i = 0; i < F::wcopies; ++i)
+            if (b.wsrc[i]) cp_async16(W + b.wdst[i], b.wsrc[i] + int64_t(kt) * F::row_bytes);
         const int cc = tid & 7;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -241,30 +263,38 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
         }
     };
 #pragma unroll
-    for (int s = 0; s < k_m4_stages - 1; ++s) {
+    for (int s = 0; s < F::stages - 1; ++s) {
         if (s < b.nk) issue(s, s);
         cp_async_commit();
     }
     for (int kt = 0; kt < b.nk; ++kt) {
-        cp_async_wait<k_m4_stages - 2>();
+        cp_async_wait<F::stages - 2>();
         fence_proxy_async();
         __syncthreads();   // stage kt landed for every thread; every warpgroup's MMAs on tile kt - 1 are complete
-        if (kt + k_m4_stages - 1 < b.nk) issue(kt + k_m4_stages - 1, (kt + k_m4_stages - 1) % k_m4_stages);
+        if (kt + F::stages - 1 < b.nk) issue(kt + F::stages - 1, (kt + F::stages - 1) % F::stages);
         cp_async_commit();
-        const unsigned char * X = b.sm + (kt % k_m4_stages) * k_m4_stage_bytes;
+        const unsigned char * X = b.sm + (kt % F::stages) * F::stage_bytes;
         const unsigned char * W = X + 2 * k_m4_xbytes;
         const uint32_t dh = m4_desc_lo(smem_u32(X)), dl = m4_desc_lo(smem_u32(X + k_m4_xbytes));
-        // A fragments of scale block kb of this warp's 16 rows of the warpgroup's two m64 tiles, both k16 steps (v3's
-        // dequant): af[mi][step][reg]
+        // A fragments of scale block kb (columns 32 kb .. 32 kb + 31 of the K-tile) of this warp's 16 rows of the
+        // warpgroup's two m64 tiles, both k16 steps (v3's dequant; BF16: the row's 16 bytes): af[mi][step][reg]
         auto dequant = [&](int kb, uint32_t (&af)[2][2][4]) {
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {   // row g, row g + 8
                     const int row = 128 * wg + 64 * mi + 16 * wq + g + 8 * hr;
-                    const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
                     uint32_t p[4];
-                    fp4_a_pairs(wv, e8m0_bf16x2(b.ssm[row * b.sld + kt * 2 + kb]), p);
+                    if constexpr (FMT == 1) {
+                        const uint4 v = *reinterpret_cast<const uint4 *>(W + row * 128 + (((kb * 4 + q) ^ ((row & 1) << 2)) << 4));
+                        p[0] = v.x;
+                        p[1] = v.y;
+                        p[2] = v.z;
+                        p[3] = v.w;
+                    } else {
+                        const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
+                        fp4_a_pairs(wv, e8m0_bf16x2(b.ssm[row * b.sld + kt * 2 + kb]), p);
+                    }
                     af[mi][0][hr] = p[0];
                     af[mi][0][2 + hr] = p[1];
                     af[mi][1][hr] = p[2];
@@ -320,7 +350,7 @@ __device__ __forceinline__ void m4_pass(const m4_block & b, float * Cs) {
 // NM == 2: gate/up; xh / xl = x's planes [T, ldx] (v4 order), token row = slot / k_div; writes h's planes oh / ol
 // [S, d_ff] in v4 order (GLU applied). NM == 1: down; xh / xl = h's planes [S, ldx], token row = slot; writes of32 =
 // ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m4_smem(K).
-template <int NM>
+template <int NM, int FMT>
 __global__ void __launch_bounds__(k_m4_threads, 2)
     k_moe_mma4(const __nv_bfloat16 * __restrict__ xh, const __nv_bfloat16 * __restrict__ xl, int64_t ldx, int64_t k_div,
                const dexpert * __restrict__ ex, int64_t A, int64_t S, const int32_t * __restrict__ gw, dexperts_cfg c,
@@ -342,11 +372,11 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
     const int64_t K = m0.in, ksc = K / 32;
     unsigned char * sm = sm4_raw + ((1024u - (smem_u32(sm4_raw) & 1023u)) & 1023u);
-    unsigned char * Ssm = sm + k_m4_pipe_bytes;
+    unsigned char * Ssm = sm + m4_fmt<FMT>::pipe_bytes;
     float * Cs = reinterpret_cast<float *>(sm);   // [64][k_m4_cld]: the epilogue tile, after the K loop
     __shared__ int64_t xoff[k_m4_tok];
 
-    m4_block b;
+    m4_block<FMT> b;
     b.xh = xh;
     b.xl = xl;
     b.sm = sm;
@@ -354,18 +384,29 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     b.sld = mma_scale_ld(K);
     b.xoff = xoff;
     b.nk = int(K / k_m4_kt);
+    if constexpr (FMT == 1) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
-        const int ch = tid + i * k_m4_threads, row = ch >> 1, half = ch & 1;
-        const int64_t wr = r0 + (NM == 2 ? row % BN : row);
-        const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
-        b.wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + half * 16 : nullptr;
-        b.wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
+        for (int i = 0; i < m4_fmt<1>::wcopies; ++i) {   // row ch / 8, 16-byte chunk ch % 8 (chunk ^ 4 on odd rows)
+            const int ch = tid + i * k_m4_threads, row = ch >> 3, chunk = ch & 7;
+            const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+            const auto * w = static_cast<const uint8_t *>((NM == 2 && row >= BN) ? m1.w : m0.w);
+            b.wsrc[i] = wr < n_rows ? w + wr * K * 2 + chunk * 16 : nullptr;
+            b.wdst[i] = row * 128 + ((chunk ^ ((row & 1) << 2)) << 4);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < m4_fmt<2>::wcopies; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
+            const int ch = tid + i * k_m4_threads, row = ch >> 1, half = ch & 1;
+            const int64_t wr = r0 + (NM == 2 ? row % BN : row);
+            const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
+            b.wsrc[i] = wr < n_rows ? pk + wr * (K / 2) + half * 16 : nullptr;
+            b.wdst[i] = row * 32 + ((half ^ ((row >> 2) & 1)) << 4);
+        }
     }
     // the block's scales, once (completed with the first pass's first stage). This is mma_copy_scales (moe-mma-blocks.cuh)
     // written out: calling it gave the same kernel another register allocation (cubin .text compared, session 7) after
     // the device time to retest v4 was spent; switch with the next GPU run of test-moe-cuda mma_v4_prefill.
-    for (int ch = tid; ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
+    for (int ch = tid; FMT == 2 && ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
         const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
         const int64_t wr = r0 + (NM == 2 ? row % BN : row);
         if (wr >= n_rows) continue;
@@ -385,8 +426,8 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
         b.nt = nt;
         switch (nj * 2 + (xsplit ? 1 : 0)) {
 #define PG_M4_PASS(J)                                       \
-        case 2 * J: m4_pass<J, false>(b, Cs); break;         \
-        case 2 * J + 1: m4_pass<J, true>(b, Cs); break;
+        case 2 * J: m4_pass<FMT, J, false>(b, Cs); break;    \
+        case 2 * J + 1: m4_pass<FMT, J, true>(b, Cs); break;
             PG_M4_PASS(1) PG_M4_PASS(2) PG_M4_PASS(3) PG_M4_PASS(4) PG_M4_PASS(5) PG_M4_PASS(6) PG_M4_PASS(7) PG_M4_PASS(8)
 #undef PG_M4_PASS
             default: break;
@@ -411,26 +452,34 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     }
 }
 
-// v4's traits for mma_stages (moe-mma-blocks.cuh).
+// v4's traits for mma_stages (moe-mma-blocks.cuh), per weight format.
+template <int FMT>
 struct mma4_traits {
-    template <int NM> static constexpr auto kern = k_moe_mma4<NM>;
+    template <int NM> static constexpr auto kern = k_moe_mma4<NM, FMT>;
     static constexpr auto split = k_split_planes4;
     static constexpr int rows = k_m4_rows, threads = k_m4_threads;
     static constexpr int64_t max_smem = k_m4_max_smem;
-    static constexpr int64_t smem(int64_t K) { return m4_smem(K); }
+    static constexpr int64_t smem(int64_t K) { return m4_smem<FMT>(K); }
 };
 
 } // namespace
 
+// MXFP4: K multiples of 512 (the scale copy's 16-byte chunks); BF16: of the 64-column K-tile. Both: x's planes fit
+// ybuf (Din <= k d_out), the shared memory within two blocks per SM.
 bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c) {
-    return vfmt == 2 && Din % 512 == 0 && c.d_ff % 512 == 0 && Din <= k * c.d_out && m4_smem(Din) <= k_m4_max_smem &&
-           m4_smem(c.d_ff) <= k_m4_max_smem;
+    if (Din > k * c.d_out) return false;
+    if (vfmt == 2)
+        return Din % 512 == 0 && c.d_ff % 512 == 0 && m4_smem<2>(Din) <= k_m4_max_smem && m4_smem<2>(c.d_ff) <= k_m4_max_smem;
+    if (vfmt == 1) return Din % k_m4_kt == 0 && c.d_ff % k_m4_kt == 0 && m4_smem<1>(Din) <= k_m4_max_smem;
+    return false;
 }
 
-cudaError_t launch_moe_mma4_stages(const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
-                                   const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
-                                   int n_min, bool xsplit) {
-    return mma_stages<mma4_traits>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
+cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,
+                                   int64_t S, const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf,
+                                   cudaStream_t st, int n_min, bool xsplit) {
+    if (vfmt == 1) return mma_stages<mma4_traits<1>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
+    if (vfmt == 2) return mma_stages<mma4_traits<2>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
+    return cudaErrorInvalidValue;
 }
 
 } // namespace perigee::cuda

@@ -1,5 +1,5 @@
 // CUDA MoE kernels vs the CPU reference (issue 7): tensor-core prefill experts with bf16 hi + lo activations (v1, v2,
-// v3), the MXFP4 decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch
+// v3, v4 over MXFP4 and over BF16), the MXFP4 decode v3 kernels (no grouping launch, combine folded into down, fp16 dequant), the fused one-launch
 // decode router, decode v4, and decode v5 (MXFP4 expert GEMVs on fp16 tensor cores) with a microbenchmark of K3's expert node
 // (bench_decode_k3_experts: us per node, GB/s, % of the copy rate for v2 / v4 / v5 forms; prints, asserts only a clean run),
 // and the BF16 decode pair (moe-bf16-decode.cu: decode_bf16_t1, decode_bf16_direct, bench_decode_48b_experts) with the
@@ -540,6 +540,76 @@ TEST(cuda_moe, mma_v4_prefill) {
             auto cpu = backend_cpu_init();
             cpu->run(g);
             const auto ref = read_f32(*cpu, mc->y);
+            cuda_options hi = v4;
+            hi.moe_mma_split = false;
+            const auto got_hi = run_cuda(g, mc->y, hi);
+            const bool hi_ok = check(nmt + "/control(v4 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(hi_ok) << nmt << ": bf16 hi-only activations must show at the f32 tolerance";
+            tally(!hi_ok);
+            controls(nmt + "/v4", ref, y4, metric::NMSE, k_tol_f32);
+        }
+    }
+}
+
+// ---- 1e. Tensor-core experts v4 over BF16 weights (cuda_options::moe_mma_v4_bf16: moe-wgmma.cu FMT 1, Din and d_ff
+// multiples of 64) ----
+// The A fragments are the rows' bf16 straight from the stage (swizzled 16-byte chunks), the planes and wgmmas are the
+// MXFP4 form's. y within the f32 tolerance of the CPU and of v1 (the kernel BF16 experts ran on before; another
+// summation order, so not bit for bit: printed). Shapes: T 64 D 512 F 512 E 16 top-4 (~16 tokens per expert, 8
+// K-tiles over the 2 stages), T 300 D 1024 F 512 E 8 top-4 (~150 tokens: passes of 64, 64, 22), T 96 D 192 F 320 E 8
+// top-2 (3 and 5 K-tiles; gate/up rows 320 = two full 128-row blocks and a partial one, down rows 192 = one partial
+// 256-row block), T 24 E 16 top-4 at threshold 8 (v4 and the GEMV experts in one step), the 48B expert (2304 x 1024,
+// E 16 top-8, T 128: ~64 tokens per expert, down K 1024), and D 96 (outside the bounds: v1 runs, the counter stays).
+// The launch counter proves v4 ran; with the defaults a step below moe_mma_large_step launches no v4. Controls that must
+// FAIL: v4 hi-only (moe_mma_split off) against the f32 tolerance; the comparator family.
+TEST(cuda_moe, mma_v4_bf16_prefill) {
+    NEED_GPU();
+    struct shape { int T, D, F, E, k, act; };
+    const shape shapes[] = {{64, 512, 512, 16, 4, 0}, {300, 1024, 512, 8, 4, 1}, {96, 192, 320, 8, 2, 0},
+                            {24, 512, 512, 16, 4, 1}, {128, 2304, 1024, 16, 8, 0}, {64, 96, 512, 16, 4, 0}};
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 18300 + uint32_t(sh.T) + uint32_t(sh.D) + uint32_t(sh.F);
+        auto mc = moe_graph(0, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, 0, 0, seed);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-mma-v4/bf16/{}/T{}/D{}/F{}/k{}", sh.act ? "situ" : "silu", sh.T, sh.D, sh.F, sh.k);
+        const bool in_bounds = sh.D % 64 == 0 && sh.F % 64 == 0;
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        for (int n_min : {1, 8}) {
+            if (n_min == 8 && sh.T != 64 && sh.T != 24) continue;
+            cuda_options v1{true, 8};
+            v1.moe_mma_tokens = n_min;
+            v1.moe_mma_large_step = 0;
+            v1.moe_mma_v4_bf16 = false;
+            cuda_options v4 = v1;
+            v4.moe_mma_v4_bf16 = true;
+            const std::string nmt = nm + fmt::format("/min{}", n_min);
+            const int64_t b4 = cuda::moe_mma_launches(4);
+            const auto y4 = run_cuda(g, mc->y, v4);
+            const int64_t ran4 = cuda::moe_mma_launches(4) - b4;
+            const bool count_ok = in_bounds ? ran4 >= 1 : ran4 == 0;
+            std::printf("[%s/v4 launches %lld] %s (%s)\n", nmt.c_str(), static_cast<long long>(ran4), count_ok ? "PASS" : "FAIL",
+                        in_bounds ? "v4's bounds hold: >= 1" : "outside v4's bounds: 0");
+            EXPECT_TRUE(count_ok) << nmt;
+            tally(count_ok);
+            const auto y1 = run_cuda(g, mc->y, v1);
+            const bool vv = check(nmt + "/v4-vs-v1", to_f64(y1), y4, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(vv) << nmt;
+            tally(vv);
+            const bool same = y1.size() == y4.size() && std::memcmp(y1.data(), y4.data(), y1.size() * 4) == 0;
+            std::printf("[%s/v4 bitwise v1] %s (info)\n", nmt.c_str(), same ? "EQUAL" : "DIFFERENT");
+            const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+            EXPECT_TRUE(parity(nmt, g, oc, v4)) << nmt;
+            if (in_bounds && n_min == 8) {   // the defaults: v4 only from moe_mma_large_step tokens (256) on
+                const int64_t d4 = cuda::moe_mma_launches(4);
+                (void)run_cuda(g, mc->y, cuda_options{true, 8});
+                const bool gated = cuda::moe_mma_launches(4) == d4;
+                std::printf("[%s/defaults at T %d < moe_mma_large_step: v4 launches 0] %s\n", nmt.c_str(), sh.T, gated ? "PASS" : "FAIL");
+                EXPECT_TRUE(gated) << nmt;
+                tally(gated);
+            }
+            if (!in_bounds || n_min != 1) continue;
             cuda_options hi = v4;
             hi.moe_mma_split = false;
             const auto got_hi = run_cuda(g, mc->y, hi);
