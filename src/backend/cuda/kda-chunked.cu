@@ -11,10 +11,17 @@
 //   k_kda_chunk_state grid (V tiles of 32 columns, H, n_seq): the state pass, chunk after chunk (columns of S are
 //                     independent given the chunk's W, Q, K): Vt = U - W S; O = (Q exp(Gamma)) S + A_qk Vt (written over
 //                     U in o); S <- diag(exp(Gamma_last)) S + (exp(Gamma_last - Gamma) . K)^T Vt. The fp32 state is read
-//                     once and written once per launch, like the recurrent kernel.
+//                     once and written once per launch, like the recurrent kernel. The chunk's tiles (W; Qg and A;
+//                     Kd and exp(Gamma_last)) each have their own shared buffer, filled by cp.async one chunk ahead:
+//                     each is refilled for chunk c + 1 as soon as its phase of chunk c has read it. (The first form
+//                     staged each tile with a plain load loop when its phase began: 32 dependent global round trips
+//                     per tile per thread, ~94 us per chunk on the H200; the 48B prefill spent 15 of 57 ms in it at
+//                     T=512, session 12 call C. Same arithmetic in the same order: the outputs are bit for bit.)
+//                     The prep kernel's input loads are batched 8 per thread for the same reason.
 // Chunks start at each sequence's first token; the tail chunk of n < 64 tokens is padded with k = q = v = g = beta = 0
 // (state unchanged by the padding rows, and they are never written out).
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/cp-async.cuh"
 
 namespace perigee::cuda {
 
@@ -68,15 +75,25 @@ __global__ void __launch_bounds__(256) k_kda_chunk_prep(const float * __restrict
     const int64_t HK = int64_t(H) * K;
     const chunk_scratch sc = scratch_split(scratch, T, H, K);
 
-    for (int idx = tid; idx < k_c * k_kmax; idx += 256) {
-        const int i = idx / k_kmax, d = idx % k_kmax;
-        const bool in = i < n && d < K;
-        const int64_t gi = (t0 + i) * HK + int64_t(h) * K + d;
-        const float gv = in ? g[gi] * k_log2e : 0.0f, kv = in ? k[gi] : 0.0f, qv = in ? q[gi] * scale : 0.0f;
-        g_row[idx] = gv;
-        k_row[idx] = kv;
-        q_row[idx] = qv;
-        k_t[d * k_cp + i] = kv;
+    for (int base = 0; base < k_c * k_kmax; base += 256 * 8) {   // 8 elements per thread in flight, then stored
+        float gv[8], kv[8], qv[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            const int idx = base + tid + 256 * r, i = idx / k_kmax, d = idx % k_kmax;
+            const bool in = i < n && d < K;
+            const int64_t gi = (t0 + i) * HK + int64_t(h) * K + d;
+            gv[r] = in ? g[gi] * k_log2e : 0.0f;
+            kv[r] = in ? k[gi] : 0.0f;
+            qv[r] = in ? q[gi] * scale : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            const int idx = base + tid + 256 * r, i = idx / k_kmax, d = idx % k_kmax;
+            g_row[idx] = gv[r];
+            k_row[idx] = kv[r];
+            q_row[idx] = qv[r];
+            k_t[d * k_cp + i] = kv[r];
+        }
     }
     if (tid < k_c) b_s[tid] = tid < n ? beta[(t0 + tid) * H + h] : 0.0f;
     __syncthreads();
@@ -174,9 +191,15 @@ __global__ void __launch_bounds__(256) k_kda_chunk_prep(const float * __restrict
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < k_c * k_kmax; idx += 256) {   // q_row <- v [64][V]
-        const int i = idx / k_kmax, e = idx % k_kmax;
-        q_row[idx] = (i < n && e < V) ? v[(t0 + i) * int64_t(H) * V + int64_t(h) * V + e] : 0.0f;
+    for (int base = 0; base < k_c * k_kmax; base += 256 * 8) {   // q_row <- v [64][V], 8 loads per thread in flight
+        float vv[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            const int idx = base + tid + 256 * r, i = idx / k_kmax, e = idx % k_kmax;
+            vv[r] = (i < n && e < V) ? v[(t0 + i) * int64_t(H) * V + int64_t(h) * V + e] : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < 8; ++r) q_row[base + tid + 256 * r] = vv[r];
     }
     __syncthreads();
 
@@ -219,14 +242,21 @@ __global__ void __launch_bounds__(256) k_kda_chunk_prep(const float * __restrict
     }
 }
 
-constexpr size_t k_state_smem_floats = size_t(k_kmax * k_vt + k_c * k_kmax + k_c * k_c + k_c * k_vt + k_kmax);
+// W, Qg, Kd [64][128] each, A [64][64], the state tile [128][32], Vt [64][32], exp(Gamma_last) [128].
+constexpr size_t k_state_smem_floats = size_t(3 * k_c * k_kmax + k_c * k_c + k_kmax * k_vt + k_c * k_vt + k_kmax);
 
-// Stages rows [0, n) of a [*, H, K] scratch array (chunk rows from t0) into buf [64][128], zero elsewhere.
-__device__ __forceinline__ void stage_rows(float * buf, const float * __restrict__ src, int64_t t0, int n, int H, int h,
-                                           int K) {
-    for (int idx = threadIdx.x; idx < k_c * k_kmax; idx += blockDim.x) {
-        const int i = idx / k_kmax, d = idx % k_kmax;
-        buf[idx] = (i < n && d < K) ? src[((t0 + i) * H + h) * int64_t(K) + d] : 0.0f;
+// cp.async of rows [0, n) of chunk t0's slice of a [*, H, ncol] scratch array (columns < ncol_valid) into buf
+// [64][ncol], 16 bytes a copy, zero-filled elsewhere (rows >= n, columns >= ncol_valid). ncol_valid % 4 == 0.
+template <int NCOL>
+__device__ __forceinline__ void tile_async(float * buf, const float * __restrict__ src, int64_t t0, int n, int H, int h,
+                                           int ncol_valid) {
+    constexpr int per_row = NCOL / 4, copies = k_c * per_row / 256;
+#pragma unroll
+    for (int r = 0; r < copies; ++r) {
+        const int ch = threadIdx.x + 256 * r, i = ch / per_row, c = 4 * (ch % per_row);
+        const bool ok = i < n && c < ncol_valid;
+        const float * p = ok ? src + ((t0 + i) * H + h) * int64_t(ncol_valid) + c : src;
+        cp_async16_zfill(buf + i * NCOL + c, p, ok ? 16 : 0);
     }
 }
 
@@ -236,10 +266,12 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
     pdl_enter();
     extern __shared__ float4 smem4[];
     float * sm = reinterpret_cast<float *>(smem4);
-    float * s_s = sm;                          // [128][32] state tile S[d][e0 + e]
-    float * buf = s_s + k_kmax * k_vt;         // [64][128] W, then Qg, then Kd
-    float * a_s = buf + k_c * k_kmax;          // [64][64] A_qk
-    float * v_s = a_s + k_c * k_c;             // [64][32] Vt
+    float * w_s = sm;                          // [64][128] W
+    float * q_s = w_s + k_c * k_kmax;          // [64][128] Q exp(Gamma)
+    float * k_s = q_s + k_c * k_kmax;          // [64][128] exp(Gamma_last - Gamma) K
+    float * a_s = k_s + k_c * k_kmax;          // [64][64] A_qk
+    float * s_s = a_s + k_c * k_c;             // [128][32] state tile S[d][e0 + e]
+    float * v_s = s_s + k_kmax * k_vt;         // [64][32] Vt
     float * gl_s = v_s + k_c * k_vt;           // [128] exp(Gamma_last)
 
     const int s = blockIdx.z, h = blockIdx.y, e0 = blockIdx.x * k_vt;
@@ -250,6 +282,34 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
     float * S = state + ((int64_t(b.slot[s]) * H + h) * K) * V;
     const int64_t ts = b.seq_start[s], te = b.seq_start[s + 1];
     if (ts >= te) return;   // nothing to do: the state stays as it is
+    // The three copy groups of chunk c (from t0, cslot): W; Qg + A; Kd + exp(Gamma_last). Committed in that order,
+    // always (an empty group past the last chunk), so that "wait until 2 groups are pending" is the one wait.
+    auto issue_w = [&](int64_t t0) {
+        if (t0 < te) tile_async<k_kmax>(w_s, sc.w, t0, int(te - t0 < k_c ? te - t0 : k_c), H, h, K);
+        cp_async_commit();
+    };
+    auto issue_qa = [&](int64_t t0) {
+        if (t0 < te) {
+            tile_async<k_kmax>(q_s, sc.qg, t0, int(te - t0 < k_c ? te - t0 : k_c), H, h, K);
+            tile_async<k_c>(a_s, sc.a, t0, int(te - t0 < k_c ? te - t0 : k_c), H, h, k_c);
+        }
+        cp_async_commit();
+    };
+    auto issue_kd = [&](int64_t t0, int64_t cslot) {
+        if (t0 < te) {
+            tile_async<k_kmax>(k_s, sc.kd, t0, int(te - t0 < k_c ? te - t0 : k_c), H, h, K);
+            if (tid < k_kmax / 4) {
+                const bool ok = 4 * tid < K;
+                const float * p = ok ? sc.gl + (cslot * H + h) * K + 4 * tid : sc.gl;
+                cp_async16_zfill(gl_s + 4 * tid, p, ok ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+    const int64_t cslot0 = int64_t(ts) / k_c + s;
+    issue_w(ts);
+    issue_qa(ts);
+    issue_kd(ts, cslot0);
     for (int idx = tid; idx < k_kmax * k_vt; idx += 256) {
         const int d = idx / k_vt, c = idx % k_vt;
         s_s[idx] = (d < K && e0 + c < V) ? S[int64_t(d) * V + e0 + c] : 0.0f;
@@ -257,35 +317,32 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
     const int64_t ldo = int64_t(H) * V;
     for (int64_t t0 = ts, c = 0; t0 < te; t0 += k_c, ++c) {
         const int n = int(te - t0 < k_c ? te - t0 : k_c);
-        // 1. U (own rows i = 8 w + m, column e) and W.
+        // 1. U (own rows i = 8 w + m, column e); W of this chunk.
         float u[8];
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             const int i = 8 * w + m;
             u[m] = (i < n && ev) ? o[(t0 + i) * ldo + int64_t(h) * V + e] : 0.0f;
         }
-        stage_rows(buf, sc.w, t0, n, H, h, K);
-        __syncthreads();
+        cp_async_wait<2>();
+        __syncthreads();   // W landed for every thread; the state tile of the previous chunk is complete
         // 2. Vt = U - W S
         for (int d0 = 0; d0 < K; d0 += 4) {
             const float s0 = s_s[(d0 + 0) * k_vt + lane], s1 = s_s[(d0 + 1) * k_vt + lane], s2 = s_s[(d0 + 2) * k_vt + lane],
                         s3 = s_s[(d0 + 3) * k_vt + lane];
 #pragma unroll
             for (int m = 0; m < 8; ++m) {
-                const float4 wv = *reinterpret_cast<const float4 *>(buf + (8 * w + m) * k_kmax + d0);
+                const float4 wv = *reinterpret_cast<const float4 *>(w_s + (8 * w + m) * k_kmax + d0);
                 u[m] -= wv.x * s0 + wv.y * s1 + wv.z * s2 + wv.w * s3;
             }
         }
 #pragma unroll
         for (int m = 0; m < 8; ++m) v_s[(8 * w + m) * k_vt + lane] = u[m];
-        __syncthreads();
+        __syncthreads();   // W read by every thread; Vt complete
+        issue_w(t0 + k_c);
+        cp_async_wait<2>();
+        __syncthreads();   // Qg and A landed
         // 3. O = Qg S + A Vt
-        stage_rows(buf, sc.qg, t0, n, H, h, K);
-        for (int idx = tid; idx < k_c * k_c; idx += 256) {
-            const int i = idx / k_c;
-            a_s[idx] = i < n ? sc.a[((t0 + i) * H + h) * k_c + idx % k_c] : 0.0f;
-        }
-        __syncthreads();
         {
             float acc[8];
 #pragma unroll
@@ -295,7 +352,7 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
                             s2 = s_s[(d0 + 2) * k_vt + lane], s3 = s_s[(d0 + 3) * k_vt + lane];
 #pragma unroll
                 for (int m = 0; m < 8; ++m) {
-                    const float4 qv = *reinterpret_cast<const float4 *>(buf + (8 * w + m) * k_kmax + d0);
+                    const float4 qv = *reinterpret_cast<const float4 *>(q_s + (8 * w + m) * k_kmax + d0);
                     acc[m] += qv.x * s0 + qv.y * s1 + qv.z * s2 + qv.w * s3;
                 }
             }
@@ -311,12 +368,11 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
                 if (i < n && ev) o[(t0 + i) * ldo + int64_t(h) * V + e] = acc[m];
             }
         }
-        __syncthreads();
+        __syncthreads();   // Qg and A read by every thread
+        issue_qa(t0 + k_c);
+        cp_async_wait<2>();
+        __syncthreads();   // Kd and exp(Gamma_last) landed
         // 4. S <- diag(gl) S + Kd^T Vt; rows d = 16 w + r.
-        stage_rows(buf, sc.kd, t0, n, H, h, K);
-        const int64_t cslot = int64_t(ts) / k_c + s + c;
-        if (tid < k_kmax) gl_s[tid] = tid < K ? sc.gl[(cslot * H + h) * K + tid] : 0.0f;
-        __syncthreads();
         {
             float acc[16];
 #pragma unroll
@@ -325,7 +381,7 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
                 const float vj = v_s[j * k_vt + lane];
 #pragma unroll
                 for (int r4 = 0; r4 < 4; ++r4) {
-                    const float4 kv = *reinterpret_cast<const float4 *>(buf + j * k_kmax + 16 * w + 4 * r4);
+                    const float4 kv = *reinterpret_cast<const float4 *>(k_s + j * k_kmax + 16 * w + 4 * r4);
                     acc[4 * r4 + 0] += kv.x * vj;
                     acc[4 * r4 + 1] += kv.y * vj;
                     acc[4 * r4 + 2] += kv.z * vj;
@@ -335,8 +391,10 @@ __global__ void __launch_bounds__(256) k_kda_chunk_state(int H, int K, int V, fl
 #pragma unroll
             for (int r = 0; r < 16; ++r) s_s[(16 * w + r) * k_vt + lane] = acc[r];
         }
-        __syncthreads();
+        __syncthreads();   // Kd and exp(Gamma_last) read by every thread; the state tile updated
+        issue_kd(t0 + k_c, cslot0 + c + 1);
     }
+    cp_async_wait<0>();   // the empty groups past the last chunk
     for (int idx = tid; idx < k_kmax * k_vt; idx += 256) {
         const int d = idx / k_vt, cc = idx % k_vt;
         if (d < K && e0 + cc < V) S[int64_t(d) * V + e0 + cc] = s_s[idx];

@@ -182,10 +182,21 @@ bool compare_all(const std::string & tag, const kda_data & d, const result & ref
     return ok;
 }
 
+// FNV-1a over the bytes of v: printed per case so that two builds whose kernels differ only in how they load (not in
+// their arithmetic) can be shown to give the same bits (session 12: the state pass's cp.async tiles vs the first form).
+uint64_t bits_hash(const std::vector<float> & v) {
+    uint64_t h = 1469598103934665603ull;
+    const auto * p = reinterpret_cast<const unsigned char *>(v.data());
+    for (size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
 // Chunked GPU vs CPU chunked (fp64 chunk internals) and vs the CUDA recurrence; the CPU recurrence printed for context.
 void run_case(const std::string & tag, const kda_data & d) {
     const result ref = run_cpu(d, 64);
     const result gch = run_gpu(d, true);
+    std::printf("[%s chunked-cuda bits] o %016llx state %016llx (info)\n", tag.c_str(),
+                static_cast<unsigned long long>(bits_hash(gch.o)), static_cast<unsigned long long>(bits_hash(gch.state)));
     const result grec = run_gpu(d, false);
     EXPECT_TRUE(compare_all(tag + " chunked-cuda vs cpu", d, ref, gch)) << tag;
     EXPECT_TRUE(compare_all(tag + " chunked-cuda vs recurrent-cuda", d, grec, gch, false)) << tag;
