@@ -40,6 +40,7 @@ model_runner::model_runner(const std::string & dir, const runner_options & opt) 
     if (cuda) {
         cuda_options co;
         co.graph_decode = opt.graph_decode;
+        co.free_dead_outputs = true;   // the runner reads only the logits: intermediates die after their last reader
         be_ = backend_cuda_init(opt.device, co);
     }
 #endif

@@ -456,6 +456,13 @@ struct cuda_options {
     // ones replay (only the batch's device array is rewritten). Up to 8 layouts kept. Same kernels as the eager run;
     // the position capacity may change MLA's key-range split (another summation order). false: every step eager.
     bool graph_decode = true;
+    // Eager runs without a node callback, guard or profile release each node's outputs after the last launch that reads
+    // them, and the big per-node scratch (LINEAR's bf16 planes, MoE / KDA / MLA / router scratch) after its node
+    // (cuda-backend.cpp plan_release); read() of a released node is an error naming it; the logits node is kept. The
+    // runtime turns it on (it reads only the logits). Off (the default): every output stays readable until the next run
+    // (tests, compare-backends, benchmarks reading intermediates). Why: an eager prefill step kept ~20 MB per node alive,
+    // so a 2048-token step of the 48B (98 GB of weights) ran out of the H200's memory at layer 18 (session 12 call A).
+    bool free_dead_outputs = false;
 };
 
 class backend_cuda : public backend {

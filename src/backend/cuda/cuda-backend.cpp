@@ -259,6 +259,7 @@ public:
         arena_on_ = false;
         run_bytes_ = 0;
         const int n_err = prepare(g);
+        plan_release(g, cb);
         PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
         if (g.b) upload_batch(*g.b);
         if (opt_.profile_nodes) {
@@ -288,6 +289,7 @@ public:
                 if (!n.name.empty() && msg.find(n.name) != std::string::npos) throw;
                 throw error(e.func(), e.file(), e.line(), fmt::format("node {} '{}' ({}): {}", id, n.name, op_name(n.op), msg));
             }
+            release_after(id);
             if (cb) {   // each node once, when its outputs exist: a node computed by a later launch is reported after it
                 auto report = [&](int j) {
                     std::vector<tensor> host;
@@ -665,6 +667,8 @@ public:
         PG_CHECK(r.node >= 0 && size_t(r.node) < outs_.size(), "read: node {} was not run", r.node);
         const auto & o = outs_[size_t(r.node)];
         PG_CHECK(r.out >= 0 && size_t(r.out) < o.size(), "read: node {} has no output {}", r.node, r.out);
+        PG_CHECK(!released(r.node), "read: node {}'s outputs were released after their last use in the step "
+                 "(cuda_options::free_dead_outputs; only the graph's logits are kept)", r.node);
         return to_host(o[size_t(r.out)]);
     }
 
@@ -685,6 +689,8 @@ public:
     std::vector<int32_t> sample_rows(node_ref r, const std::vector<row_sampling> & rows) override {
         PG_CHECK(r.node >= 0 && size_t(r.node) < outs_.size() && r.out >= 0 && size_t(r.out) < outs_[size_t(r.node)].size(),
                  "sample_rows: node {} output {} was not run", r.node, r.out);
+        PG_CHECK(!released(r.node), "sample_rows: node {}'s outputs were released after their last use in the step "
+                 "(cuda_options::free_dead_outputs; only the graph's logits are kept)", r.node);
         const dtensor & t = outs_[size_t(r.node)][size_t(r.out)];
         PG_CHECK(t.type == dtype::F32 && t.shape.size() == 2, "sample_rows: logits must be F32 [R, V], got {} of rank {}",
                  dtype_name(t.type), t.shape.size());
@@ -710,6 +716,53 @@ private:
     static constexpr size_t k_lt_ws = 32u << 20;
 
     // ---- memory ----
+    // An eager step's node outputs live until the step ends (read() may ask for any of them), and so does every scratch
+    // buffer. With cuda_options::free_dead_outputs (the runtime's setting) an eager run without a node callback, guard
+    // or profile releases each node's outputs once the last launch that reads them is enqueued (stream-ordered
+    // cudaFreeAsync: the pool hands the bytes to a later allocation on st_ only after those launches), and the scratch
+    // that node_scratch() gave a node right after that node. The logits node is kept. A captured step (arena) is
+    // unchanged: its arena is sized by the bytes the eager run asked for in all, freed or not.
+    void plan_release(const graph & g, const backend::node_callback & cb) {
+        release_at_.clear();
+        released_.assign(g.nodes.size(), 0);
+        release_on_ = opt_.free_dead_outputs && !cb && !opt_.guard && !opt_.profile_nodes && !in_capture_;
+        if (!release_on_) return;
+        std::vector<int> last(g.nodes.size(), -1);
+        for (int i = 0; i < int(g.nodes.size()); ++i) {
+            // the position whose launch runs node i (a fused launch may run it at a later node; one at an earlier
+            // position reads its inputs earlier, so i itself is a safe bound then)
+            const int at = fplan_.done_by.empty() ? i : std::max(i, fplan_.done_by[size_t(i)]);
+            for (const node_ref & r : g.nodes[size_t(i)].src)
+                if (r.valid()) last[size_t(r.node)] = std::max(last[size_t(r.node)], at);
+        }
+        release_at_.assign(g.nodes.size(), {});
+        for (int j = 0; j < int(g.nodes.size()); ++j)
+            if (last[size_t(j)] >= 0 && j != g.logits.node) release_at_[size_t(last[size_t(j)])].push_back(j);
+    }
+    void release_after(int pos) {
+        for (void * p : node_temps_) {
+            cudaFreeAsync(p, st_);
+            run_allocs_.erase(p);
+        }
+        node_temps_.clear();
+        if (!release_on_) return;
+        for (int j : release_at_[size_t(pos)]) {
+            for (dtensor & d : outs_[size_t(j)]) {
+                if (!d.alloc) continue;   // leaves
+                PG_CUDA_CHECK(cudaFreeAsync(d.alloc, st_));
+                run_allocs_.erase(d.alloc);
+                d.alloc = d.p = nullptr;
+            }
+            released_[size_t(j)] = 1;
+        }
+    }
+    bool released(int node) const { return size_t(node) < released_.size() && released_[size_t(node)]; }
+    // Scratch read and written only by the launches of the node being run: with release on, freed right after it.
+    void * node_scratch(size_t bytes) {
+        void * p = alloc(bytes);
+        if (release_on_ && !arena_on_) node_temps_.push_back(p);
+        return p;
+    }
     void * alloc(size_t bytes) {
         const size_t sz = (std::max<size_t>(bytes, 16) + 255) & ~size_t(255);
         run_bytes_ += sz;
@@ -722,12 +775,13 @@ private:
         }
         void * p = nullptr;
         PG_CUDA_CHECK(cudaMallocAsync(&p, std::max<size_t>(bytes, 16), st_));
-        run_allocs_.push_back(p);
+        run_allocs_.insert(p);
         return p;
     }
     void free_outputs() {
         for (void * p : run_allocs_) cudaFreeAsync(p, st_);
         run_allocs_.clear();
+        node_temps_.clear();   // (they were in run_allocs_ too)
     }
     dtensor new_out(dtype t, const shape_t & s) {
         dtensor d;
@@ -1062,7 +1116,7 @@ private:
                     int max_len = 0;
                     for (int s = 0; s < g.b->n_seq(); ++s) max_len = std::max(max_len, g.b->seq_len(s));
                     float * scratch = static_cast<float *>(
-                        alloc(size_t(cuda::kda_chunk_scratch_floats(x.shape.at(0), g.b->n_seq(), n.p.n_head, kK)) * 4));
+                        node_scratch(size_t(cuda::kda_chunk_scratch_floats(x.shape.at(0), g.b->n_seq(), n.p.n_head, kK)) * 4));
                     PG_CUDA_CHECK(cuda::launch_kda_scan_chunked(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), f32_in(n, 3),
                                                                 f32_in(n, 4), n.p.n_head, kK, kV, n.p.scale,
                                                                 state_in(g, n, 5), db_, max_len, scratch, y, st_));
@@ -1094,7 +1148,7 @@ private:
                     break;
                 }
                 const int ns = cuda::mla_split_for(x.shape.at(0), d, opt_.mla_split, opt_.mla_decode_v2);
-                float * scratch = static_cast<float *>(alloc(size_t(cuda::mla_scratch_floats(x.shape.at(0), d, ns)) * 4));
+                float * scratch = static_cast<float *>(node_scratch(size_t(cuda::mla_scratch_floats(x.shape.at(0), d, ns)) * 4));
                 PG_CUDA_CHECK(cuda::launch_mla_attn(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), w_in(n, 3), d, n.p.scale,
                                                     state_in(g, n, 4), has_sel ? i32_in(n, 5) : nullptr,
                                                     has_sel ? in(n, 5).shape.at(1) : 0, db_, ns, scratch, y, err, st_,
@@ -1107,7 +1161,7 @@ private:
                          "key cache {} for page size {} and head dim {}", shape_str(kc.shape), g.b->page_size, n.p.head_dim_k);
                 PG_CHECK(g.b->n_tokens() == x.shape.at(0), "batch has {} tokens, q has {}", g.b->n_tokens(), x.shape.at(0));
                 paging_check(*g.b, kc.shape[0], "indexer_topk");
-                float * scratch = static_cast<float *>(alloc(size_t(x.shape.at(0)) * size_t(std::max(1, db_.max_pos)) * 4));
+                float * scratch = static_cast<float *>(node_scratch(size_t(x.shape.at(0)) * size_t(std::max(1, db_.max_pos)) * 4));
                 PG_CUDA_CHECK(cuda::launch_indexer_topk(f32_in(n, 0), f32_in(n, 1), f32_in(n, 2), n.p.n_head, n.p.head_dim_k,
                                                         n.p.topk, n.p.scale, state_in(g, n, 3), db_, scratch,
                                                         static_cast<int32_t *>(out[0].p), st_));
@@ -1140,12 +1194,12 @@ private:
                     (w_in(n, 1).type == wtype::BF16 || w_in(n, 1).type == wtype::F32)) {   // prefill: logits by one GEMM
                     const int64_t T = x.shape.at(0), D = x.shape.at(1);
                     const dweight gw = w_in(n, 1);
-                    float * logits = static_cast<float *>(alloc(size_t(T * E) * 4));
+                    float * logits = static_cast<float *>(node_scratch(size_t(T * E) * 4));
                     if (gw.type == wtype::F32) {
                         lt_matmul(gw.data, x.p, CUDA_R_32F, logits, E, T, D, 0.0f);
                     } else {   // x = p0 + p1 + p2 (24 bits), smallest part first into the fp32 accumulator
                         uint16_t * xb[3];   // separate allocations: each part 256-byte aligned for cuBLASLt
-                        for (auto & p : xb) p = static_cast<uint16_t *>(alloc(size_t(T * D) * 2));
+                        for (auto & p : xb) p = static_cast<uint16_t *>(node_scratch(size_t(T * D) * 2));
                         PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split3(f32_in(n, 0), T * D, xb[0], xb[1], xb[2], st_));
                         for (int k = 2; k >= 0; --k)
                             lt_matmul(gw.data, xb[k], CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
@@ -1201,10 +1255,10 @@ private:
                 const int64_t F = ex[0].gate.out, Dout = n.outs.at(0).shape.at(1);
                 const cuda::dexpert * table = expert_table(n);
                 const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
-                float * scratch = static_cast<float *>(alloc(size_t(T * k * (F + Dout)) * 4));
+                float * scratch = static_cast<float *>(node_scratch(size_t(T * k * (F + Dout)) * 4));
                 const int vfmt = opt_.moe_grouped ? expert_vfmt_.at(n.p.experts.get()) : 0;
                 if (vfmt > 0 && int64_t(ex.size()) <= 1024) {
-                    auto * gw = static_cast<int32_t *>(alloc(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
+                    auto * gw = static_cast<int32_t *>(node_scratch(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
                     cuda::dmoe_opts mo;
                     mo.fp4_v2 = opt_.moe_fp4_v2;
                     mo.fp4_v3 = opt_.moe_fp4_v3;
@@ -1452,16 +1506,16 @@ private:
         PG_CHECK(w_in(n, 3).type == wtype::F32 || w_in(n, 3).type == wtype::BF16, "mla_attn prefill: kv_b must be F32 or BF16");
         PG_CHECK(shape_numel(in(n, 3).shape) == M * L, "kv_b {} for {} heads x {} wide x {} latent", shape_str(in(n, 3).shape),
                  d.n_head, d.head_dim_nope + d.head_dim_v, L);
-        float * cg = static_cast<float *>(alloc(size_t(P * L) * 4));
-        float * krg = static_cast<float *>(alloc(size_t(P * dr) * 4));
-        float * kv = static_cast<float *>(alloc(size_t(P * M) * 4));
+        float * cg = static_cast<float *>(node_scratch(size_t(P * L) * 4));
+        float * krg = static_cast<float *>(node_scratch(size_t(P * dr) * 4));
+        float * kv = static_cast<float *>(node_scratch(size_t(P * M) * 4));
         PG_CUDA_CHECK(cuda::launch_mla_prefill_gather(f32_in(n, 1), f32_in(n, 2), L, dr, state_in(g, n, 4), db_, P, cg, krg, st_));
         const dweight W = w_in(n, 3);
         if (W.type == wtype::F32) {
             lt_matmul(W.data, cg, CUDA_R_32F, kv, M, P, L, 0.0f);
         } else {
-            auto * hi = static_cast<uint16_t *>(alloc(size_t(P * L) * 2));   // separate: 256-byte aligned for cuBLASLt
-            auto * lo = static_cast<uint16_t *>(alloc(size_t(P * L) * 2));
+            auto * hi = static_cast<uint16_t *>(node_scratch(size_t(P * L) * 2));   // separate: 256-byte aligned for cuBLASLt
+            auto * lo = static_cast<uint16_t *>(node_scratch(size_t(P * L) * 2));
             PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(cg, P * L, hi, lo, st_));
             lt_matmul(W.data, lo, CUDA_R_16BF, kv, M, P, L, 0.0f);
             lt_matmul(W.data, hi, CUDA_R_16BF, kv, M, P, L, 1.0f);
@@ -1670,7 +1724,7 @@ private:
             return;
         }
         // BF16 weights: activations to bf16 for the tensor cores, fp32 accumulation; optionally hi + lo split.
-        auto * xb = static_cast<uint16_t *>(alloc(size_t(T * K) * 2 * (opt_.linear_split_bf16 ? 2 : 1)));
+        auto * xb = static_cast<uint16_t *>(node_scratch(size_t(T * K) * 2 * (opt_.linear_split_bf16 ? 2 : 1)));
         if (!opt_.linear_split_bf16) {
             PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), T * K, xb, st_));
             lt_matmul(W.data, xb, CUDA_R_16BF, y, O, T, K, 0.0f);
@@ -1814,7 +1868,11 @@ private:
     std::vector<cudaEvent_t> events_;
     size_t prof_nodes_ = 0;   // profile_nodes: one before the first node and one after each node
     std::vector<std::vector<dtensor>> outs_;
-    std::vector<void *> run_allocs_;
+    std::unordered_set<void *> run_allocs_;
+    std::vector<void *> node_temps_;                // node_scratch of the node being run (release on)
+    bool release_on_ = false;                       // this eager run releases dead outputs (plan_release)
+    std::vector<std::vector<int>> release_at_;      // per position: the nodes whose outputs die after its launch
+    std::vector<char> released_;                    // per node: its outputs were released in the last run
     std::vector<int> err_slot_;
     cuda_fuse::plan fplan_;                      // fused launches of the current run (fuse-plan.h)
     std::vector<const float *> fnorm_w_;         // per folded RMS_NORM: its weight as F32 on the device (or nullptr)

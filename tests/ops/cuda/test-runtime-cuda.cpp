@@ -11,8 +11,16 @@
 //    logprobs of the cold run.
 //  - recycled slot: on CUDA, a request after another on the one slot equals the request alone; control: with
 //    skip_slot_zero (no zeroing) the leaked state must change its logprobs.
+//  - released outputs (cuda_options::free_dead_outputs, the runner's setting): a prefill step's logits bit for bit
+//    the run that keeps every output, the pool's high-water mark lower; control: reading an intermediate node after a
+//    releasing run is an error naming it, after a keeping run it is not.
 #include "backend/cuda/backend-cuda.h"
+#include "core/error.h"
+#include "loader/checkpoint.h"
+#include "model/config.h"
+#include "model/forward.h"
 #include "model/state.h"
+#include "model/weights.h"
 #include "runtime/engine.h"
 #include "tokenizer/tiktoken_dir.h"
 
@@ -641,3 +649,82 @@ TEST(runtime_cuda, serve_chat_replay_matches_cpu) {
 }
 
 } // namespace
+
+namespace {
+
+// One prefill step of `T` tokens of models/default on a fresh backend; the logits, the pool's high-water mark over the
+// step, and whether reading node `probe` (an intermediate) afterwards threw an error naming the release.
+struct release_run {
+    std::vector<float> logits;
+    uint64_t peak = 0;
+    bool probe_threw = false;
+    std::string probe_msg;
+};
+release_run prefill_step(const std::string & dir, int T, bool release, int & probe) {
+    const kimi_config c = config_load(dir);
+    auto w = weights_load(c, checkpoint::open(dir));
+    model_state st = state_init(c, 1, (T + 15) / 16, 16);
+    auto b = std::make_shared<batch>();
+    for (int i = 0; i < T; ++i) b->ids.push_back(int32_t((int64_t(i) * 7919 + 17) % c.vocab_size));
+    b->seq_start = {0, T};
+    b->pos0 = {0};
+    b->slot = {0};
+    b->page_size = 16;
+    b->block_table.push_back({});
+    for (int p = 0; p < (T + 15) / 16; ++p) b->block_table[0].push_back(p);
+    graph g = forward_build(c, *w, st, b);
+    if (probe < 0)   // the first LINEAR: an intermediate read by later nodes only
+        for (size_t i = 0; i < g.nodes.size() && probe < 0; ++i)
+            if (g.nodes[i].op == op_type::LINEAR) probe = int(i);
+    cuda_options co;
+    co.free_dead_outputs = release;
+    auto be = backend_cuda_init(0, co);
+    be->check_supported(g);
+    be->run(g);   // uploads the weights and states
+    for (auto & ls : st.layers)   // the same starting state for the measured step (the first one wrote it)
+        for (tensor * t : {&ls.conv_q, &ls.conv_k, &ls.conv_v, &ls.recurrent, &ls.latent, &ls.index_keys})
+            if (!t->empty()) std::memset(t->data, 0, t->nbytes);
+    be->state_reload();
+    cudaMemPool_t pool = nullptr;
+    EXPECT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+    uint64_t zero = 0;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
+    release_run r;
+    be->run(g);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &r.peak), cudaSuccess);
+    const tensor lg = be->read(g.logits);
+    r.logits.assign(lg.as<float>(), lg.as<float>() + lg.numel());
+    try {
+        (void)be->read(node_ref{probe, 0});
+    } catch (const error & e) {
+        r.probe_threw = true;
+        r.probe_msg = e.what();
+    }
+    return r;
+}
+
+} // namespace
+
+TEST(runtime_cuda, released_outputs_keep_the_logits_and_lower_the_peak) {
+    NEED_GPU();
+    const std::string dir = k_root + "/models/default";
+    int probe = -1;
+    const int T = 300;   // a prefill-sized step (chunked KDA, the tensor-core experts, the MLA prefill path)
+    const release_run keep = prefill_step(dir, T, false, probe);
+    const release_run rel = prefill_step(dir, T, true, probe);
+    const bool same = keep.logits.size() == rel.logits.size() && !keep.logits.empty() &&
+                      std::memcmp(keep.logits.data(), rel.logits.data(), keep.logits.size() * 4) == 0;
+    std::printf("[measure] free_dead_outputs, models/default, T %d: logits %zu values %s; pool high-water %.1f MB kept, %.1f MB "
+                "released\n", T, rel.logits.size(), same ? "bit for bit" : "DIFFERENT", double(keep.peak) / 1e6,
+                double(rel.peak) / 1e6);
+    EXPECT_TRUE(same) << "releasing dead outputs changed the logits";
+    EXPECT_LT(rel.peak, keep.peak) << "releasing dead outputs did not lower the step's peak";
+    // control: the probe node (the first LINEAR) is readable after the keeping run, an error naming it after the other
+    EXPECT_FALSE(keep.probe_threw) << keep.probe_msg;
+    EXPECT_TRUE(rel.probe_threw) << "read of a released node " << probe << " did not fail";
+    EXPECT_NE(rel.probe_msg.find("released"), std::string::npos) << rel.probe_msg;
+    EXPECT_NE(rel.probe_msg.find("node " + std::to_string(probe)), std::string::npos) << rel.probe_msg;
+    std::printf("[control] read of node %d after the releasing run: %s\n", probe, rel.probe_msg.c_str());
+}
