@@ -772,10 +772,10 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
             std::printf("    %9.3f ms %5.1f%%  %s\n", rows[i].first, 100 * rows[i].first / tot, rows[i].second.c_str());
         for (int passes : {2, 1}) {
             const gemm_floor f = gemm_roofline(g, *pb, bw_gbs, gemm_tf, passes);
-            std::printf("  GEMM-class roofline, %s T=%d, %s: floor %.3f ms (tensor %.3f ms, bytes %.3f ms at %.0f GB/s); the"
-                        " GEMM share %.3f ms is %.1f%% of it\n", preset.c_str(), T,
+            std::printf("  GEMM-class roofline, %s T=%d, %s: floor %.3f ms (tensor %.3f ms, bytes %.3f ms at %.0f GB/s) ="
+                        " %.1f%% of the GEMM share's %.3f ms\n", preset.c_str(), T,
                         passes == 2 ? "split policy (2 bf16 passes, the default)" : "one bf16 pass (ARCHITECTURE 3.0)",
-                        f.floor_ms, f.flop_ms, f.byte_ms, bw_gbs, gemm_ms, 100.0 * f.floor_ms / gemm_ms);
+                        f.floor_ms, f.flop_ms, f.byte_ms, bw_gbs, 100.0 * f.floor_ms / gemm_ms, gemm_ms);
         }
         std::fflush(stdout);
     }

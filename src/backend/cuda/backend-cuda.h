@@ -463,6 +463,11 @@ struct cuda_options {
     // (tests, compare-backends, benchmarks reading intermediates). Why: an eager prefill step kept ~20 MB per node alive,
     // so a 2048-token step of the 48B (98 GB of weights) ran out of the H200's memory at layer 18 (session 12 call A).
     bool free_dead_outputs = false;
+    // Tests of the release (test-runtime-cuda): 1 = fill each released output with 0xFF bytes (NaN, id -1) before it is
+    // freed, so that a launch reading it after its release cannot pass unseen (memory returned to the pool keeps its
+    // bytes until reused, and compute-sanitizer does not see pool reuse); 2 = the same, released one position early
+    // (a control that must change the logits). 0: off.
+    int free_dead_debug = 0;
 };
 
 class backend_cuda : public backend {

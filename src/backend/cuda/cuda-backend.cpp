@@ -242,6 +242,7 @@ public:
         PG_CUDA_CHECK(cudaSetDevice(dev_));
         const cuda::pdl_scope pdl(opt_.pdl);   // launch_k's PDL attribute for this backend's launches (cuda-ops.h)
         drop_graph();
+        released_.clear();   // a replayed step releases nothing; an eager one plans its own (plan_release)
         uint64_t key = 0;
         if (graph_decode_eligible(g, cb)) {
             key = graph_key(g);
@@ -736,8 +737,11 @@ private:
                 if (r.valid()) last[size_t(r.node)] = std::max(last[size_t(r.node)], at);
         }
         release_at_.assign(g.nodes.size(), {});
+        // free_dead_debug 2 (a control for tests): one position early, so the last reader reads poisoned bytes
+        const int early = opt_.free_dead_debug == 2 ? 1 : 0;
         for (int j = 0; j < int(g.nodes.size()); ++j)
-            if (last[size_t(j)] >= 0 && j != g.logits.node) release_at_[size_t(last[size_t(j)])].push_back(j);
+            if (last[size_t(j)] >= 0 && j != g.logits.node)
+                release_at_[size_t(std::max(0, last[size_t(j)] - early))].push_back(j);
     }
     void release_after(int pos) {
         for (void * p : node_temps_) {
@@ -748,7 +752,9 @@ private:
         if (!release_on_) return;
         for (int j : release_at_[size_t(pos)]) {
             for (dtensor & d : outs_[size_t(j)]) {
-                if (!d.alloc) continue;   // leaves
+                if (!d.alloc) continue;   // leaves (and an output not allocated yet: debug 2 only)
+                if (opt_.free_dead_debug > 0)   // poison first: a reader after this point sees NaN / -1, not stale data
+                    PG_CUDA_CHECK(cudaMemsetAsync(d.alloc, 0xFF, d.nbytes, st_));
                 PG_CUDA_CHECK(cudaFreeAsync(d.alloc, st_));
                 run_allocs_.erase(d.alloc);
                 d.alloc = d.p = nullptr;

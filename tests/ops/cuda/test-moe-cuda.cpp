@@ -593,7 +593,12 @@ TEST(cuda_moe, mma_v4_bf16_prefill) {
                         in_bounds ? "v4's bounds hold: >= 1" : "outside v4's bounds: 0");
             EXPECT_TRUE(count_ok) << nmt;
             tally(count_ok);
+            const int64_t c1 = cuda::moe_mma_launches(4);
             const auto y1 = run_cuda(g, mc->y, v1);
+            const bool v1_ok = cuda::moe_mma_launches(4) == c1;   // the switch off: v1 ran, not v4 against itself
+            std::printf("[%s/v4 launches with moe_mma_v4_bf16 off: 0] %s\n", nmt.c_str(), v1_ok ? "PASS" : "FAIL");
+            EXPECT_TRUE(v1_ok) << nmt;
+            tally(v1_ok);
             const bool vv = check(nmt + "/v4-vs-v1", to_f64(y1), y4, metric::NMSE, k_tol_f32);
             EXPECT_TRUE(vv) << nmt;
             tally(vv);

@@ -11,8 +11,10 @@
 //    logprobs of the cold run.
 //  - recycled slot: on CUDA, a request after another on the one slot equals the request alone; control: with
 //    skip_slot_zero (no zeroing) the leaked state must change its logprobs.
-//  - released outputs (cuda_options::free_dead_outputs, the runner's setting): a prefill step's logits bit for bit
-//    the run that keeps every output, the pool's high-water mark lower; control: reading an intermediate node after a
+//  - released outputs (cuda_options::free_dead_outputs, the runner's setting), a 300-token prefill step and a one-token
+//    step (the decode fusions): logits bit for bit the run that keeps every output, also with every released output
+//    poisoned (0xFF) before its release (a launch reading it later would see NaN), and the pool's high-water mark lower;
+//    controls: the poisoned release one position early must change the logits; reading an intermediate node after a
 //    releasing run is an error naming it, after a keeping run it is not.
 #include "backend/cuda/backend-cuda.h"
 #include "core/error.h"
@@ -660,7 +662,7 @@ struct release_run {
     bool probe_threw = false;
     std::string probe_msg;
 };
-release_run prefill_step(const std::string & dir, int T, bool release, int & probe) {
+release_run prefill_step(const std::string & dir, int T, bool release, int debug, int & probe) {
     const kimi_config c = config_load(dir);
     auto w = weights_load(c, checkpoint::open(dir));
     model_state st = state_init(c, 1, (T + 15) / 16, 16);
@@ -678,6 +680,8 @@ release_run prefill_step(const std::string & dir, int T, bool release, int & pro
             if (g.nodes[i].op == op_type::LINEAR) probe = int(i);
     cuda_options co;
     co.free_dead_outputs = release;
+    co.free_dead_debug = debug;
+    co.graph_decode = false;   // both runs eager (a one-token step would be captured on its second run)
     auto be = backend_cuda_init(0, co);
     be->check_supported(g);
     be->run(g);   // uploads the weights and states
@@ -710,21 +714,41 @@ release_run prefill_step(const std::string & dir, int T, bool release, int & pro
 TEST(runtime_cuda, released_outputs_keep_the_logits_and_lower_the_peak) {
     NEED_GPU();
     const std::string dir = k_root + "/models/default";
-    int probe = -1;
-    const int T = 300;   // a prefill-sized step (chunked KDA, the tensor-core experts, the MLA prefill path)
-    const release_run keep = prefill_step(dir, T, false, probe);
-    const release_run rel = prefill_step(dir, T, true, probe);
-    const bool same = keep.logits.size() == rel.logits.size() && !keep.logits.empty() &&
-                      std::memcmp(keep.logits.data(), rel.logits.data(), keep.logits.size() * 4) == 0;
-    std::printf("[measure] free_dead_outputs, models/default, T %d: logits %zu values %s; pool high-water %.1f MB kept, %.1f MB "
-                "released\n", T, rel.logits.size(), same ? "bit for bit" : "DIFFERENT", double(keep.peak) / 1e6,
-                double(rel.peak) / 1e6);
-    EXPECT_TRUE(same) << "releasing dead outputs changed the logits";
-    EXPECT_LT(rel.peak, keep.peak) << "releasing dead outputs did not lower the step's peak";
-    // control: the probe node (the first LINEAR) is readable after the keeping run, an error naming it after the other
-    EXPECT_FALSE(keep.probe_threw) << keep.probe_msg;
-    EXPECT_TRUE(rel.probe_threw) << "read of a released node " << probe << " did not fail";
-    EXPECT_NE(rel.probe_msg.find("released"), std::string::npos) << rel.probe_msg;
-    EXPECT_NE(rel.probe_msg.find("node " + std::to_string(probe)), std::string::npos) << rel.probe_msg;
-    std::printf("[control] read of node %d after the releasing run: %s\n", probe, rel.probe_msg.c_str());
+    auto same = [](const release_run & a, const release_run & b) {
+        return a.logits.size() == b.logits.size() && !a.logits.empty() &&
+               std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * 4) == 0;
+    };
+    // 300 tokens: a prefill-sized step (chunked KDA, the tensor-core experts, the MLA prefill path); 1 token: the
+    // decode kernels and their fusions (norm + GEMV, the KDA tail, the routed and shared experts in one launch)
+    for (int T : {300, 1}) {
+        int probe = -1;
+        const release_run keep = prefill_step(dir, T, false, 0, probe);
+        const release_run rel = prefill_step(dir, T, true, 0, probe);
+        const release_run poison = prefill_step(dir, T, true, 1, probe);
+        bool early_same = false;   // the control: a poisoned read shows in the logits, or as a flagged error (bad ids)
+        std::string early_what = "logits DIFFERENT";
+        try {
+            const release_run early = prefill_step(dir, T, true, 2, probe);
+            early_same = same(keep, early);
+            if (early_same) early_what = "logits bit for bit";
+        } catch (const std::exception & e) {
+            early_what = std::string("error: ") + e.what();
+        }
+        std::printf("[measure] free_dead_outputs, models/default, T %d: logits %zu values %s (poisoned on release: %s); pool "
+                    "high-water %.1f MB kept, %.1f MB released\n", T, rel.logits.size(), same(keep, rel) ? "bit for bit" : "DIFFERENT",
+                    same(keep, poison) ? "bit for bit" : "DIFFERENT", double(keep.peak) / 1e6, double(rel.peak) / 1e6);
+        EXPECT_TRUE(same(keep, rel)) << "T " << T << ": releasing dead outputs changed the logits";
+        EXPECT_TRUE(same(keep, poison)) << "T " << T << ": a launch read an output after its release (poisoned bytes)";
+        EXPECT_LT(rel.peak, keep.peak) << "T " << T << ": releasing dead outputs did not lower the step's peak";
+        // controls: the poisoned release one position early must show in the logits; the probe node (the first LINEAR)
+        // is readable after the keeping run, an error naming it after a releasing one
+        std::printf("[control] T %d: poisoned release one position early: %s (must not be bit for bit)\n", T,
+                    early_what.c_str());
+        EXPECT_FALSE(early_same) << "T " << T << ": the early release went unnoticed";
+        EXPECT_FALSE(keep.probe_threw) << keep.probe_msg;
+        EXPECT_TRUE(rel.probe_threw) << "read of a released node " << probe << " did not fail";
+        EXPECT_NE(rel.probe_msg.find("released"), std::string::npos) << rel.probe_msg;
+        EXPECT_NE(rel.probe_msg.find("node " + std::to_string(probe)), std::string::npos) << rel.probe_msg;
+        std::printf("[control] T %d: read of node %d after the releasing run: %s\n", T, probe, rel.probe_msg.c_str());
+    }
 }
