@@ -264,6 +264,20 @@ void generate(backend_cuda & be, const kimi_config & c, const model_weights & w)
 
 struct step_bytes { double weights = 0, experts = 0, state = 0, kv = 0; double total() const { return weights + experts + state + kv; } };
 
+// The weight bytes of the experts a MOE_EXPERTS node selected in the last run (each selected expert once).
+double selected_expert_bytes(const node & n, backend_cuda & be) {
+    const tensor ids = be.read(n.src[1]);
+    const auto & ex = *n.p.experts;
+    std::set<int32_t> used(ids.as<int32_t>(), ids.as<int32_t>() + ids.numel());
+    double bytes = 0;
+    for (int32_t e : used) {
+        if (e < 0 || size_t(e) >= ex.size()) continue;
+        for (const expert_matrix * m : {&ex[size_t(e)].gate, &ex[size_t(e)].up, &ex[size_t(e)].down})
+            bytes += m->weight ? double(m->weight->nbytes) : double(m->packed->nbytes) + double(m->scale->nbytes);
+    }
+    return bytes;
+}
+
 // Bytes the step must read (and, for recurrent state, write), from the graph and the experts this step selected.
 step_bytes count_bytes(const graph & g, backend_cuda & be) {
     step_bytes r;
@@ -291,17 +305,7 @@ step_bytes count_bytes(const graph & g, backend_cuda & be) {
                 }
             }
         }
-        if (n.op == op_type::MOE_EXPERTS) {
-            const tensor ids = be.read(n.src[1]);
-            std::set<int32_t> used(ids.as<int32_t>(), ids.as<int32_t>() + ids.numel());
-            const auto & ex = *n.p.experts;
-            for (int32_t e : used) {
-                for (const expert_matrix * m : {&ex[size_t(e)].gate, &ex[size_t(e)].up, &ex[size_t(e)].down}) {
-                    if (m->weight) r.experts += double(m->weight->nbytes);
-                    else r.experts += double(m->packed->nbytes) + double(m->scale->nbytes);
-                }
-            }
-        }
+        if (n.op == op_type::MOE_EXPERTS) r.experts += selected_expert_bytes(n, be);
     }
     return r;
 }
@@ -578,25 +582,27 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
 
 // GEMM FLOPs of a step: every LINEAR (2 · T · out · in) and every selected (token, expert) slot of MOE_EXPERTS
 // (2 · (gate + up + down) · out · in). Attention, the KDA recurrence and the rest are not counted.
-double gemm_flops(const graph & g, backend_cuda & be) {
-    double f = 0;
+// The GEMM FLOPs of one node (2 T out in per LINEAR with a 2-D weight; 2 out in per matrix and (token, slot) of
+// MOE_EXPERTS: every slot runs one expert and all experts of a layer have one shape, so the ids need not be read: the
+// timing passes release them after their last reader, cuda_options::free_dead_outputs); 0 for any other node.
+double node_gemm_flops(const graph & g, const node & n) {
     const double T = double(g.b->n_tokens());
-    for (const node & n : g.nodes) {
-        if (n.op == op_type::LINEAR) {
-            const node & wn = g.at(n.src[1]);
-            if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) continue;
-            f += 2.0 * T * double(wn.leaf->shape[0]) * double(wn.leaf->shape[1]);
-        } else if (n.op == op_type::MOE_EXPERTS) {
-            // every (token, slot) runs one expert, and all experts of a layer have one shape: no read of the ids (the
-            // timing passes release them after their last reader, cuda_options::free_dead_outputs)
-            const auto & ex = *n.p.experts;
-            const shape_t & ids = g.at(n.src[1]).outs.at(size_t(n.src[1].out)).shape;
-            const double slots = double(shape_numel(ids));
-            for (const expert_matrix * m : {&ex.at(0).gate, &ex.at(0).up, &ex.at(0).down})
-                f += slots * 2.0 * double(m->out) * double(m->in);
-        }
+    if (n.op == op_type::LINEAR) {
+        const node & wn = g.at(n.src[1]);
+        if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return 0;
+        return 2.0 * T * double(wn.leaf->shape[0]) * double(wn.leaf->shape[1]);
     }
-    (void)be;
+    if (n.op != op_type::MOE_EXPERTS) return 0;
+    const auto & ex = *n.p.experts;
+    const double slots = double(shape_numel(g.at(n.src[1]).outs.at(size_t(n.src[1].out)).shape));
+    double f = 0;
+    for (const expert_matrix * m : {&ex.at(0).gate, &ex.at(0).up, &ex.at(0).down}) f += slots * 2.0 * double(m->out) * double(m->in);
+    return f;
+}
+
+double gemm_flops(const graph & g) {
+    double f = 0;
+    for (const node & n : g.nodes) f += node_gemm_flops(g, n);
     return f;
 }
 
@@ -617,27 +623,13 @@ gemm_floor gemm_roofline(const graph & g, backend_cuda & be, double bw_gbs, doub
         r.floor_ms += std::max(f, b);
     };
     for (const node & n : g.nodes) {
-        if (n.op == op_type::LINEAR) {
-            const node & wn = g.at(n.src[1]);
-            if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) continue;
-            const double O = double(wn.leaf->shape[0]), K = double(wn.leaf->shape[1]);
-            add(2.0 * T * O * K, double(wn.leaf->nbytes) + 4.0 * T * (O + K));
-        } else if (n.op == op_type::MOE_EXPERTS) {
-            const tensor ids = be.read(n.src[1]);
-            const auto & ex = *n.p.experts;
-            std::set<int32_t> used;
-            double flops = 0, bytes = 0;
-            for (int64_t i = 0; i < ids.numel(); ++i) {
-                const int32_t e = ids.as<int32_t>()[i];
-                if (e < 0 || size_t(e) >= ex.size()) continue;
-                const bool first = used.insert(e).second;
-                for (const expert_matrix * m : {&ex[size_t(e)].gate, &ex[size_t(e)].up, &ex[size_t(e)].down}) {
-                    flops += 2.0 * double(m->out) * double(m->in);
-                    if (first) bytes += m->weight ? double(m->weight->nbytes) : double(m->packed->nbytes) + double(m->scale->nbytes);
-                }
-            }
-            const expert_matrix & d = ex.at(0).down;   // activations: the tokens' rows in (d->out wide) and out
-            add(flops, bytes + 8.0 * T * double(d.out));
+        const double flops = node_gemm_flops(g, n);
+        if (flops == 0) continue;
+        if (n.op == op_type::LINEAR) {   // the weight and the fp32 activations in and out
+            const tensor & wt = *g.at(n.src[1]).leaf;
+            add(flops, double(wt.nbytes) + 4.0 * T * double(wt.shape[0] + wt.shape[1]));
+        } else {   // the selected experts' weights and the tokens' rows in and out (d_out wide)
+            add(flops, selected_expert_bytes(n, be) + 8.0 * T * double(n.p.experts->at(0).down.out));
         }
     }
     return r;
@@ -717,7 +709,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
                 CK(cudaDeviceSynchronize());
                 return now_ms() - a;
             }, 3);
-            const double fl = gemm_flops(g, *be);
+            const double fl = gemm_flops(g);
             std::printf("prefill %-16s %-10s T %5d: %9.3f ms/step eager, %9.0f tok/s; GEMM %.1f GFLOP -> %.1f TFLOP/s"
                         " over the whole step = %.1f%% of the %.0f TFLOP/s GEMM ceiling\n",
                         preset.c_str(), labels[pass], T, ms, T / (ms * 1e-3), fl / 1e9, fl / (ms * 1e-3) / 1e12,
@@ -760,7 +752,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
             tot += ms[i];
             if (n.op == op_type::LINEAR || n.op == op_type::MOE_EXPERTS) gemm_ms += ms[i];
         }
-        const double fl = gemm_flops(g, *pb);
+        const double fl = gemm_flops(g);
         std::printf("  prefill per-op GPU time, %s T=%d (split-bf16; sum %.3f ms): GEMM share (LINEAR + MOE_EXPERTS) %.3f ms"
                     " = %.1f%%; %.1f GFLOP over it = %.1f TFLOP/s = %.1f%% of the GEMM ceiling\n",
                     preset.c_str(), T, tot, gemm_ms, 100 * gemm_ms / tot, fl / 1e9, fl / (gemm_ms * 1e-3) / 1e12,

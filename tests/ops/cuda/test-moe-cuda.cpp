@@ -80,6 +80,16 @@ std::vector<float> run_cuda(graph & g, node_ref r, cuda_options opt) {
     return read_f32(*gpu, r);
 }
 
+// Control that must FAIL, shared by the tensor-core expert tests: the same options with the activations as bf16 hi
+// only (moe_mma_split off) against the f32 tolerance: the tensor-core kernels really ran (the GEMV experts alone would
+// pass) and the hi + lo split is what makes the difference.
+void expect_hi_only_fails(const std::string & tag, graph & g, node_ref y, const std::vector<float> & ref, cuda_options o) {
+    o.moe_mma_split = false;
+    const bool hi_ok = check(tag, to_f64(ref), run_cuda(g, y, o), metric::NMSE, k_tol_f32);
+    EXPECT_FALSE(hi_ok) << tag << ": bf16 hi-only activations must show at the f32 tolerance";
+    tally(!hi_ok);
+}
+
 // Expert weights: fmt 0 BF16, 1 MXFP4 (E8M0 bytes in [s_lo, s_hi]), 2 NVFP4 (E4M3 bytes in [s_lo, s_hi], global 0.37).
 struct expert_maker {
     arena & a;
@@ -154,12 +164,7 @@ TEST(cuda_moe, mma_split_prefill_f32_tolerance) {
                 auto cpu = backend_cpu_init();
                 cpu->run(g);
                 const auto ref = read_f32(*cpu, y);
-                cuda_options hi = o;
-                hi.moe_mma_split = false;
-                const auto got_hi = run_cuda(g, y, hi);
-                const bool hi_ok = check(nm + "/control(hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
-                EXPECT_FALSE(hi_ok) << nm << ": bf16 hi-only activations must show at the f32 tolerance";
-                tally(!hi_ok);
+                expect_hi_only_fails(nm + "/control(hi-only vs f32 tolerance)", g, y, ref, o);
                 if (T == 200 || big) controls(nm, ref, run_cuda(g, y, o), metric::NMSE, k_tol_f32);
             }
         }
@@ -232,12 +237,7 @@ TEST(cuda_moe, mma_v2_prefill_f32_tolerance) {
                 auto cpu = backend_cpu_init();
                 cpu->run(g);
                 const auto ref = read_f32(*cpu, y);
-                cuda_options hi = v2;
-                hi.moe_mma_split = false;
-                const auto got_hi = run_cuda(g, y, hi);
-                const bool hi_ok = check(nm + "/control(v2 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
-                EXPECT_FALSE(hi_ok) << nm << ": bf16 hi-only activations must show at the f32 tolerance";
-                tally(!hi_ok);
+                expect_hi_only_fails(nm + "/control(v2 hi-only vs f32 tolerance)", g, y, ref, v2);
                 if (T == 300 || big) controls(nm + "/v2", ref, got2, metric::NMSE, k_tol_f32);
             }
         }
@@ -447,12 +447,7 @@ TEST(cuda_moe, mma_v3_prefill) {
             auto cpu = backend_cpu_init();
             cpu->run(g);
             const auto ref = read_f32(*cpu, mc->y);
-            cuda_options hi = v3;
-            hi.moe_mma_split = false;
-            const auto got_hi = run_cuda(g, mc->y, hi);
-            const bool hi_ok = check(nmt + "/control(v3 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
-            EXPECT_FALSE(hi_ok) << nmt << ": bf16 hi-only activations must show at the f32 tolerance";
-            tally(!hi_ok);
+            expect_hi_only_fails(nmt + "/control(v3 hi-only vs f32 tolerance)", g, mc->y, ref, v3);
             controls(nmt + "/v3", ref, y3, metric::NMSE, k_tol_f32);
         }
         if (!in_bounds) continue;
@@ -540,12 +535,7 @@ TEST(cuda_moe, mma_v4_prefill) {
             auto cpu = backend_cpu_init();
             cpu->run(g);
             const auto ref = read_f32(*cpu, mc->y);
-            cuda_options hi = v4;
-            hi.moe_mma_split = false;
-            const auto got_hi = run_cuda(g, mc->y, hi);
-            const bool hi_ok = check(nmt + "/control(v4 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
-            EXPECT_FALSE(hi_ok) << nmt << ": bf16 hi-only activations must show at the f32 tolerance";
-            tally(!hi_ok);
+            expect_hi_only_fails(nmt + "/control(v4 hi-only vs f32 tolerance)", g, mc->y, ref, v4);
             controls(nmt + "/v4", ref, y4, metric::NMSE, k_tol_f32);
         }
     }
@@ -615,12 +605,7 @@ TEST(cuda_moe, mma_v4_bf16_prefill) {
                 tally(gated);
             }
             if (!in_bounds || n_min != 1) continue;
-            cuda_options hi = v4;
-            hi.moe_mma_split = false;
-            const auto got_hi = run_cuda(g, mc->y, hi);
-            const bool hi_ok = check(nmt + "/control(v4 hi-only vs f32 tolerance)", to_f64(ref), got_hi, metric::NMSE, k_tol_f32);
-            EXPECT_FALSE(hi_ok) << nmt << ": bf16 hi-only activations must show at the f32 tolerance";
-            tally(!hi_ok);
+            expect_hi_only_fails(nmt + "/control(v4 hi-only vs f32 tolerance)", g, mc->y, ref, v4);
             controls(nmt + "/v4", ref, y4, metric::NMSE, k_tol_f32);
         }
     }

@@ -13,14 +13,16 @@ run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t
 san() { local tool=$1 t=$2 f=$3 to=$4; local s=$(date +%s); timeout $to /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 $B/$t --gtest_filter="$f" > $L/$tool-$t.log 2>&1
   local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $tool $t ($f) rc=$rc $(( $(date +%s) - s ))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' $L/$tool-$t.log | tail -1)" >> $S; }
-# compare_models: perigee compare-backends (70-token prompt, 6 decode steps) on the Kimi-Linear goldens, the tiny synth
-# models and the shipped models, one summary line each.
+# compare_models [N DECODE TIMEOUT]: perigee compare-backends (an N-token prompt, DECODE decode steps; default 70, 6,
+# 60 s) on the Kimi-Linear goldens, the tiny synth models and the shipped models, one summary line each; the log is
+# $L/compare.log for 70 tokens, $L/compare$N.log otherwise (300: prefill-sized steps).
 compare_models() {
-  local IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(70)))')
-  mkdir -p /tmp/pg-models; for p in k3-tiny kimi-linear-tiny k31-tiny; do $B/perigee synth --preset $p --out /tmp/pg-models/$p > /dev/null 2>&1; done
+  local n=${1:-70} dec=${2:-6} to=${3:-60}; local log=$L/compare$([ "$n" = 70 ] || echo $n).log
+  local IDS=$(python3 -c "print(','.join(str((i*37+11)%250) for i in range($n)))")
+  mkdir -p /tmp/pg-models; for p in k3-tiny kimi-linear-tiny k31-tiny; do [ -d /tmp/pg-models/$p ] || $B/perigee synth --preset $p --out /tmp/pg-models/$p > /dev/null 2>&1; done
   for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/ models/default models/k31-default; do
-    timeout 60 $B/perigee compare-backends --model "$m" --ids "$IDS" --decode 6 >> $L/compare.log 2>&1; local rc=$?
-    echo "[$(( $(date +%s) - T0 ))s] compare $m (70 ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $L/compare.log | tail -1)" >> $S
+    timeout $to $B/perigee compare-backends --model "$m" --ids "$IDS" --decode $dec >> $log 2>&1; local rc=$?
+    echo "[$(( $(date +%s) - T0 ))s] compare $m ($n ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $log | tail -1)" >> $S
   done; }
 # b PRESET TAG [SETS]: one bench-cuda-decode run ($D: its command line, set by the calling script) with --set SETS,
 # the preset's "new" rows (batch, ms, tok/s, floor share) into the summary.

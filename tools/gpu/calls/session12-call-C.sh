@@ -10,11 +10,7 @@ source tools/gpu/calls/common.sh
 ( run test-prefill-cuda 300 ""; run test-runtime-cuda 300 "" ) &
 wait
 compare_models
-IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(300)))')
-for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/ models/default models/k31-default; do
-  timeout 120 $B/perigee compare-backends --model "$m" --ids "$IDS" --decode 4 >> $L/compare300.log 2>&1; rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] compare $m (300 ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $L/compare300.log | tail -1)" >> $S
-done
+compare_models 300 4 120
 prefill kimi-linear-48b 512,1024 on
 prefill kimi-linear-48b 512,1024 off --set moe_mma_v4_bf16=0
 prefill k3-layers-4 512,2048 on

@@ -15,11 +15,7 @@ echo "[$(( $(date +%s) - T0 ))s] bits: $(wc -l < $OUT/bits-new.txt) cases new, $
 s=$(date +%s); timeout 400 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --kernel-name kns=k_moe_mma4 --error-exitcode 9 $B/test-moe-cuda --gtest_filter='cuda_moe.mma_v4_bf16_prefill' > $L/racecheck-v4bf16.log 2>&1; rc=$?
 echo "[$(( $(date +%s) - T0 ))s] racecheck (kns=k_moe_mma4) mma_v4_bf16_prefill rc=$rc $(( $(date +%s) - s ))s $(grep -E 'RACECHECK SUMMARY' $L/racecheck-v4bf16.log | tail -1)" >> $S
 compare_models
-IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(300)))')
-for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/ models/default models/k31-default; do
-  timeout 120 $B/perigee compare-backends --model "$m" --ids "$IDS" --decode 4 >> $L/compare300.log 2>&1; rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] compare $m (300 ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $L/compare300.log | tail -1)" >> $S
-done
+compare_models 300 4 120
 prefill kimi-linear-48b 512,1024 d
 prefill k3-layers-4 512,2048 d
 grep -E "bench|timing|us|ms" $L/test-kda-cuda.log | grep -iE "chunked|recurrent" | tail -8 >> $S

@@ -14,11 +14,7 @@ wait
 run test-runtime-cuda 400 ""
 grep -E "\[measure\] free_dead|\[control\] T" $L/test-runtime-cuda.log >> $S
 compare_models
-IDS=$(python3 -c 'print(",".join(str((i*37+11)%250) for i in range(300)))')
-for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/ models/default models/k31-default; do
-  timeout 120 $B/perigee compare-backends --model "$m" --ids "$IDS" --decode 4 >> $L/compare300.log 2>&1; rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] compare $m (300 ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $L/compare300.log | tail -1)" >> $S
-done
+compare_models 300 4 120
 D="timeout 150 $B/bench-cuda-decode --steps 30 --no-compare --no-profile"
 decode_rounds 2
 prefill kimi-linear-48b 512,2048 g
