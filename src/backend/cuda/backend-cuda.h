@@ -412,9 +412,16 @@ struct cuda_options {
     int mla_prefill_pairs_per_row = 16;
     // ... and only while its device buffers fit in this many bytes: the gathered rows, their bf16 split and the expanded
     // k_nope / v, P x (L * 8 + dr * 4 + H * (dn + dv) * 4) bytes for P gathered positions (K3, 64 heads: ~68 KB a
-    // position, 8 GiB ~ 126K positions). Beyond it the absorbed kernels run (no extra memory); run_mla_prefill itself
+    // position, 8 GiB ~ 126K positions); with mla_prefill_mma the expanded rows' bf16 hi + lo as well (P x (dr * 4 + H *
+    // (dn + dv) * 4) more: ~130 KB a position, ~66K positions). Beyond it the absorbed kernels run (no extra memory); run_mla_prefill itself
     // refuses a larger step with an error naming this limit.
     int64_t mla_prefill_max_bytes = int64_t(8) << 30;
+    // ... the causal attention of that form on mma.sync (mla-prefill.cu "The tensor-core form": every operand split into
+    // bf16 hi + lo, three products per pair, fp32 accumulation and softmax; dn, dr, dv multiples of 8, dn + dr <= 192,
+    // dv <= 128, else the SIMT kernel). false: the fp32 SIMT kernel (compare mode). Predicted before its first H200 run (session 13): the
+    // attention ~6x faster, k3-layers-4 T=2048 MLA_ATTN 9.5 -> 1.5-2 ms, 48B T=1024 7.2 -> ~1.3 ms (the expansion GEMM
+    // and the gather stay).
+    bool mla_prefill_mma = true;
     // SHORT_CONV with at least this many tokens (prefill): one thread per (token, channel), the window read from x or the
     // state, then the state write-back (conv-prefill.cu; the same sums as the sequential kernel). 0: off (one thread per
     // (sequence, channel) walking its tokens; compare mode). On from 16 tokens (round-2 H200: SHORT_CONV 11.5 -> 2.0 ms

@@ -1494,12 +1494,14 @@ private:
         return pairs >= int64_t(opt_.mla_prefill_pairs_per_row) * rows;
     }
     // Device bytes run_mla_prefill allocates for the step: cg (L f32), its bf16 hi + lo (L * 4), krg (dr f32) and the
-    // expanded kv (H * (dn + dv) f32) per gathered position (cuda_options::mla_prefill_max_bytes bounds it).
-    static int64_t mla_prefill_bytes(const batch & hb, const cuda::mla_shape & d) {
+    // expanded kv (H * (dn + dv) f32) per gathered position, and with the tensor-core attention kv's and krg's bf16 hi + lo
+    // (as many bytes again) (cuda_options::mla_prefill_max_bytes bounds it).
+    int64_t mla_prefill_bytes(const batch & hb, const cuda::mla_shape & d) const {
         int64_t P = 0;
         for (int s = 0; s < hb.n_seq(); ++s) P += hb.pos0[size_t(s)] + hb.seq_len(s);
         const int64_t M = d.n_head * (d.head_dim_nope + d.head_dim_v);
-        return P * (d.kv_lora_rank * 8 + d.head_dim_rope * 4 + M * 4);
+        const bool split = opt_.mla_prefill_mma && cuda::mla_prefill_mma_supported(d);
+        return P * (d.kv_lora_rank * 8 + (d.head_dim_rope * 4 + M * 4) * (split ? 2 : 1));
     }
     void run_mla_prefill(const graph & g, const node & n, const cuda::mla_shape & d, float * y) {
         const batch & hb = *g.b;
@@ -1526,7 +1528,18 @@ private:
             lt_matmul(W.data, lo, CUDA_R_16BF, kv, M, P, L, 0.0f);
             lt_matmul(W.data, hi, CUDA_R_16BF, kv, M, P, L, 1.0f);
         }
-        PG_CUDA_CHECK(cuda::launch_mla_prefill_attn(f32_in(n, 0), kv, krg, d, n.p.scale, db_, y, st_));
+        if (opt_.mla_prefill_mma && cuda::mla_prefill_mma_supported(d)) {
+            // the keys split once for every query tile of a head (mla-prefill.cu "The tensor-core form")
+            auto * kvh = static_cast<uint16_t *>(node_scratch(size_t(P * M) * 2));
+            auto * kvl = static_cast<uint16_t *>(node_scratch(size_t(P * M) * 2));
+            auto * krh = static_cast<uint16_t *>(node_scratch(size_t(P * dr) * 2));
+            auto * krl = static_cast<uint16_t *>(node_scratch(size_t(P * dr) * 2));
+            PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(kv, P * M, kvh, kvl, st_));
+            PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(krg, P * dr, krh, krl, st_));
+            PG_CUDA_CHECK(cuda::launch_mla_prefill_attn_mma(f32_in(n, 0), kvh, kvl, krh, krl, d, n.p.scale, db_, y, st_));
+        } else {
+            PG_CUDA_CHECK(cuda::launch_mla_prefill_attn(f32_in(n, 0), kv, krg, d, n.p.scale, db_, y, st_));
+        }
     }
 
     // SHORT_CONV node `id` (outputs allocated) and the L2_NORM the plan folds into it: one launch, both outputs.

@@ -3,6 +3,8 @@
 // causal flash-attention kernel runs per (64-token query tile, head): fp32 SIMT tiles in shared memory, online softmax,
 // fp32 accumulation. The absorbed-form kernels in mla.cu stay for decode, selections and compare mode.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/cp-async.cuh"
+#include "backend/cuda/mma-sync.cuh"
 #include "backend/cuda/prefill-ops.h"
 
 namespace perigee::cuda {
@@ -209,6 +211,254 @@ __global__ void __launch_bounds__(k_threads) k_mla_prefill_attn(const float * __
     }
 }
 
+// ---- The tensor-core form (cuda_options::mla_prefill_mma) ----
+// The same causal flash attention on mma.sync m16n8k16. Block per (64-token query tile, head) as above, 4 warps, warp w
+// owning query rows 16 w .. 16 w + 15. Every operand is split into bf16 hi + lo (~16 significant bits) and each product is
+// hi.hi + hi.lo + lo.hi with fp32 accumulation: the dropped lo.lo term and the roundings are ~2^-16 relative per product,
+// the accuracy of the backend's split GEMMs (NMSE vs the fp32 CPU ~1e-10), where one bf16 pass would be ~2^-9. The row
+// max, exp, row sums and the final division are fp32 as in the SIMT kernel.
+// K and V arrive split already (the backend splits the expanded kv and krg once per step: every query tile of a head
+// reads the same keys), so a 64-key tile is copied into shared memory by cp.async (K's copies in one group, V's in the
+// next: S = Q K^T starts while V lands) and read by ldmatrix (K as the B operand of S, V transposed as the B operand of
+// O += P V). Q's fragments (hi and lo, split from fp32 once per block) stay in registers for the whole key loop; P's A
+// fragments are S's accumulators re-packed (the C layout of two n8 tiles is the A layout of one k16 step). Groups of 16
+// keys past the warp's last query position are skipped (exact: their probabilities are 0). Shapes: dn, dr, dv multiples
+// of 8, dn + dr <= 192, dv <= 128 (padded with zeros to multiples of 16).
+constexpr int k_mq = 64, k_mk = 64, k_mthreads = 128;
+constexpr int k_mks = 12, k_mnv = 8;               // most k16 steps of q.k (dn + dr <= 192), 16-column groups of v
+constexpr int k_mkld = 16 * k_mks + 8;             // bf16 per K (and Q) row in shared memory: 400 bytes, so the 8 rows
+constexpr int k_mvld = 16 * k_mnv + 8;             // of an ldmatrix land on distinct 16-byte bank groups; V: 272 bytes
+constexpr size_t k_msmem = size_t(2 * k_mk * k_mkld + 2 * k_mk * k_mvld) * 2;   // Kh, Kl, Vh, Vl (Q staged in Kh, Kl)
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+// (a, b) -> hi pair and lo pair (the residuals), as split_hi_lo.
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t & h, uint32_t & l) {
+    const __nv_bfloat162 hv = __floats2bfloat162_rn(a, b);
+    const float2 f = __bfloat1622float2(hv);
+    h = *reinterpret_cast<const uint32_t *>(&hv);
+    l = pack_bf16(a - f.x, b - f.y);
+}
+
+// Rows j < rows of a tile into hi / lo rows of stride ld, 8 columns (16 bytes) per copy for w16 columns: src(j, c) gives
+// the hi row's address of columns c .. c + 7 (the lo plane at the same offset from lo_off), or nullptr for zeros; rows
+// >= n are zeros.
+template <typename S>
+__device__ __forceinline__ void stage_planes(__nv_bfloat16 * hi, __nv_bfloat16 * lo, int ld, int n, int w16, S src) {
+    const int c8n = w16 / 8;
+    for (int idx = threadIdx.x; idx < k_mk * c8n; idx += k_mthreads) {
+        const int j = idx / c8n, c = 8 * (idx % c8n);
+        const auto [h, l] = j < n ? src(j, c) : decltype(src(j, c)){nullptr, nullptr};
+        if (h) {
+            cp_async16(hi + j * ld + c, h);
+            cp_async16(lo + j * ld + c, l);
+        } else {
+            *reinterpret_cast<uint4 *>(hi + j * ld + c) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4 *>(lo + j * ld + c) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+struct plane_ptrs { const __nv_bfloat16 * h; const __nv_bfloat16 * l; };
+
+// kvh / kvl [P, H * (dn + dv)]: the expanded kv split; krh / krl [P, dr]: the gathered k_rope split.
+__global__ void __launch_bounds__(k_mthreads, 2)
+    k_mla_prefill_mma(const float * __restrict__ q, const __nv_bfloat16 * __restrict__ kvh, const __nv_bfloat16 * __restrict__ kvl,
+                      const __nv_bfloat16 * __restrict__ krh, const __nv_bfloat16 * __restrict__ krl, int H, int dn, int dr,
+                      int dv, float scale, dbatch b, float * __restrict__ o) {
+    pdl_enter();
+    const int dqk = dn + dr, h = blockIdx.y;
+    const int ks_n = (dqk + 15) / 16, nv_n = (dv + 15) / 16;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, qd = lane & 3;
+    int tile = blockIdx.x, s = 0;   // sequences in order, within one the last (heaviest) tile first
+    int64_t koff = 0;
+    for (; s < b.n_seq; ++s) {
+        const int len = b.seq_start[s + 1] - b.seq_start[s], nt = (len + k_mq - 1) / k_mq;
+        if (tile < nt) {
+            tile = nt - 1 - tile;
+            break;
+        }
+        tile -= nt;
+        koff += b.pos0[s] + len;
+    }
+    if (s == b.n_seq) return;
+    const int len = b.seq_start[s + 1] - b.seq_start[s];
+    const int64_t t0 = b.seq_start[s] + int64_t(tile) * k_mq;
+    const int nq = min(k_mq, len - tile * k_mq);
+    const int64_t qpos0 = b.pos0[s] + int64_t(tile) * k_mq, last = qpos0 + nq - 1;
+    const int64_t wlast = min(last, qpos0 + 16 * warp + 15);   // the warp's last query position
+
+    extern __shared__ __align__(16) unsigned char smm[];
+    auto * Kh = reinterpret_cast<__nv_bfloat16 *>(smm);
+    auto * Kl = Kh + k_mk * k_mkld;
+    auto * Vh = Kl + k_mk * k_mkld;
+    auto * Vl = Vh + k_mk * k_mvld;
+    const int64_t kvw = int64_t(H) * (dn + dv);
+
+    // Q, split, through the K buffers, then its fragments: qh / ql [k16 step][A register]
+    for (int idx = tid; idx < k_mq * 4 * ks_n; idx += k_mthreads) {
+        const int j = idx / (4 * ks_n), c = 4 * (idx % (4 * ks_n));
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (j < nq && c < dqk) v = *reinterpret_cast<const float4 *>(q + ((t0 + j) * H + h) * dqk + c);
+        __nv_bfloat162 hv[2], lv[2];
+        split_hi_lo(v, true, hv, lv);
+        *reinterpret_cast<__nv_bfloat162 *>(Kh + j * k_mkld + c) = hv[0];
+        *reinterpret_cast<__nv_bfloat162 *>(Kh + j * k_mkld + c + 2) = hv[1];
+        *reinterpret_cast<__nv_bfloat162 *>(Kl + j * k_mkld + c) = lv[0];
+        *reinterpret_cast<__nv_bfloat162 *>(Kl + j * k_mkld + c + 2) = lv[1];
+    }
+    __syncthreads();
+    uint32_t qh[k_mks][4], ql[k_mks][4];
+    {
+        const int mi = lane >> 3, row = 16 * warp + (mi & 1) * 8 + (lane & 7), col = (mi >> 1) * 8;
+#pragma unroll
+        for (int ks = 0; ks < k_mks; ++ks)
+            if (ks < ks_n) {
+                ldmatrix_x4(qh[ks], Kh + row * k_mkld + 16 * ks + col);
+                ldmatrix_x4(ql[ks], Kl + row * k_mkld + 16 * ks + col);
+            }
+    }
+
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, acc[2 * k_mnv][4];
+#pragma unroll
+    for (int i = 0; i < 2 * k_mnv; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+    const int64_t qp[2] = {qpos0 + 16 * warp + g, qpos0 + 16 * warp + g + 8};
+    const bool qok[2] = {16 * warp + g < nq, 16 * warp + g + 8 < nq};
+
+    for (int64_t k0 = 0; k0 <= last; k0 += k_mk) {
+        const int nk = int(min(int64_t(k_mk), last + 1 - k0));
+        __syncthreads();   // every warp is done with the previous tile (and with Q's staging on the first)
+        const int64_t r0 = koff + k0;   // the tile's first gathered row
+        stage_planes(Kh, Kl, k_mkld, nk, 16 * ks_n, [&](int j, int c) {
+            if (c < dn) {
+                const int64_t off = (r0 + j) * kvw + int64_t(h) * (dn + dv) + c;
+                return plane_ptrs{kvh + off, kvl + off};
+            }
+            if (c < dqk) {
+                const int64_t off = (r0 + j) * dr + c - dn;
+                return plane_ptrs{krh + off, krl + off};
+            }
+            return plane_ptrs{nullptr, nullptr};
+        });
+        cp_async_commit();
+        stage_planes(Vh, Vl, k_mvld, nk, 16 * nv_n, [&](int j, int c) {
+            if (c >= dv) return plane_ptrs{nullptr, nullptr};
+            const int64_t off = (r0 + j) * kvw + int64_t(h) * (dn + dv) + dn + c;
+            return plane_ptrs{kvh + off, kvl + off};
+        });
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();   // K landed for every thread
+
+        // S = Q K^T for the tile's 4 groups of 16 keys (n8 tiles 2 kg, 2 kg + 1)
+        float sc[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[i][e] = 0.0f;
+        {
+            const int mi = lane >> 3, krow_l = (mi >> 1) * 8 + (lane & 7), col = (mi & 1) * 8;
+#pragma unroll
+            for (int kg = 0; kg < 4; ++kg) {
+                if (k0 + 16 * kg > wlast) continue;
+#pragma unroll
+                for (int ks = 0; ks < k_mks; ++ks) {
+                    if (ks >= ks_n) continue;
+                    uint32_t bh[4], bl[4];
+                    ldmatrix_x4(bh, Kh + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
+                    ldmatrix_x4(bl, Kl + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
+                    mma_bf16(sc[2 * kg], qh[ks], bh[0], bh[1]);
+                    mma_bf16(sc[2 * kg], qh[ks], bl[0], bl[1]);
+                    mma_bf16(sc[2 * kg], ql[ks], bh[0], bh[1]);
+                    mma_bf16(sc[2 * kg + 1], qh[ks], bh[2], bh[3]);
+                    mma_bf16(sc[2 * kg + 1], qh[ks], bl[2], bl[3]);
+                    mma_bf16(sc[2 * kg + 1], ql[ks], bh[2], bh[3]);
+                }
+            }
+        }
+        // scale, causal mask, online softmax (rows g and g + 8; a row's 64 keys are spread over its quad)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t kp = k0 + 8 * nt + 2 * qd + e;
+                    float & v = sc[nt][2 * hr + e];
+                    v = qok[hr] && kp <= qp[hr] ? v * scale : -INFINITY;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[hr], mx);
+            float corr = 1.0f, rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float & v = sc[nt][2 * hr + e];
+                    v = mn == -INFINITY || v == -INFINITY ? 0.0f : expf(v - mn);
+                    rs += v;
+                }
+            if (mn != -INFINITY) corr = m[hr] == -INFINITY ? 0.0f : expf(m[hr] - mn);
+            l[hr] = l[hr] * corr + rs;   // this thread's part of the row sum (the quad's parts are added at the end)
+            m[hr] = mn;
+#pragma unroll
+            for (int i = 0; i < 2 * k_mnv; ++i) {
+                acc[i][2 * hr] *= corr;
+                acc[i][2 * hr + 1] *= corr;
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();   // V landed for every thread
+        // O += P V, one k16 step per group of 16 keys
+        {
+            const int mi = lane >> 3, vrow_l = (mi & 1) * 8 + (lane & 7), col = (mi >> 1) * 8;
+#pragma unroll
+            for (int kg = 0; kg < 4; ++kg) {
+                if (k0 + 16 * kg > wlast) continue;
+                uint32_t ah[4], al[4];
+                split_pair(sc[2 * kg][0], sc[2 * kg][1], ah[0], al[0]);
+                split_pair(sc[2 * kg][2], sc[2 * kg][3], ah[1], al[1]);
+                split_pair(sc[2 * kg + 1][0], sc[2 * kg + 1][1], ah[2], al[2]);
+                split_pair(sc[2 * kg + 1][2], sc[2 * kg + 1][3], ah[3], al[3]);
+#pragma unroll
+                for (int vg = 0; vg < k_mnv; ++vg) {
+                    if (vg >= nv_n) continue;
+                    uint32_t bh[4], bl[4];
+                    ldmatrix_x4_trans(bh, Vh + (16 * kg + vrow_l) * k_mvld + 16 * vg + col);
+                    ldmatrix_x4_trans(bl, Vl + (16 * kg + vrow_l) * k_mvld + 16 * vg + col);
+                    mma_bf16(acc[2 * vg], ah, bh[0], bh[1]);
+                    mma_bf16(acc[2 * vg], ah, bl[0], bl[1]);
+                    mma_bf16(acc[2 * vg], al, bh[0], bh[1]);
+                    mma_bf16(acc[2 * vg + 1], ah, bh[2], bh[3]);
+                    mma_bf16(acc[2 * vg + 1], ah, bl[2], bl[3]);
+                    mma_bf16(acc[2 * vg + 1], al, bh[2], bh[3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float lt = l[hr];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        if (!qok[hr]) continue;
+        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+        float * orow = o + ((t0 + 16 * warp + g + 8 * hr) * H + h) * dv;
+#pragma unroll
+        for (int i = 0; i < 2 * k_mnv; ++i) {
+            const int col = 8 * i + 2 * qd;
+            if (col < dv) *reinterpret_cast<float2 *>(orow + col) = make_float2(acc[i][2 * hr] * inv, acc[i][2 * hr + 1] * inv);
+        }
+    }
+}
+
 template <int VPT> size_t attn_smem(int dqk) { return size_t(2 * dqk * k_ld + k_bk * 16 * VPT + k_bq * k_ld) * sizeof(float); }
 
 } // namespace
@@ -224,6 +474,26 @@ cudaError_t launch_mla_prefill_gather(const float * c, const float * kr, int64_t
                                       int64_t P, float * cg, float * krg, cudaStream_t st) {
     if (b.n_tok > 0) launch_k(k_prefill_cache_write, unsigned(b.n_tok), 128, 0, st, c, kr, L, dr, cache, b);
     if (P > 0) launch_k(k_prefill_gather, unsigned(P), 128, 0, st, cache, L, dr, b, cg, krg);
+    return cudaGetLastError();
+}
+
+bool mla_prefill_mma_supported(const mla_shape & d) {
+    const int64_t dn = d.head_dim_nope, dr = d.head_dim_rope, dv = d.head_dim_v;
+    return dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && dn + dr > 0 && dn + dr <= 16 * k_mks && dv > 0 && dv <= 16 * k_mnv;
+}
+
+cudaError_t launch_mla_prefill_attn_mma(const float * q, const uint16_t * kvh, const uint16_t * kvl, const uint16_t * krh,
+                                        const uint16_t * krl, const mla_shape & d, float scale, const dbatch & b, float * o,
+                                        cudaStream_t st) {
+    if (!mla_prefill_mma_supported(d)) return cudaErrorInvalidValue;
+    if (b.n_tok == 0) return cudaGetLastError();
+    const unsigned tiles = unsigned((b.n_tok + k_mq - 1) / k_mq + b.n_seq);   // as launch_mla_prefill_attn
+    const dim3 grid(tiles, unsigned(d.n_head));
+    const cudaError_t e = cudaFuncSetAttribute(k_mla_prefill_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(k_msmem));
+    if (e != cudaSuccess) return e;
+    auto bf = [](const uint16_t * p) { return reinterpret_cast<const __nv_bfloat16 *>(p); };
+    launch_k(k_mla_prefill_mma, grid, k_mthreads, k_msmem, st, q, bf(kvh), bf(kvl), bf(krh), bf(krl), int(d.n_head),
+             int(d.head_dim_nope), int(d.head_dim_rope), int(d.head_dim_v), scale, b, o);
     return cudaGetLastError();
 }
 

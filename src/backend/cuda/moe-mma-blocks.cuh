@@ -1,22 +1,14 @@
-// Pieces the tensor-core experts v3 (moe-mma.cu) and v4 (moe-wgmma.cu) share: the bf16 hi + lo split of activations,
-// the row stride of a block's scale copy, that copy, and the host side of their two stages.
+// Pieces the tensor-core experts v3 (moe-mma.cu) and v4 (moe-wgmma.cu) share (the bf16 hi + lo split of activations is
+// mma-sync.cuh's split_hi_lo): the row stride of a block's scale copy, that copy, and the host side of their two stages.
 #pragma once
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
+#include "backend/cuda/mma-sync.cuh"
 #include "backend/cuda/smem-attr.cuh"
 
 #include <algorithm>
 
 namespace perigee::cuda {
-
-// v = hi + lo to ~16 mantissa bits (lo = 0 when !xsplit), as bf16 pairs (v.x, v.y) and (v.z, v.w).
-__device__ __forceinline__ void split_hi_lo(float4 v, bool xsplit, __nv_bfloat162 (&h)[2], __nv_bfloat162 (&l)[2]) {
-    h[0] = __floats2bfloat162_rn(v.x, v.y);
-    h[1] = __floats2bfloat162_rn(v.z, v.w);
-    const float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
-    l[0] = xsplit ? __floats2bfloat162_rn(v.x - f0.x, v.y - f0.y) : __floats2bfloat162_rn(0.0f, 0.0f);
-    l[1] = xsplit ? __floats2bfloat162_rn(v.z - f1.x, v.w - f1.y) : __floats2bfloat162_rn(0.0f, 0.0f);
-}
 
 // Bytes per row of a block's scale copy: K / 32 rounded up to 16 (16-byte copies), then to an odd multiple of 4 words
 // (rows g = 0..7 read in one LDS.8 land on distinct banks; e.g. K = 3072: 96 -> 112).

@@ -258,14 +258,6 @@ constexpr int k_m2_pipe_bytes = k_m2_stages * k_m2_stage_bytes;
 constexpr int k_m2_c_bytes = k_m2_tok * k_m2_cld * 4;
 constexpr int k_m2_smem = (k_m2_pipe_bytes > k_m2_c_bytes ? k_m2_pipe_bytes : k_m2_c_bytes) + 2 * k_m2_tok * k_m2_hld * 2;
 
-// D += A B, m16n8k16, bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // FMT 2 (MXFP4) / 3 (NVFP4). NM, xin, k_div, out as k_moe_mma. grid (ceil(rows / (256 / NM)), A); dynamic smem k_m2_smem.
 template <int FMT, int NM>
 __global__ void __launch_bounds__(k_m2_threads, 1) k_moe_mma2(const float * __restrict__ xin, int64_t ldx, int64_t k_div,

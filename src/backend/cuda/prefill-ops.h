@@ -49,6 +49,14 @@ cudaError_t launch_mla_prefill_gather(const float * c, const float * kr, int64_t
 size_t mla_prefill_smem(const mla_shape & d);
 cudaError_t launch_mla_prefill_attn(const float * q, const float * kv, const float * krg, const mla_shape & d, float scale,
                                     const dbatch & b, float * o, cudaStream_t st);
+// 3'. The tensor-core form (cuda_options::mla_prefill_mma): kv and krg split into bf16 hi + lo planes first (kvh / kvl
+// [P, H * (dn + dv)], krh / krl [P, dr]; launch_f32_to_bf16_split), each product hi.hi + hi.lo + lo.hi with fp32
+// accumulation, the softmax in fp32. Shapes: mla_prefill_mma_supported (dn, dr, dv multiples of 8, dn + dr <= 192,
+// dv <= 128); cudaErrorInvalidValue otherwise.
+bool mla_prefill_mma_supported(const mla_shape & d);
+cudaError_t launch_mla_prefill_attn_mma(const float * q, const uint16_t * kvh, const uint16_t * kvl, const uint16_t * krh,
+                                        const uint16_t * krl, const mla_shape & d, float scale, const dbatch & b, float * o,
+                                        cudaStream_t st);
 
 // ---- conv-prefill.cu ----
 // SHORT_CONV with one thread per (token, channel) (cuda_options::conv_prefill_tokens): y [T, C] as conv.cu computes it

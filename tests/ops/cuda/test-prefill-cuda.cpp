@@ -13,6 +13,7 @@
 // widths, T = 2048 (reported, not asserted). The run ends with "N passed, N failed".
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
+#include "backend/cuda/prefill-ops.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -436,14 +437,16 @@ TEST(cuda_prefill, route_gemm_vs_cpu_and_gemv) {
 
 // ---- 2. MLA_ATTN prefill, expanded form + causal flash attention (cuda_options::mla_prefill_tokens) ----
 // kv_b BF16 (exact), the gathered latent rows split into bf16 hi + lo (x to ~2^-17 relative) for the expansion GEMM, fp32
-// flash attention: expected NMSE vs the CPU ~1e-11, max abs ~1e-6; tolerances test-ops-cuda's (max abs 8e-4 and NMSE
-// 1e-7). The cache (written by both backends) must be bitwise equal to the CPU's, pages nobody owns untouched.
+// flash attention: expected NMSE vs the CPU ~1e-11, max abs ~1e-6; the tensor-core attention (cuda_options::
+// mla_prefill_mma, the default; every operand bf16 hi + lo, three products) ~1e-10; tolerances test-ops-cuda's (max abs
+// 8e-4 and NMSE 1e-7). Both attention forms against the CPU and against each other. The cache (written by both backends) must be bitwise equal to the CPU's, pages nobody owns untouched.
 // Shapes: small (H 4, dn 16, dr 8, dv 16, L 64: the padded 64-column V tile), odd (H 3, dn 32, dr 16, dv 48, L 96) and
 // K3's head widths (dn 128, dr 64, dv 128, L 512) with H 2; batches: one fresh sequence of T in {1, 17, 64, 300, 1024},
 // a resumed one (pos0 77, T 300: tiles not aligned to positions), and a ragged batch (lens 17 / 64 / 3 / 1 at pos0
 // 0 / 5 / 40 / 9). Every case also against the absorbed kernels (mla_prefill_tokens = 0) directly.
 // Controls that must FAIL: the new output bitwise equal to the absorbed kernels' (must be DIFFERENT: the new kernel
-// ran), the comparator family.
+// ran), the tensor-core output bitwise equal to the SIMT one's (must be DIFFERENT: the tensor-core kernel ran), the
+// comparator family.
 TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
     NEED_GPU();
     struct dims { int H, dn, dr, dv, L, ps; };
@@ -490,13 +493,27 @@ TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
         fl.mla_prefill_tokens = 1;
         fl.mla_prefill_pairs_per_row = 0;
         EXPECT_TRUE(parity(nm, g, oc, {{&cache, touched}}, fl)) << nm;
+        cuda_options simt = fl;   // the fp32 SIMT attention (fl: the tensor-core form, the default)
+        simt.mla_prefill_mma = false;
+        EXPECT_TRUE(parity(nm + "/simt", g, oc, {{&cache, touched}}, simt)) << nm;
         cuda_options old{true, 8};
         old.mla_prefill_tokens = 0;
         const auto got_new = run_cuda<float>(g, o, fl, {&cache}), got_old = run_cuda<float>(g, o, old, {&cache});
+        const auto got_simt = run_cuda<float>(g, o, simt, {&cache});
         const bool vs = check(nm + "/vs-absorbed", to_f64(got_old), got_new, metric::NMSE, k_tol_f32);
         EXPECT_TRUE(vs) << nm;
         tally(vs);
+        const bool vs_simt = check(nm + "/mma-vs-simt", to_f64(got_simt), got_new, metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(vs_simt) << nm;
+        tally(vs_simt);
         if (T >= 17) {
+            const cuda::mla_shape ms{d.H, d.dn, d.dr, d.dv, d.L};
+            EXPECT_TRUE(cuda::mla_prefill_mma_supported(ms)) << nm << ": every shape here is in the tensor-core form's range";
+            const bool same_simt = bitwise_same(got_new.data(), got_simt.data(), got_new.size() * 4);
+            std::printf("[%s/control(mma bitwise equal to simt)] %s (must be DIFFERENT: the tensor-core kernel ran)\n",
+                        nm.c_str(), same_simt ? "EQUAL" : "DIFFERENT");
+            EXPECT_FALSE(same_simt) << nm;
+            tally(!same_simt);
             const bool same = bitwise_same(got_new.data(), got_old.data(), got_new.size() * 4);
             std::printf("[%s/control(flash bitwise equal to absorbed)] %s (must be DIFFERENT: the flash kernel ran)\n", nm.c_str(),
                         same ? "EQUAL" : "DIFFERENT");
