@@ -354,7 +354,9 @@ __global__ void __launch_bounds__(k_mthreads, 2)
         cp_async_wait<1>();
         __syncthreads();   // K landed for every thread
 
-        // S = Q K^T for the tile's 4 groups of 16 keys (n8 tiles 2 kg, 2 kg + 1)
+        // S = Q K^T for the tile's 4 groups of 16 keys (n8 tiles 2 kg, 2 kg + 1). The k16 steps outermost, so that the
+        // 8 accumulators' MMAs interleave (k-steps innermost, the first form, made each pair of n8 tiles one chain of 36
+        // dependent MMAs).
         float sc[8][4];
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -363,11 +365,11 @@ __global__ void __launch_bounds__(k_mthreads, 2)
         {
             const int mi = lane >> 3, krow_l = (mi >> 1) * 8 + (lane & 7), col = (mi & 1) * 8;
 #pragma unroll
-            for (int kg = 0; kg < 4; ++kg) {
-                if (k0 + 16 * kg > wlast) continue;
+            for (int ks = 0; ks < k_mks; ++ks) {
+                if (ks >= ks_n) continue;
 #pragma unroll
-                for (int ks = 0; ks < k_mks; ++ks) {
-                    if (ks >= ks_n) continue;
+                for (int kg = 0; kg < 4; ++kg) {
+                    if (k0 + 16 * kg > wlast) continue;
                     uint32_t bh[4], bl[4];
                     ldmatrix_x4(bh, Kh + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
                     ldmatrix_x4(bl, Kl + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
