@@ -242,26 +242,36 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t & h, uint3
     l = pack_bf16(a - f.x, b - f.y);
 }
 
-// Rows j < rows of a tile into hi / lo rows of stride ld, 8 columns (16 bytes) per copy for w16 columns: src(j, c) gives
-// the hi row's address of columns c .. c + 7 (the lo plane at the same offset from lo_off), or nullptr for zeros; rows
-// >= n are zeros.
-template <typename S>
-__device__ __forceinline__ void stage_planes(__nv_bfloat16 * hi, __nv_bfloat16 * lo, int ld, int n, int w16, S src) {
-    const int c8n = w16 / 8;
-    for (int idx = threadIdx.x; idx < k_mk * c8n; idx += k_mthreads) {
-        const int j = idx / c8n, c = 8 * (idx % c8n);
-        const auto [h, l] = j < n ? src(j, c) : decltype(src(j, c)){nullptr, nullptr};
-        if (h) {
-            cp_async16(hi + j * ld + c, h);
-            cp_async16(lo + j * ld + c, l);
+// One 64-row tile of a split plane pair into shared memory (hi / lo rows of stride ld bf16), 8 columns (16 bytes) per
+// copy, w16 columns: for row j < n, columns c < w0 come from hi0 + j * ld0 + c, columns w0 <= c < w1 from hi1 + j * ld1 +
+// c - w0 (the lo planes at the same offsets from lo0 / lo1), columns >= w1 and rows >= n are zeros. The (row, column)
+// of a thread's copies advance by 128 copies each step without a division (the per-copy index math was most of the
+// staging's instructions in the first form: Nsight Compute, session 13 call B).
+__device__ __forceinline__ void stage_tile(__nv_bfloat16 * hi, __nv_bfloat16 * lo, int ld, int n, int w16,
+                                           const __nv_bfloat16 * hi0, const __nv_bfloat16 * lo0, int64_t ld0, int w0,
+                                           const __nv_bfloat16 * hi1, const __nv_bfloat16 * lo1, int64_t ld1, int w1) {
+    const int c8n = w16 / 8, step_j = k_mthreads / c8n, step_c = k_mthreads % c8n;
+    int j = threadIdx.x / c8n, c = 8 * (threadIdx.x % c8n);
+    for (; j < k_mk; j += step_j) {
+        __nv_bfloat16 * dh = hi + j * ld + c;
+        __nv_bfloat16 * dl = lo + j * ld + c;
+        if (j < n && c < w0) {
+            cp_async16(dh, hi0 + j * ld0 + c);
+            cp_async16(dl, lo0 + j * ld0 + c);
+        } else if (j < n && c < w1) {
+            cp_async16(dh, hi1 + j * ld1 + (c - w0));
+            cp_async16(dl, lo1 + j * ld1 + (c - w0));
         } else {
-            *reinterpret_cast<uint4 *>(hi + j * ld + c) = make_uint4(0u, 0u, 0u, 0u);
-            *reinterpret_cast<uint4 *>(lo + j * ld + c) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4 *>(dh) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4 *>(dl) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        c += 8 * step_c;
+        if (c >= w16) {
+            c -= w16;
+            ++j;
         }
     }
 }
-
-struct plane_ptrs { const __nv_bfloat16 * h; const __nv_bfloat16 * l; };
 
 // kvh / kvl [P, H * (dn + dv)]: the expanded kv split; krh / krl [P, dr]: the gathered k_rope split.
 __global__ void __launch_bounds__(k_mthreads, 2)
@@ -327,29 +337,18 @@ __global__ void __launch_bounds__(k_mthreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
     const int64_t qp[2] = {qpos0 + 16 * warp + g, qpos0 + 16 * warp + g + 8};
-    const bool qok[2] = {16 * warp + g < nq, 16 * warp + g + 8 < nq};
+    const bool qok[2] = {16 * warp + g < nq, 16 * warp + g + 8 < nq};   // rows past the tile's end: masked out
 
     for (int64_t k0 = 0; k0 <= last; k0 += k_mk) {
         const int nk = int(min(int64_t(k_mk), last + 1 - k0));
         __syncthreads();   // every warp is done with the previous tile (and with Q's staging on the first)
         const int64_t r0 = koff + k0;   // the tile's first gathered row
-        stage_planes(Kh, Kl, k_mkld, nk, 16 * ks_n, [&](int j, int c) {
-            if (c < dn) {
-                const int64_t off = (r0 + j) * kvw + int64_t(h) * (dn + dv) + c;
-                return plane_ptrs{kvh + off, kvl + off};
-            }
-            if (c < dqk) {
-                const int64_t off = (r0 + j) * dr + c - dn;
-                return plane_ptrs{krh + off, krl + off};
-            }
-            return plane_ptrs{nullptr, nullptr};
-        });
+        const int64_t hoff = int64_t(h) * (dn + dv);
+        stage_tile(Kh, Kl, k_mkld, nk, 16 * ks_n, kvh + r0 * kvw + hoff, kvl + r0 * kvw + hoff, kvw, dn, krh + r0 * dr,
+                   krl + r0 * dr, dr, dqk);
         cp_async_commit();
-        stage_planes(Vh, Vl, k_mvld, nk, 16 * nv_n, [&](int j, int c) {
-            if (c >= dv) return plane_ptrs{nullptr, nullptr};
-            const int64_t off = (r0 + j) * kvw + int64_t(h) * (dn + dv) + dn + c;
-            return plane_ptrs{kvh + off, kvl + off};
-        });
+        stage_tile(Vh, Vl, k_mvld, nk, 16 * nv_n, kvh + r0 * kvw + hoff + dn, kvl + r0 * kvw + hoff + dn, kvw, dv, kvh, kvl,
+                   0, dv);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();   // K landed for every thread
@@ -382,17 +381,19 @@ __global__ void __launch_bounds__(k_mthreads, 2)
                 }
             }
         }
-        // scale, causal mask, online softmax (rows g and g + 8; a row's 64 keys are spread over its quad)
+        // scale, causal mask, online softmax (rows g and g + 8; a row's 64 keys are spread over its quad). The mask only
+        // where the tile reaches past the warp's first query position or the warp has rows past the tile's end.
+        const bool masked = k0 + k_mk - 1 > qpos0 + 16 * warp || 16 * warp + 15 >= nq;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
             float mx = -INFINITY;
+            const int rel = qok[hr] ? int(min(qp[hr] - k0, int64_t(k_mk))) : -1;   // the row's last key in the tile
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int64_t kp = k0 + 8 * nt + 2 * qd + e;
                     float & v = sc[nt][2 * hr + e];
-                    v = qok[hr] && kp <= qp[hr] ? v * scale : -INFINITY;
+                    v = !masked || 8 * nt + 2 * qd + e <= rel ? v * scale : -INFINITY;
                     mx = fmaxf(mx, v);
                 }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(k_mthreads, 2)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float & v = sc[nt][2 * hr + e];
-                    v = mn == -INFINITY || v == -INFINITY ? 0.0f : expf(v - mn);
+                    v = mn == -INFINITY ? 0.0f : expf(v - mn);   // expf(-inf) = 0 for the masked keys
                     rs += v;
                 }
             if (mn != -INFINITY) corr = m[hr] == -INFINITY ? 0.0f : expf(m[hr] - mn);
