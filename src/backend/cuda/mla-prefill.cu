@@ -354,8 +354,10 @@ __global__ void __launch_bounds__(k_mthreads, 2)
         __syncthreads();   // K landed for every thread
 
         // S = Q K^T for the tile's 4 groups of 16 keys (n8 tiles 2 kg, 2 kg + 1). The k16 steps outermost, so that the
-        // 8 accumulators' MMAs interleave (k-steps innermost, the first form, made each pair of n8 tiles one chain of 36
-        // dependent MMAs).
+        // 8 accumulators' MMAs can interleave (the first form, k-steps innermost, made each pair of n8 tiles one chain of
+        // 36 dependent MMAs; measured the same within 1%, session 13 calls A / B). Tried and removed (call D): the three
+        // products as three passes over the key groups (8 independent MMAs in a row, K's hi fragments read twice): 44%
+        // more instructions, k3-layers-4 T=2048 MLA_ATTN 3.76 -> 5.45 ms.
         float sc[8][4];
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -366,20 +368,18 @@ __global__ void __launch_bounds__(k_mthreads, 2)
 #pragma unroll
             for (int ks = 0; ks < k_mks; ++ks) {
                 if (ks >= ks_n) continue;
-                // the three products as three passes over the 4 key groups: 8 independent MMAs in a row (K's hi
-                // fragments read twice) instead of each accumulator's three in a row
 #pragma unroll
-                for (int pass = 0; pass < 3; ++pass) {
-                    const __nv_bfloat16 * Kp = pass == 1 ? Kl : Kh;   // hi.hi, hi.lo, lo.hi
-                    const uint32_t (&qa)[4] = pass == 2 ? ql[ks] : qh[ks];
-#pragma unroll
-                    for (int kg = 0; kg < 4; ++kg) {
-                        if (k0 + 16 * kg > wlast) continue;
-                        uint32_t bf[4];
-                        ldmatrix_x4(bf, Kp + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
-                        mma_bf16(sc[2 * kg], qa, bf[0], bf[1]);
-                        mma_bf16(sc[2 * kg + 1], qa, bf[2], bf[3]);
-                    }
+                for (int kg = 0; kg < 4; ++kg) {
+                    if (k0 + 16 * kg > wlast) continue;
+                    uint32_t bh[4], bl[4];
+                    ldmatrix_x4(bh, Kh + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
+                    ldmatrix_x4(bl, Kl + (16 * kg + krow_l) * k_mkld + 16 * ks + col);
+                    mma_bf16(sc[2 * kg], qh[ks], bh[0], bh[1]);
+                    mma_bf16(sc[2 * kg], qh[ks], bl[0], bl[1]);
+                    mma_bf16(sc[2 * kg], ql[ks], bh[0], bh[1]);
+                    mma_bf16(sc[2 * kg + 1], qh[ks], bh[2], bh[3]);
+                    mma_bf16(sc[2 * kg + 1], qh[ks], bl[2], bl[3]);
+                    mma_bf16(sc[2 * kg + 1], ql[ks], bh[2], bh[3]);
                 }
             }
         }
@@ -433,17 +433,17 @@ __global__ void __launch_bounds__(k_mthreads, 2)
                 split_pair(sc[2 * kg + 1][0], sc[2 * kg + 1][1], ah[2], al[2]);
                 split_pair(sc[2 * kg + 1][2], sc[2 * kg + 1][3], ah[3], al[3]);
 #pragma unroll
-                for (int pass = 0; pass < 3; ++pass) {   // as in S: 16 independent MMAs in a row
-                    const __nv_bfloat16 * Vp = pass == 1 ? Vl : Vh;
-                    const uint32_t (&pa)[4] = pass == 2 ? al : ah;
-#pragma unroll
-                    for (int vg = 0; vg < k_mnv; ++vg) {
-                        if (vg >= nv_n) continue;
-                        uint32_t bf[4];
-                        ldmatrix_x4_trans(bf, Vp + (16 * kg + vrow_l) * k_mvld + 16 * vg + col);
-                        mma_bf16(acc[2 * vg], pa, bf[0], bf[1]);
-                        mma_bf16(acc[2 * vg + 1], pa, bf[2], bf[3]);
-                    }
+                for (int vg = 0; vg < k_mnv; ++vg) {
+                    if (vg >= nv_n) continue;
+                    uint32_t bh[4], bl[4];
+                    ldmatrix_x4_trans(bh, Vh + (16 * kg + vrow_l) * k_mvld + 16 * vg + col);
+                    ldmatrix_x4_trans(bl, Vl + (16 * kg + vrow_l) * k_mvld + 16 * vg + col);
+                    mma_bf16(acc[2 * vg], ah, bh[0], bh[1]);
+                    mma_bf16(acc[2 * vg], ah, bl[0], bl[1]);
+                    mma_bf16(acc[2 * vg], al, bh[0], bh[1]);
+                    mma_bf16(acc[2 * vg + 1], ah, bh[2], bh[3]);
+                    mma_bf16(acc[2 * vg + 1], ah, bl[2], bl[3]);
+                    mma_bf16(acc[2 * vg + 1], al, bh[2], bh[3]);
                 }
             }
         }
