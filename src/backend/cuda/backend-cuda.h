@@ -420,7 +420,8 @@ struct cuda_options {
     // bf16 hi + lo, three products per pair, fp32 accumulation and softmax; dn, dr, dv multiples of 8, dn + dr <= 192,
     // dv <= 128, else the SIMT kernel). false: the fp32 SIMT kernel (compare mode). Predicted before its first H200 run (session 13): the
     // attention ~6x faster, k3-layers-4 T=2048 MLA_ATTN 9.5 -> 1.5-2 ms, 48B T=1024 7.2 -> ~1.3 ms (the expansion GEMM
-    // and the gather stay).
+    // and the gather stay). Measured (session 13, bench/RESULTS.md): k3-layers-4 T=2048 9.4 -> 3.7 ms, 48B T=1024 7.1 -> 3.4
+    // ms (the kernel is latency-bound at 8 warps per SM, not tensor-bound); 48B T=8192 step 717.5 -> 514.5 ms.
     bool mla_prefill_mma = true;
     // SHORT_CONV with at least this many tokens (prefill): one thread per (token, channel), the window read from x or the
     // state, then the state write-back (conv-prefill.cu; the same sums as the sequential kernel). 0: off (one thread per
