@@ -24,7 +24,12 @@ struct serve_args {
     std::string api_key_file;
     bool mock = false;
     double mock_decode_s = 0.0, mock_prefill_s = 0.0;
-    int max_num_batched_tokens = 512;
+    // 0: the backend's default. cpu 512 (a step is slow there; a small budget keeps other streams' decodes
+    // responsive); cuda 2048: every prefill chunk re-reads all the routed experts (the 48B geometry's ~94 GB), so the
+    // chunk size sets long-prompt throughput: 48B prefill 512 tokens 45.2 ms vs 2048 tokens 124.8 ms (11.3k vs 16.4k
+    // tok/s, bench/RESULTS.md session 13) at the price of a ~125 ms decode stall while a 2048-token chunk runs (vLLM
+    // picks 8192 on H100 / H200-class GPUs for its API server).
+    int max_num_batched_tokens = 0;
     double drain_timeout_s = 30.0;
     // TEST-ONLY fault drill (server/fault_drill.h): NaN logits for prompts containing this id.
     int test_nan_token = -1, test_nan_after = 2;
@@ -86,7 +91,10 @@ int run_serve(serve_args & a) {
         eo.max_num_seqs = a.so.max_num_seqs;
         eo.max_model_len = a.so.max_model_len;
         eo.max_queue = a.so.max_queue;
-        eo.max_num_batched_tokens = a.max_num_batched_tokens;
+        eo.max_num_batched_tokens = a.max_num_batched_tokens > 0 ? a.max_num_batched_tokens : a.backend == "cuda" ? 2048 : 512;
+        if (a.max_num_batched_tokens == 0)
+            std::fprintf(stderr, "perigee serve: --max-num-batched-tokens %d (the %s backend's default)\n",
+                         eo.max_num_batched_tokens, a.backend.c_str());
         if (a.test_nan_token >= 0) {
             server::install_nan_drill(*runner, a.test_nan_token, a.test_nan_after);
             std::fprintf(stderr, "perigee serve: TEST FAULT DRILL: NaN logits for prompts containing token %d after %d tokens\n",
@@ -156,7 +164,7 @@ command_registrar reg{{"serve", "OpenAI-compatible HTTP server (chat, completion
         sub.add_option("--max-num-seqs", a->so.max_num_seqs, "concurrent sequences")->capture_default_str()->check(CLI::Range(1, 4096));
         sub.add_option("--max-model-len,-c", a->so.max_model_len, "prompt + generated tokens per sequence")->capture_default_str()->check(CLI::Range(2, 1 << 24));
         sub.add_option("--max-queue", a->so.max_queue, "waiting requests before 503")->capture_default_str()->check(CLI::Range(1, 1 << 16));
-        sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "per-step token budget")->capture_default_str();
+        sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "per-step token budget (0: the backend's default, cpu 512, cuda 2048)")->capture_default_str()->check(CLI::Range(0, 1 << 20));
         sub.add_option("--served-model-name,--alias", a->so.served_model_name, "model id in the API (default: the directory name)");
         sub.add_option("--sse-ping-interval", a->so.ping_interval_s, "seconds between ': ping' comments on an idle stream")->capture_default_str();
         sub.add_option("--max-body-size", a->so.max_body_bytes, "largest request body in bytes (413 beyond)")->capture_default_str();

@@ -6,7 +6,11 @@
 #    other backend's token being the CPU's top-2 there); nothing after it is compared (chat_decide has the reasoning);
 #  - a streamed text completion at temperature 0 (no logprobs: the on-device sampler's greedy path on cuda);
 #  - a seeded sampled completion (temperature/top-k/top-p/min-p; on cuda the on-device sampler with the host's uniforms).
-# The last two must be non-empty and identical. Controls: chat_decide must fail a divergence at a decided position and
+#  - a ~1 200-token prompt at temperature 0 (non-streamed, usage read back): both servers run their default per-step
+#    token budget (cpu 512: three prefill chunks; cuda 2048: one), so this also checks the chunked CPU prefill against
+#    the one-chunk CUDA prefill; the engine-step counts must differ by exactly the chunk counts' difference, and each
+#    server's log must name its default budget.
+# The last three must be non-empty and identical. Controls: chat_decide must fail a divergence at a decided position and
 # pass one at a 1e-5 tie; a perturbed answer must compare unequal; --backend gpu must be refused by name.
 # Needs curl and python3 (the GPU image has both, not node).
 #
@@ -35,7 +39,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/nu
 trap cleanup EXIT
 
 start() {   # backend port
-  "$PERIGEE" serve --backend "$1" --model "$MODEL" --host 127.0.0.1 --port "$2" --max-num-seqs 2 --max-model-len 512 \
+  "$PERIGEE" serve --backend "$1" --model "$MODEL" --host 127.0.0.1 --port "$2" --max-num-seqs 2 --max-model-len 2048 \
     >"$OUT/serve-$1-$2.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 1 240); do
@@ -121,6 +125,17 @@ sampled() {   # port -> the text of a seeded, sampled /v1/completions
     python3 -c 'import json,sys; print(json.dumps({"text": json.load(sys.stdin)["choices"][0]["text"]}))'
 }
 
+long() {   # port -> {text, usage} of a ~1 200-token prompt at temperature 0 (non-streamed)
+  python3 -c '
+import json
+lines = ["ROMEO:", "But soft, what light through yonder window breaks?", "It is the east, and Juliet is the sun.",
+         "Arise, fair sun, and kill the envious moon,", "Who is already sick and pale with grief."]
+text = "\n".join(lines[i % len(lines)] + (" %d" % i if i % 7 == 3 else "") for i in range(150)) + "\nJULIET:\n"
+print(json.dumps({"prompt": text, "temperature": 0, "max_tokens": 24}))' |
+    curl -sf -m 300 "http://127.0.0.1:$1/v1/completions" -H 'Content-Type: application/json' -d @- |
+    python3 -c 'import json,sys; r=json.load(sys.stdin); print(json.dumps({"text": r["choices"][0]["text"], "usage": [r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]]}))'
+}
+
 start cpu "$PORT_CPU" || exit 1
 start "$SECOND" "$PORT_CUDA" || exit 1
 
@@ -191,6 +206,36 @@ for kind in stream sampled; do
   if [ "$a" != "$b" ]; then echo "FAIL $kind: --backend $SECOND answer differs from --backend cpu"; fail=1; continue; fi
   echo "PASS $kind: non-empty, identical on cpu and $SECOND"
 done
+
+# 4. The long prompt: identical text, and the per-step budgets seen in the engine-step counts (the servers are idle
+# between requests, so a request's step delta is its prefill chunks plus one step per further generated token).
+for be in cpu "$SECOND"; do
+  want=$([ "$be" = cpu ] && echo 512 || echo 2048)
+  if grep -q -- "--max-num-batched-tokens $want (the $be backend's default)" "$OUT/serve-$be-$([ "$be" = cpu ] && echo $PORT_CPU || echo $PORT_CUDA).log"; then
+    echo "PASS budget: serve --backend $be runs the default budget $want"
+  else echo "FAIL budget: serve --backend $be log does not name the default budget $want"; fail=1; fi
+done
+sa0=$(steps "$PORT_CPU"); sb0=$(steps "$PORT_CUDA")
+a=$(long "$PORT_CPU"); ra=$?
+b=$(long "$PORT_CUDA"); rb=$?
+sa1=$(steps "$PORT_CPU"); sb1=$(steps "$PORT_CUDA")
+printf '%s\n' "$a" >"$OUT/smoke-long-cpu.json"
+printf '%s\n' "$b" >"$OUT/smoke-long-$SECOND.json"
+echo "long cpu : $a"
+echo "long $SECOND: $b"
+if [ $ra -ne 0 ] || [ $rb -ne 0 ]; then echo "FAIL long: request failed (cpu rc $ra, $SECOND rc $rb)"; fail=1
+elif [ "$a" != "$b" ]; then echo "FAIL long: --backend $SECOND answer differs from --backend cpu"; fail=1
+else
+  n=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["usage"][0])' "$a")
+  g=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["usage"][1])' "$a")
+  want_cpu=$(( (n + 511) / 512 + g - 1 )); want_other=$(( (n + 2047) / 2048 + g - 1 ))
+  [ "$SECOND" = cpu ] && want_other=$want_cpu
+  if [ "$n" -gt 1024 ] && [ $(( sa1 - sa0 )) -eq $want_cpu ] && [ $(( sb1 - sb0 )) -eq $want_other ]; then
+    echo "PASS long: $n prompt tokens, $g generated, identical; engine steps cpu $(( sa1 - sa0 )), $SECOND $(( sb1 - sb0 ))"
+  else
+    echo "FAIL long: $n prompt tokens (need > 1024), $g generated; engine steps cpu $(( sa1 - sa0 )) (want $want_cpu), $SECOND $(( sb1 - sb0 )) (want $want_other)"; fail=1
+  fi
+fi
 
 # Control: the comparison must notice a different answer (a perturbed copy of the cuda answer).
 if [ "$(printf '%s' "$b" | sed 's/.$/X/')" != "$b" ]; then echo "PASS control: a perturbed answer compares unequal"; else echo "FAIL control"; fail=1; fi

@@ -543,6 +543,139 @@ TEST(cuda_prefill, mla_flash_vs_cpu_and_absorbed) {
     }
 }
 
+// ---- 2a'. The two MLA prefill attention kernels alone (no cuBLAS) ----
+// The attention kernels launched directly on random expanded keys / values (kv [P, H * (dn + dv)], krg [P, dr]), split
+// by our own launch_f32_to_bf16_split: no cuBLASLt launch in this test, so compute-sanitizer racecheck can run it (its
+// internal error on the cuBLAS GEMM of the node path left the tensor-core kernel's shared memory unchecked in session
+// 13). Reference: a naive causal softmax attention in double over the packed rows (sequence s from row sum_{s'<s}
+// (pos0 + len)). Shapes: K3's head widths (dn 128, dr 64, dv 128) and an odd one (dn 32, dr 16, dv 48), a resumed
+// sequence (pos0 77, T 300) and a ragged batch (lens 17 / 64 / 3 / 1 at pos0 0 / 5 / 40 / 9).
+// Controls that must FAIL: the same reference without the causal mask (keys past each query included), the
+// tensor-core output bitwise equal to the SIMT one (must be DIFFERENT), the comparator family.
+TEST(cuda_prefill, mla_attn_kernels_alone) {
+    NEED_GPU();
+    struct dims { int H, dn, dr, dv; };
+    struct bcase { std::vector<int> lens, pos0; };
+    const std::vector<std::pair<dims, bcase>> cases{{{2, 128, 64, 128}, {{300}, {77}}},
+                                                    {{2, 128, 64, 128}, {{17, 64, 3, 1}, {0, 5, 40, 9}}},
+                                                    {{3, 32, 16, 48}, {{17, 64, 3, 1}, {0, 5, 40, 9}}}};
+    for (const auto & [d, bc] : cases) {
+        const int n_seq = int(bc.lens.size());
+        std::vector<int32_t> seq_start{0}, tok_seq;
+        int64_t P = 0;
+        int max_pos = 0;
+        for (int s = 0; s < n_seq; ++s) {
+            seq_start.push_back(seq_start.back() + bc.lens[size_t(s)]);
+            for (int j = 0; j < bc.lens[size_t(s)]; ++j) tok_seq.push_back(s);
+            P += bc.pos0[size_t(s)] + bc.lens[size_t(s)];
+            max_pos = std::max(max_pos, bc.pos0[size_t(s)] + bc.lens[size_t(s)]);
+        }
+        const int T = seq_start.back(), dqk = d.dn + d.dr;
+        const int64_t kvw = int64_t(d.H) * (d.dn + d.dv);
+        rng r(21000 + uint32_t(T) * 5 + uint32_t(d.dn) + uint32_t(n_seq));
+        const auto q = r.vec(size_t(T) * size_t(d.H * dqk)), kv = r.vec(size_t(P * kvw)), kr = r.vec(size_t(P * d.dr));
+        const float scale = 1.0f / std::sqrt(float(dqk));
+        std::string lens_s;
+        for (int s = 0; s < n_seq; ++s) lens_s += fmt::format("{}{}@{}", s ? "," : "", bc.lens[size_t(s)], bc.pos0[size_t(s)]);
+        const std::string nm = fmt::format("mla-attn-alone/H{}/dn{}/dr{}/dv{}/seqs[{}]", d.H, d.dn, d.dr, d.dv, lens_s);
+
+        // The reference, causal (and, for the control, without the mask).
+        auto reference = [&](bool causal) {
+            std::vector<double> o(size_t(T) * size_t(d.H * d.dv), 0.0);
+            int64_t koff = 0;
+            for (int s = 0; s < n_seq; ++s) {
+                const int p0 = bc.pos0[size_t(s)], len = bc.lens[size_t(s)];
+                for (int j = 0; j < len; ++j) {
+                    const int t = seq_start[size_t(s)] + j, nk = causal ? p0 + j + 1 : p0 + len;
+                    for (int h = 0; h < d.H; ++h) {
+                        std::vector<double> sc(static_cast<size_t>(nk));
+                        double mx = -1e300;
+                        for (int k = 0; k < nk; ++k) {
+                            const float * qr = &q[(size_t(t) * size_t(d.H) + size_t(h)) * size_t(dqk)];
+                            const float * kn = &kv[size_t((koff + k) * kvw + int64_t(h) * (d.dn + d.dv))];
+                            const float * kp = &kr[size_t((koff + k) * d.dr)];
+                            double a = 0.0;
+                            for (int i = 0; i < d.dn; ++i) a += double(qr[i]) * kn[i];
+                            for (int i = 0; i < d.dr; ++i) a += double(qr[d.dn + i]) * kp[i];
+                            sc[size_t(k)] = a * scale;
+                            mx = std::max(mx, sc[size_t(k)]);
+                        }
+                        double den = 0.0;
+                        for (auto & x : sc) den += (x = std::exp(x - mx));
+                        double * orow = &o[(size_t(t) * size_t(d.H) + size_t(h)) * size_t(d.dv)];
+                        for (int k = 0; k < nk; ++k) {
+                            const float * vr = &kv[size_t((koff + k) * kvw + int64_t(h) * (d.dn + d.dv) + d.dn)];
+                            for (int c = 0; c < d.dv; ++c) orow[c] += sc[size_t(k)] / den * vr[c];
+                        }
+                    }
+                }
+                koff += p0 + len;
+            }
+            return o;
+        };
+
+        auto up = [](const void * h, size_t bytes) {
+            void * p = nullptr;
+            EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 16)), cudaSuccess);
+            if (h && bytes) {
+                EXPECT_EQ(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+            }
+            return p;
+        };
+        auto * dq = static_cast<float *>(up(q.data(), q.size() * 4));
+        auto * dkv = static_cast<float *>(up(kv.data(), kv.size() * 4));
+        auto * dkr = static_cast<float *>(up(kr.data(), kr.size() * 4));
+        auto * dss = static_cast<int32_t *>(up(seq_start.data(), seq_start.size() * 4));
+        auto * dp0 = static_cast<int32_t *>(up(bc.pos0.data(), bc.pos0.size() * 4));
+        auto * dts = static_cast<int32_t *>(up(tok_seq.data(), tok_seq.size() * 4));
+        auto * planes = static_cast<uint16_t *>(up(nullptr, size_t(2 * P * (kvw + d.dr)) * 2));
+        uint16_t *kvh = planes, *kvl = kvh + P * kvw, *krh = kvl + P * kvw, *krl = krh + P * d.dr;
+        const size_t on = size_t(T) * size_t(d.H * d.dv);
+        auto * dom = static_cast<float *>(up(nullptr, on * 4));
+        auto * dos = static_cast<float *>(up(nullptr, on * 4));
+        cuda::dbatch b;
+        b.n_seq = n_seq, b.n_tok = T, b.seq_start = dss, b.pos0 = dp0, b.tok_seq = dts, b.max_pos = max_pos;
+        const cuda::mla_shape ms{d.H, d.dn, d.dr, d.dv, 0};
+        ASSERT_TRUE(cuda::mla_prefill_mma_supported(ms)) << nm;
+        EXPECT_EQ(cuda::launch_f32_to_bf16_split(dkv, P * kvw, kvh, kvl, nullptr), cudaSuccess);
+        EXPECT_EQ(cuda::launch_f32_to_bf16_split(dkr, P * d.dr, krh, krl, nullptr), cudaSuccess);
+        EXPECT_EQ(cudaMemset(dom, 0xFF, on * 4), cudaSuccess);   // NaN: a row the kernel skips shows
+        EXPECT_EQ(cudaMemset(dos, 0xFF, on * 4), cudaSuccess);
+        EXPECT_EQ(cuda::launch_mla_prefill_attn_mma(dq, kvh, kvl, krh, krl, ms, scale, b, dom, nullptr), cudaSuccess);
+        EXPECT_EQ(cuda::launch_mla_prefill_attn(dq, dkv, dkr, ms, scale, b, dos, nullptr), cudaSuccess);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<float> got_mma(on), got_simt(on);
+        EXPECT_EQ(cudaMemcpy(got_mma.data(), dom, on * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(got_simt.data(), dos, on * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        for (void * p : {static_cast<void *>(dq), static_cast<void *>(dkv), static_cast<void *>(dkr), static_cast<void *>(dss),
+                         static_cast<void *>(dp0), static_cast<void *>(dts), static_cast<void *>(planes), static_cast<void *>(dom),
+                         static_cast<void *>(dos)})
+            cudaFree(p);
+
+        const auto ref = reference(true);
+        for (const auto & [form, got] : {std::pair<const char *, const std::vector<float> &>{"mma", got_mma}, {"simt", got_simt}}) {
+            const bool a = check(nm + "/" + form + "(max abs)", ref, got, metric::MAX_ABS, k_tol_mla_abs);
+            const bool n = check(nm + "/" + form + "(nmse)", ref, got, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(a && n) << nm << " " << form;
+            tally(a);
+            tally(n);
+        }
+        const bool unmasked = check(nm + "/control(reference without the causal mask)", reference(false), got_mma,
+                                    metric::NMSE, k_tol_f32);
+        std::printf("[%s/control] the unmasked reference %s (must FAIL: the mask is what is compared)\n", nm.c_str(),
+                    unmasked ? "PASSED" : "FAILED");
+        EXPECT_FALSE(unmasked) << nm;
+        tally(!unmasked);
+        const bool same = bitwise_same(got_mma.data(), got_simt.data(), on * 4);
+        std::printf("[%s/control(mma bitwise equal to simt)] %s (must be DIFFERENT: two kernels ran)\n", nm.c_str(),
+                    same ? "EQUAL" : "DIFFERENT");
+        EXPECT_FALSE(same) << nm;
+        tally(!same);
+        std::vector<float> ref_f(ref.begin(), ref.end());
+        controls(nm + "/mma", ref_f, got_mma, metric::NMSE, k_tol_f32);
+    }
+}
+
 // ---- 2b. SHORT_CONV token-parallel (cuda_options::conv_prefill_tokens) ----
 // The same sums in the same order as the sequential kernel: y expected bitwise equal to it (printed; asserted at the f32
 // tolerance) and at the f32 tolerance vs the CPU; the state write-back exact (it copies inputs / old history). Widths W 4
