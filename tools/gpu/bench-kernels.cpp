@@ -634,7 +634,7 @@ int main(int argc, char ** argv) {
                     bytes / (ms * 1e-3) / 1e9, 100.0 * bytes / (ms * 1e-3) / 1e9 / bw);
         {   // the grouped path at T == 1 (the backend's): decode v5 (3 launches) vs v6 and v7 (2; moe.cu "Decode v6", "v7")
             int32_t * gw;
-            CK(cudaMalloc(reinterpret_cast<void **>(&gw), size_t(moe_group_ints(1, k, E)) * 4));
+            CK(cudaMalloc(reinterpret_cast<void **>(&gw), size_t(moe_group_ints(1, k, E, D)) * 4));
             for (int ver = 0; ver < 3; ++ver) {
                 dmoe_opts o;
                 o.dec_v4 = o.dec_v5 = true;

@@ -199,6 +199,24 @@ struct cuda_options {
     // Off: mixed in its H200 run (round 2, pass "small-v4"): k3-layers-4 B=8 24.58 -> 21.58 ms, but 48B (BF16) B=8 15.11 ->
     // 15.89 and B=64 52.38 -> 53.62 ms; parity passes (test-moe-cuda small_v4_batch).
     bool moe_small_v4 = false;
+    // MOE_EXPERTS, steps of 1 < T <= this many tokens (decode batches; prefill chunks that short too), MXFP4 experts:
+    // the T == 1 kernels (v6 / v7, moe_decode_v6 / _v7) with every (token, pick) pair as a slot of its own (moe.cu
+    // launch_v6, "pair form"): no grouping or combine launch, each token's y bit for bit what a T == 1 launch gives on that token alone, but an expert picked by
+    // n tokens is read n times. 0: off (the grouped GEMV kernels, moe_small_v4, and the tensor-core experts from
+    // moe_mma_tokens tokens). Why: at T > 1 every expert pick ran the grouped GEMV kernels, which were never brought to
+    // the T == 1 kernels' bandwidth (k3-layers-4 B=8 17.9 ms = 18.5% of its floor, B=1 88%). Predicted (session 15,
+    // before the run): k3 B=8 ~17.9 -> ~5.5 ms, B=64 ~83 -> ~27 ms. Measured (session 15 call A, H200, same binary, off ->
+    // on): k3-layers-4 B=8 17.86 -> 7.25 ms, B=16 29.43 -> 9.36, B=32 50.88 -> 14.36, B=64 82.19 -> 24.87 ms (MOE_EXPERTS
+    // x3 76.2 -> 16.2 ms: 1 024 slots x 17.5 MB per layer at ~3.3 TB/s); B=1 unchanged (2.398 / 2.401). Tests: every
+    // token's row bit for bit its T == 1 launch (decode_pairs_direct), CPU parity at the f32 tolerance from a routed
+    // graph (decode_pairs_batch, K3's expert shape included), memcheck / racecheck 0. On up to 64 (the measured range;
+    // steps of moe_mma_large_step tokens and more take the tensor-core experts anyway).
+    int moe_decode_pairs_mxfp4 = 64;
+    // ... the same for BF16 experts (moe_decode_bf16's pair, moe-bf16-decode.cu: the 48B geometry). Measured (same call):
+    // 48B B=8 11.85 -> 10.88 ms, B=16 17.50 -> 17.60, B=32 28.44 -> 29.06, B=64 37.66 -> 51.86 ms: BF16 experts are 4x
+    // the bytes of MXFP4 ones per row and the grouped kernels already read them at a good share of the copy rate, so the
+    // re-reads of experts shared by tokens cost more than the pair form saves from B=16 on. On up to 8.
+    int moe_decode_pairs_bf16 = 8;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
     // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).

@@ -1264,7 +1264,7 @@ private:
                 float * scratch = static_cast<float *>(node_scratch(size_t(T * k * (F + Dout)) * 4));
                 const int vfmt = opt_.moe_grouped ? expert_vfmt_.at(n.p.experts.get()) : 0;
                 if (vfmt > 0 && int64_t(ex.size()) <= 1024) {
-                    auto * gw = static_cast<int32_t *>(node_scratch(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()))) * 4));
+                    auto * gw = static_cast<int32_t *>(node_scratch(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()), Dout)) * 4));
                     cuda::dmoe_opts mo;
                     mo.fp4_v2 = opt_.moe_fp4_v2;
                     mo.fp4_v3 = opt_.moe_fp4_v3;
@@ -1281,6 +1281,8 @@ private:
                     mo.dec_v5 = opt_.moe_decode_v5;
                     mo.v5_cfg = opt_.moe_decode_v6 ? (opt_.moe_decode_v7 ? 2000 + opt_.moe_decode_v7_form % 1000 / 10 * 10 : 1000) : 0;
                     mo.dec_bf16 = opt_.moe_decode_bf16;
+                    mo.dec_pairs_fp4 = opt_.moe_decode_pairs_mxfp4;
+                    mo.dec_pairs_bf16 = opt_.moe_decode_pairs_bf16;
                     mo.bf16_cfg = 100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0);
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));

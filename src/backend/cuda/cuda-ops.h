@@ -201,8 +201,10 @@ cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const in
 // The grouped decode path (cuda_options::moe_grouped): slots grouped by expert on the device, one block per (expert,
 // 8 output rows) over all selected experts, each selected expert's rows read once with 16-byte loads. vfmt: 1 = dense
 // BF16 (Din, d_ff multiples of 8), 2 = MXFP4, 3 = NVFP4 (multiples of 32); every expert in that format; E <= 1024.
-// scratch as above; gw: moe_group_ints(T, k, E) ints.
-int64_t moe_group_ints(int64_t T, int64_t k, int64_t E);
+// scratch as above; gw: moe_group_ints(T, k, E, c.d_out) ints.
+// The grouped kernels' segment tables, or the decode kernels' combine counters (v6 / v7: one per (token, row tile of
+// down), tiles of >= 64 rows): whichever is larger.
+int64_t moe_group_ints(int64_t T, int64_t k, int64_t E, int64_t d_out);
 // Kernel choices of the grouped path (the MoE fields of cuda_options, backend-cuda.h).
 struct dmoe_opts {
     bool fp4_v2 = true;     // MXFP4 at T == 1: the v2 kernels (when fp4_v3 is off)
@@ -217,6 +219,8 @@ struct dmoe_opts {
     bool dec_v5 = false;    // T == 1, MXFP4: the v5 kernels (fp16 tensor cores; precedes dec_v4)
     int v5_cfg = 0;         // benchmarks: v5 kernel forms and stages (moe.cu launch_v5_one); 0 = the defaults
     bool dec_bf16 = false;  // T == 1, BF16, shapes of moe_bf16_decode_supported: moe-bf16-decode.cu (precedes dec_v4)
+    int dec_pairs_fp4 = 0;  // 1 < T <= this, MXFP4: dec_v5's v6 / v7 kernels with each (token, pick) pair as a slot
+    int dec_pairs_bf16 = 0; // 1 < T <= this, BF16: dec_bf16's pair the same way
     int bf16_cfg = 0;       // benchmarks: launch_moe_bf16_decode's cfg; 0 = the defaults
     bool mma_v3 = false;    // tensor-core experts, MXFP4 with Din, d_ff multiples of 512: k_moe_mma3 (precedes mma_v2)
     bool mma_v4 = false;    // ... the wgmma form (moe-wgmma.cu; precedes mma_v3)
@@ -230,8 +234,10 @@ struct dmoe_opts {
 // wait; 2 = the down stage's only; thousands digit (cuda_options::moe_bf16_evict_first) 1 = the weights loaded with
 // the L2 policy evict_first. Outputs bit for bit the same whatever the digits.
 bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, int cfg = 0);
-// False (nothing launched) when the shape is not supported. hbuf: k * d_ff floats.
-bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+// False (nothing launched) when the shape is not supported. T tokens (x [T, Din], ids / w [T, k], y [T, d_out]); T > 1
+// is the pair form: every (token, pick) pair a slot of the T == 1 kernels, each token's y bit for bit a T == 1 launch's on
+// that token alone (cuda_options::moe_decode_pairs_bf16). hbuf: T * k * d_ff floats.
+bool launch_moe_bf16_decode(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
                             cudaStream_t st, int cfg = 0);
 // The shared expert as slot k of the BF16 decode pair (cuda_options::moe_shared_slot, fuse-plan.h): weight 1.0, added
@@ -273,6 +279,9 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
 // Host-side count of the stage pairs of tensor-core version v (3 or 4) launch_moe_mma_stages has launched in this
 // process (tests: that the version asked for, not its predecessor, ran).
 int64_t moe_mma_launches(int v);
+// Host-side count of the MOE_EXPERTS launches at T > 1 that ran the pair form (fmt 2 MXFP4 v6 / v7, 1 BF16) in this
+// process (tests: that the pair form, not the grouped kernels, ran).
+int64_t moe_pair_launches(int fmt);
 // moe-wgmma.cu: the v4 stages (wgmma), MXFP4 (vfmt 2) and BF16 (vfmt 1); the shapes it takes.
 bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c);
 cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,

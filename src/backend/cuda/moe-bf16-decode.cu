@@ -102,8 +102,9 @@ __device__ __forceinline__ float bf16_glu(const dexperts_cfg & c, float ag, floa
     return c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
 }
 
-// hbuf [k, F]: hbuf[j, row] = act(gate_e . x, up_e . x), e = ids[j]; grid (F / 4, k + SH), block 4 warps, warp = row.
-// Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks). SH: slot k is the shared expert (sh).
+// hbuf [T k, F]: hbuf[j, row] = act(gate_e . x_t, up_e . x_t), e = ids[j], t = j / k; grid (F / 4, T k + SH), block 4
+// warps, warp = row. Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks). SH (T == 1 only): slot k
+// is the shared expert (sh).
 template <int NU, bool SH>
 __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(const float * __restrict__ x,
                                                                          const int32_t * __restrict__ ids, int k,
@@ -139,6 +140,7 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
         return;
     }
     pdl_enter();
+    if (!SH) x += int64_t(j / k) * (256 * NU);   // the slot's token (the pair form, T > 1; T == 1: token 0)
     const int32_t e = shared ? 0 : ids[j];
     if (!shared && (e < 0 || e >= E)) {
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
@@ -161,7 +163,8 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     }
 }
 
-// y [Dout] = sum_j w[j] down_{ids[j]} h_j in slot order (an invalid id contributes 0); grid Dout / R, block of 8 warps:
+// y [Dout] = sum_j w[j] down_{ids[j]} h_j in slot order (an invalid id contributes 0); grid (Dout / R, T): blockIdx.y is
+// the token (ids, w, hbuf and y offset to its row: the pair form, T > 1, SH false), block of 8 warps:
 // warp wd takes slots wd + 8 s (s < NS, k <= 8 NS) and R rows of each, every unit in flight together; the partial rows
 // meet in shared memory and R threads sum them in slot order. Rows of nu = 32 NU units (F = 256 NU), Dout % R == 0.
 // SH: a ninth warp computes the shared expert's R rows from sh.act; the combine then also writes sh.down, sh.sum = y +
@@ -184,6 +187,13 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
     // (L2 only) fixed it at +0.05 ms on the 48B step (call E); __ldca fixed it at no cost (call G: 2.281 vs 2.330 ms,
     // every early form bitwise the run without over 10 repeats).
     if (!early) pdl_enter();
+    if (!SH && blockIdx.y > 0) {   // the token's rows (pointer arithmetic only: nothing read before the wait)
+        const int64_t t = blockIdx.y;
+        ids += t * k;
+        w += t * k;
+        hbuf += t * k * c.d_ff;
+        y += t * c.d_out;
+    }
     __shared__ float part[k_bdn_warps * NS + SH][R];
     const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r0 = int(blockIdx.x) * R;
@@ -274,17 +284,17 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 
 // sh: the shared slot when SH (else ignored: a zero dmoe_shared).
 template <int NU, bool SH>
-void launch_bf16_gate_up(const float * x, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E, const dexperts_cfg & c,
-                         float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, int fl) {
-    launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(k + SH)), k_bgu_warps * 32, 0, st, x,
-             ids, int(k), ex, E, c, hbuf, err, sh, fl);
+void launch_bf16_gate_up(const float * x, int64_t T, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E,
+                         const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, int fl) {
+    launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(T * k + SH)), k_bgu_warps * 32, 0, st,
+             x, ids, int(k), ex, E, c, hbuf, err, sh, fl);
 }
 
 template <int NU, int R, int NS, int MINB, bool SH>
-void launch_bf16_down(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                      const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, int fl) {
-    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, unsigned(c.d_out / R), (k_bdn_warps + SH) * 32, 0, st, hbuf, ids, w,
-             int(k), ex, E, c, y, sh, fl);
+void launch_bf16_down(const float * hbuf, int64_t T, const int32_t * ids, const float * w, int64_t k, const dexpert * ex,
+                      int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, int fl) {
+    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, dim3(unsigned(c.d_out / R), unsigned(T)), (k_bdn_warps + SH) * 32, 0, st,
+             hbuf, ids, w, int(k), ex, E, c, y, sh, fl);
 }
 
 // Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
@@ -296,18 +306,19 @@ int down_form(int64_t k, int64_t d_out, int cfg) {
 }
 
 template <int NU, bool SH>
-void launch_bf16_down_nu(const float * hbuf, const int32_t * ids, const float * w, int64_t k, const dexpert * ex, int64_t E,
-                         const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, int fl) {
-    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, fl);
-    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, fl);
-    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, ids, w, k, ex, E, c, y, st, sh, fl);
+void launch_bf16_down_nu(const float * hbuf, int64_t T, const int32_t * ids, const float * w, int64_t k, const dexpert * ex,
+                         int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, int fl) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl);
+    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl);
 }
 
-// Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false) or with the shared slot.
+// Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false; T tokens) or with the shared slot
+// (T == 1).
 template <bool SH>
-void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
-                      int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err, cudaStream_t st, int cfg,
-                      const dmoe_shared & sh) {
+void launch_bf16_pair(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+                      const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
+                      cudaStream_t st, int cfg, const dmoe_shared & sh) {
     const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
     // the loads before the PDL wait (cuda_options::moe_bf16_early): 1 = down and the shared slot, 2 = down only
     const int ed = cfg / 100 % 10;
@@ -316,15 +327,15 @@ void launch_bf16_pair(const float * x, int64_t Din, const int32_t * ids, const f
     const int fl_gu = (early_sh ? 1 : 0) | ef, fl_dn = (early_dn ? 1 : 0) | ef;
     if (stage != 2) {
         switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
-            case 8: launch_bf16_gate_up<8, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
-            default: launch_bf16_gate_up<9, SH>(x, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
+            case 4: launch_bf16_gate_up<4, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
+            default: launch_bf16_gate_up<9, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
         }
     }
     if (stage != 1) {
         const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
-        else launch_bf16_down_nu<8, SH>(hbuf, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, T, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
+        else launch_bf16_down_nu<8, SH>(hbuf, T, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
     }
 }
 
@@ -340,11 +351,11 @@ bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, i
     return down_form(k, c.d_out, cfg % 100 / 10) != 0;
 }
 
-bool launch_moe_bf16_decode(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
+bool launch_moe_bf16_decode(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
                             cudaStream_t st, int cfg) {
-    if (!moe_bf16_decode_supported(Din, k, c, cfg)) return false;
-    launch_bf16_pair<false>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{});
+    if (!moe_bf16_decode_supported(Din, k, c, cfg) || T < 1 || T * k > 65535) return false;
+    launch_bf16_pair<false>(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{});
     return true;
 }
 
@@ -374,7 +385,7 @@ cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const in
                            static_cast<const void *>(sh.sum), sh.w.gate.w, sh.w.up.w, sh.w.down.w})
         if (!a16(p)) return cudaErrorInvalidValue;
     if (sh.res && (!a16(sh.res) || !a16(sh.sum2))) return cudaErrorInvalidValue;
-    launch_bf16_pair<true>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh);
+    launch_bf16_pair<true>(x, 1, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh);
     return cudaGetLastError();
 }
 

@@ -5,6 +5,7 @@
 #include "backend/cuda/fp4.cuh"
 #include "backend/cuda/smem-attr.cuh"
 
+#include <atomic>
 #include <climits>
 #include <mma.h>
 
@@ -1746,12 +1747,14 @@ __device__ __forceinline__ const uint32_t * v6_setup(v6_lane<NM> & p, const uint
     return ((g & 1) ? xs_lo : xs_hi) + t * 16;
 }
 
-// hbuf [k, F] for T == 1: grid (F / (16 W), k), F and Din multiples of 128; block W warps (16 W rows). U == 0: v6's
-// register pipeline of PD steps, dynamic shared v5_smem(Din); U > 0: v7's ring of NB batches of U steps (PD unused),
-// dynamic shared v7_smem<2, W, U, NB>(Din). Block (0, 0) zeroes the n_cnt combine counters of the down kernel that follows.
+// hbuf [T k, F]: grid (F / (16 W), T k), F and Din multiples of 128; block W warps (16 W rows). Slot j = blockIdx.y is
+// pick j % k of token j / k (T == 1: slot j is pick j; T > 1: every (token, pick) pair is a slot of its own, the "pair
+// form", see launch_v6). U == 0: v6's register pipeline of PD steps, dynamic shared v5_smem(Din); U > 0: v7's ring of NB
+// batches of U steps (PD unused), dynamic shared v7_smem<2, W, U, NB>(Din). Block (0, 0) zeroes the n_cnt combine
+// counters of the down kernel that follows.
 template <int PD, int MINB, int W = k_v5_warps, int U = 0, int NB = 0>
 __global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * __restrict__ x, int64_t Din,
-                                                                const int32_t * __restrict__ ids,
+                                                                const int32_t * __restrict__ ids, int k,
                                                                 const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
                                                                 float * __restrict__ hbuf, int * err, int * __restrict__ cnt,
                                                                 int n_cnt) {
@@ -1760,6 +1763,7 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * _
         for (int i = threadIdx.x; i < n_cnt; i += blockDim.x) cnt[i] = 0;
     extern __shared__ uint32_t xs_v5[];
     const int j = blockIdx.y;
+    x += int64_t(j / k) * Din;   // the slot's token
     const int32_t e = ids[j];
     if (e < 0 || e >= E) {   // the whole block leaves: no barrier is reached
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
@@ -1793,10 +1797,11 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * _
     }
 }
 
-// ybuf [k, Dout] = down_{ids[j]} h_j (unweighted), then y = sum_j w_j ybuf_j by the last block of each 16 W-row tile:
-// grid (Dout / (16 W), k), Dout and F multiples of 128; block W warps; dynamic shared v5_smem(F) (U == 0: v6) or
-// v7_smem<1, W, U, NB>(F) (U > 0: the v7 ring, PD unused); cnt [Dout / (16 W)] zeroed by the gate/up kernel. A slot with an
-// invalid id writes nothing and contributes 0 (as k_moe_combine_g), but its block still counts.
+// ybuf [T k, Dout] = down_{ids[j]} h_j (unweighted), then y [t] = sum_j w_j ybuf_j over token t's k slots (in slot order)
+// by the last of its slots' blocks of each 16 W-row tile: grid (Dout / (16 W), T k), Dout and F multiples of 128; block W
+// warps; dynamic shared v5_smem(F) (U == 0: v6) or v7_smem<1, W, U, NB>(F) (U > 0: the v7 ring, PD unused); cnt [T,
+// Dout / (16 W)] zeroed by the gate/up kernel. A slot with an invalid id writes nothing and contributes 0 (as
+// k_moe_combine_g), but its block still counts. Token t's y is bit for bit a T == 1 launch's on its row alone.
 template <int PD, int MINB, int W = k_v5_warps, int U = 0, int NB = 0>
 __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float * __restrict__ hbuf,
                                                                   const int32_t * __restrict__ ids,
@@ -1808,6 +1813,7 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
     __shared__ int last;
     constexpr int R = 16 * W;   // rows per block
     const int j = blockIdx.y;
+    const int64_t t = j / k, j0t = t * k;   // the slot's token and its first slot
     const int32_t e = ids[j];
     const int64_t Dout = c.d_out;
     if (e >= 0 && e < E) {   // uniform over the block
@@ -1837,7 +1843,8 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
     }
     __threadfence();   // this block's ybuf rows before its count
     __syncthreads();
-    if (threadIdx.x == 0) last = (atomicAdd(cnt + blockIdx.x, 1) + 1) % int(k) == 0;   // modulo: a down-only benchmark
+    if (threadIdx.x == 0)   // modulo: a down-only benchmark
+        last = (atomicAdd(cnt + t * gridDim.x + blockIdx.x, 1) + 1) % int(k) == 0;
     __syncthreads();
     if (!last) return;
     __threadfence();   // the other slots' rows (their fence came before their count)
@@ -1848,9 +1855,9 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
             float v[8], wv[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int64_t jj = j0 + i;
+                const int64_t jj = j0t + j0 + i;
                 v[i] = wv[i] = 0.0f;
-                if (jj < k) {
+                if (j0 + i < k) {
                     const int32_t ej = ids[jj];
                     wv[i] = w[jj];
                     v[i] = (ej >= 0 && ej < E) ? __ldcg(ybuf + jj * Dout + r) : 0.0f;
@@ -1860,7 +1867,7 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
             for (int i = 0; i < 8; ++i)
                 if (j0 + i < k) a += wv[i] * v[i];
         }
-        y[r] = a;
+        y[t * Dout + r] = a;
     }
 }
 
@@ -1871,26 +1878,26 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
 // Each launcher checks the bounds its own (W, U) needs, so that a form table and a dispatch that disagreed could only
 // fail the launch, never run partial batches or a mismatched set of combine counters.
 template <int W, int U, int NB, int MINB>
-cudaError_t launch_v7_gate_up(const float * x, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
-                              const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
+cudaError_t launch_v7_gate_up(const float * x, int64_t T, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts,
+                              int64_t E, const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
     if ((Din / 32) % (4 * U) != 0 || Din % 128 != 0 || c.d_ff % (16 * W) != 0) return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_gate_up_v6<1, MINB, W, U, NB>;
     const cudaError_t attr = smem_attr<kern>(v7_smem<2, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
-    return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din, ids,
-                    experts, E, c, hbuf, err, cnt, n_cnt);
+    return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(T * k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din,
+                    ids, int(k), experts, E, c, hbuf, err, cnt, n_cnt);
 }
 template <int W, int U, int NB, int MINB>
-cudaError_t launch_v7_down(const float * hbuf, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
+cudaError_t launch_v7_down(const float * hbuf, int64_t T, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                            const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, int n_cnt, float * y,
                            cudaStream_t st) {
-    if ((c.d_ff / 32) % (4 * U) != 0 || c.d_ff % 128 != 0 || c.d_out % (16 * W) != 0 || n_cnt != c.d_out / (16 * W))
+    if ((c.d_ff / 32) % (4 * U) != 0 || c.d_ff % 128 != 0 || c.d_out % (16 * W) != 0 || n_cnt != T * (c.d_out / (16 * W)))
         return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_down_comb_v6<1, MINB, W, U, NB>;
     const cudaError_t attr = smem_attr<kern>(v7_smem<1, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
-    return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf, ids,
-                    experts, E, c, ybuf, w, k, cnt, y);
+    return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(T * k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf,
+                    ids, experts, E, c, ybuf, w, k, cnt, y);
 }
 
 // The v7 forms, (warps W, steps per batch U, batches NB, blocks per SM), gate/up by cfg / 100 % 10, down + combine by
@@ -1905,53 +1912,59 @@ struct v7_form { int W, U; };
 inline v7_form v7_gu_form(int gu) { return gu == 2 ? v7_form{4, 4} : gu == 3 ? v7_form{2, 4} : gu == 4 ? v7_form{8, 2} : v7_form{4, 2}; }
 inline v7_form v7_dn_form(int dn) { return dn == 2 ? v7_form{8, 4} : dn == 3 ? v7_form{4, 4} : v7_form{8, 2}; }
 
-// v6 when every bound holds (else v5): Din, d_ff, d_out multiples of 128, the Dout / 128 counters fit in gw (n_gw ints).
+// v6 when every bound holds (else false: the caller runs v5 at T == 1, the grouped kernels at T > 1): Din, d_ff, d_out
+// multiples of 128, the T x Dout / 128 counters fit in gw (n_gw ints), T k <= 65535 slots.
+// T > 1, the pair form (cuda_options::moe_decode_pairs_mxfp4): every (token, pick) pair is a slot of the T == 1 kernels
+// (grid T k, the token's x staged per block, one combine counter set per token), so each token's y is bit for bit what
+// a T == 1 launch gives on that token alone; an expert picked by n tokens of the step is read n times (no grouping).
 // cfg / 1000 % 10 == 2: the v7 kernels (v7_gu_form / v7_dn_form) where also nu % 4U == 0 for both K (else v6); *launch_err
 // gets a failed attribute call or launch.
 // Forms (cfg / 100 % 10, cfg / 10 % 10 as v5's digits): gate/up 0/1 = PD 1 at 3 blocks/SM, 2 = PD 2 at 2; down 0/1 = PD 2
 // at 4, 2 = PD 3 at 2, 4 = PD 2 at 3. Stages (cfg % 10): 0 both, 1 gate/up only, 2 down (+ combine) only.
-bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
-                   int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int32_t * gw, int64_t n_gw,
-                   int * err, cudaStream_t st, int cfg, cudaError_t * launch_err) {
+bool launch_v6(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
+               int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int32_t * gw, int64_t n_gw, int * err,
+               cudaStream_t st, int cfg, cudaError_t * launch_err) {
     const int64_t tiles = c.d_out / k_v5_rows;
-    if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || tiles > n_gw || k < 1 || k > 65535) return false;
+    if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || T < 1 || T * tiles > n_gw || k < 1 || T * k > 65535)
+        return false;
     int gu = cfg / 100 % 10, dn = cfg / 10 % 10;
     const int stages = cfg % 10;
     int * cnt = reinterpret_cast<int *>(gw);
     const v7_form fg = v7_gu_form(gu), fd = v7_dn_form(dn);
-    const int64_t vt = c.d_out / (16 * fd.W);   // the v7 down form's tiles = combine counters
+    const int64_t vt = c.d_out / (16 * fd.W);   // the v7 down form's tiles = combine counters per token
     // v7: the weight stream through a shared-memory ring in batches (same outputs); outside its bounds v6 below runs
     // with its default forms (v7's form digits name other forms there).
     bool v7 = cfg / 1000 % 10 == 2;
-    if (v7 && !((Din / 32) % (4 * fg.U) == 0 && (c.d_ff / 32) % (4 * fd.U) == 0 && vt <= n_gw)) v7 = false, gu = dn = 0;
+    if (v7 && !((Din / 32) % (4 * fg.U) == 0 && (c.d_ff / 32) % (4 * fd.U) == 0 && T * vt <= n_gw)) v7 = false, gu = dn = 0;
     if (v7) {
         cudaError_t e = cudaSuccess;
-        const int nc = int(vt);
+        const int nc = int(T * vt);
         if (stages != 2) {
-            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
-            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
-            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
-            else e = launch_v7_gate_up<4, 2, 3, 3>(x, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            else e = launch_v7_gate_up<4, 2, 3, 3>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
         }
         if (stages != 1 && e == cudaSuccess) {
-            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
-            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
-            else e = launch_v7_down<8, 2, 2, 4>(hbuf, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            else e = launch_v7_down<8, 2, 2, 4>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
         }
         *launch_err = e;
         return true;
     }
+    const int ki = int(k), nc = int(T * tiles);
     if (stages != 2) {
-        const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(k)};
+        const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(T * k)};
         if (gu == 2)
-            launch_k(k_moe_gate_up_v6<2, 2>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, experts, E, c, hbuf, err, cnt,
-                     int(tiles));
+            launch_k(k_moe_gate_up_v6<2, 2>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, ki, experts, E, c, hbuf, err,
+                     cnt, nc);
         else
-            launch_k(k_moe_gate_up_v6<1, 3>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, experts, E, c, hbuf, err, cnt,
-                     int(tiles));
+            launch_k(k_moe_gate_up_v6<1, 3>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, ki, experts, E, c, hbuf, err,
+                     cnt, nc);
     }
     if (stages != 1) {
-        const dim3 grid{unsigned(tiles), unsigned(k)};
+        const dim3 grid{unsigned(tiles), unsigned(T * k)};
         const float * hb = hbuf;
         if (dn == 2)
             launch_k(k_moe_down_comb_v6<3, 2>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
@@ -1968,9 +1981,16 @@ bool launch_v6_one(const float * x, int64_t Din, const int32_t * ids, const floa
 
 } // namespace
 
-int64_t moe_group_ints(int64_t T, int64_t k, int64_t E) {
-    const int64_t S = T * k, A = S < E ? S : E;
-    return 2 + 2 * A + 2 * S;
+namespace {
+std::atomic<int64_t> g_pair_launches[2];   // BF16, MXFP4
+}
+int64_t moe_pair_launches(int fmt) {
+    return fmt == 1 || fmt == 2 ? g_pair_launches[fmt - 1].load(std::memory_order_relaxed) : 0;
+}
+
+int64_t moe_group_ints(int64_t T, int64_t k, int64_t E, int64_t d_out) {
+    const int64_t S = T * k, A = S < E ? S : E, groups = 2 + 2 * A + 2 * S, counters = T * ((d_out + 63) / 64);
+    return groups > counters ? groups : counters;
 }
 
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
@@ -1990,18 +2010,26 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     float * hbuf = scratch;
     float * ybuf = scratch + S * c.d_ff;
     const bool one = T == 1;
-    if (one && o.dec_v5 && vfmt == 2 && Din <= k_v5_max_k && c.d_ff <= k_v5_max_k) {   // 3 launches (v5: fp16 tensor cores)
-        // v5_cfg's 1000s digit 1: the v6 kernels (cuda_options::moe_decode_v6) where their bounds hold, else v5.
-        // 2: the v7 kernels (cuda_options::moe_decode_v7) under the same bounds.
+    // T > 1 up to dec_pairs_fp4 / dec_pairs_bf16 tokens: the T == 1 kernels below with every (token, pick) pair as a slot
+    // (the pair form; no grouping launch and no combine launch); outside their bounds the grouped kernels further down.
+    if ((one || T <= o.dec_pairs_fp4) && o.dec_v5 && vfmt == 2 && Din <= k_v5_max_k && c.d_ff <= k_v5_max_k) {
+        // 3 launches (v5: fp16 tensor cores). v5_cfg's 1000s digit 1: the v6 kernels (cuda_options::moe_decode_v6) where
+        // their bounds hold, else v5 (T == 1 only). 2: the v7 kernels (cuda_options::moe_decode_v7) under the same bounds.
         cudaError_t e = cudaSuccess;
         const int ver = o.v5_cfg / 1000 % 10;
-        if ((ver != 1 && ver != 2) ||
-            !launch_v6_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E), err, st, o.v5_cfg, &e))
-            launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
-        return e != cudaSuccess ? e : cudaGetLastError();
+        const bool v6 = (ver == 1 || ver == 2) &&
+                        launch_v6(x, T, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E, c.d_out), err, st, o.v5_cfg, &e);
+        if (v6 || one) {
+            if (!v6) launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
+            if (!one) g_pair_launches[1].fetch_add(1, std::memory_order_relaxed);
+            return e != cudaSuccess ? e : cudaGetLastError();
+        }
     }
-    if (one && o.dec_bf16 && vfmt == 1 && launch_moe_bf16_decode(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg))
+    if ((one || T <= o.dec_pairs_bf16) && o.dec_bf16 && vfmt == 1 &&
+        launch_moe_bf16_decode(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg)) {
+        if (!one) g_pair_launches[0].fetch_add(1, std::memory_order_relaxed);
         return cudaGetLastError();   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below
+    }
     if (one && o.dec_v4 && (vfmt == 1 || vfmt == 2) && k <= 32) {   // 2 launches (v4: gate/up per slot, down + combine)
         if (vfmt == 1) launch_v4_one<1>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);
         else launch_v4_one<2>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);

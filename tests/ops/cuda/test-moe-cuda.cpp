@@ -14,6 +14,7 @@
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/cuda-ops.h"
+#include "dev-buffer.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -23,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <numeric>
 
 namespace perigee::test {
 namespace {
@@ -969,13 +971,13 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
     auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
-    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E, D)) * 4));
     auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * err = static_cast<int *>(dalloc(64));
     ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
     ASSERT_EQ(cudaMemcpyAsync(dw, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
     ASSERT_EQ(cuda::launch_fill_random(dx, D, 0, 11, -1.0f, 1.0f, st), cudaSuccess);
-    ASSERT_EQ(cudaMemsetAsync(gw, 0x7f, size_t(cuda::moe_group_ints(1, k, E)) * 4, st), cudaSuccess);   // garbage counters
+    ASSERT_EQ(cudaMemsetAsync(gw, 0x7f, size_t(cuda::moe_group_ints(1, k, E, D)) * 4, st), cudaSuccess);   // garbage counters
     const cuda::dexperts_cfg cfg{0, 1.0f, 0.0f, F, D};
     auto run = [&](const std::vector<int32_t> & ids, int v5cfg, int & flag) {
         cuda::dmoe_opts o;
@@ -1033,6 +1035,203 @@ TEST(cuda_moe, decode_v6_invalid_ids) {
     cudaStreamDestroy(st);
 }
 
+// ---- 7b. The pair form: decode batches (1 < T) on the T == 1 kernels, every (token, pick) pair a slot of its own ----
+// (cuda_options::moe_decode_pairs_mxfp4 / _bf16; moe.cu launch_v6, moe-bf16-decode.cu.) Straight through
+// launch_moe_experts_grouped with the experts on the device: each token's row of the T-token launch must be BIT FOR BIT a
+// T == 1 launch on that token alone (its x row, ids and weights), for MXFP4 on v6 (v5_cfg 1000) and v7 (2000), and for
+// BF16 (down forms R 3, R 2 and NS 2 at k 12). Ids: random, so that experts repeat across tokens (read once per pick);
+// in two cases an invalid id (-1) among token 2's picks: flagged, that slot contributes 0, the rows still bitwise. The
+// pair launch counter must advance by one per launch, and stay still with the pair form off: the grouped kernels then
+// run, and their y must be within the f32 tolerance of the pair form's (valid ids). Controls that must FAIL: token 1's
+// row against token 0's T == 1 row (bitwise: the rows really are the tokens' own), and one row with one ulp moved.
+TEST(cuda_moe, decode_pairs_direct) {
+    NEED_GPU();
+    struct shape { int vfmt; int64_t D, F, E, k, T; int cfg; bool invalid; };
+    const shape shapes[] = {{2, 1024, 1024, 16, 4, 8, 1000, false}, {2, 1024, 1024, 16, 4, 8, 2000, true},
+                            {2, 3584, 3072, 40, 16, 5, 2000, false}, {2, 640, 512, 12, 4, 24, 2000, false},
+                            {1, 2304, 1024, 32, 8, 8, 0, false},     {1, 2304, 1024, 32, 8, 6, 10, true},
+                            {1, 1024, 2048, 24, 12, 4, 0, false}};
+    auto bitwise = [](const float * a, const float * b, size_t n) { return std::memcmp(a, b, n * 4) == 0; };
+    for (const shape & sh : shapes) {
+        const int64_t D = sh.D, F = sh.F, E = sh.E, k = sh.k, T = sh.T;
+        const std::string nm = fmt::format("moe-pairs/{}/D{}/F{}/E{}/k{}/T{}/cfg{}{}", sh.vfmt == 2 ? "mxfp4" : "bf16", D, F, E,
+                                           k, T, sh.cfg, sh.invalid ? "/invalid-id" : "");
+        const uint64_t seed = 900 + uint64_t(D + F + k * 7 + T * 131 + sh.cfg);
+        std::vector<std::unique_ptr<dev<uint8_t>>> store;   // the expert matrices (freed at the end of the shape)
+        auto mat = [&](int64_t out, int64_t in, uint64_t sd) {
+            cuda::dexpert_matrix m;
+            m.out = out;
+            m.in = in;
+            if (sh.vfmt == 1) {
+                store.push_back(std::make_unique<dev<uint8_t>>(size_t(out * in * 2)));
+                cu(cuda::launch_fill_random(store.back()->p, out * in, 1, sd, -0.2f, 0.2f, nullptr), "fill bf16");
+                m.w = store.back()->p;
+                m.type = cuda::wtype::BF16;
+                return m;
+            }
+            store.push_back(std::make_unique<dev<uint8_t>>(size_t(out * in / 2)));
+            cu(cuda::launch_fill_random(store.back()->p, out * in / 2, 3, sd, 0.0f, 255.0f, nullptr), "fill packed");
+            m.packed = store.back()->p;
+            store.push_back(std::make_unique<dev<uint8_t>>(size_t(out * in / 32)));
+            cu(cuda::launch_fill_random(store.back()->p, out * in / 32, 3, sd + 1, 118.0f, 121.0f, nullptr), "fill scales");
+            m.scale = store.back()->p;
+            m.fmt = 1;
+            return m;
+        };
+        std::vector<cuda::dexpert> hex(static_cast<size_t>(E));
+        for (int64_t e = 0; e < E; ++e) hex[size_t(e)] = {mat(F, D, seed + 10 * e), mat(F, D, seed + 10 * e + 3), mat(D, F, seed + 10 * e + 6)};
+        dev<uint8_t> dex_b(hex.size() * sizeof(cuda::dexpert));
+        cu(cudaMemcpy(dex_b.p, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice), "expert table");
+        cu(cudaDeviceSynchronize(), "fills");   // the fills ran on the legacy stream; the launches below use their own
+        const auto * dex = reinterpret_cast<const cuda::dexpert *>(dex_b.p);
+        rng r(static_cast<uint32_t>(seed));
+        std::vector<int32_t> hids(size_t(T * k));
+        std::vector<float> hw(size_t(T * k));
+        for (int64_t t = 0; t < T; ++t) {   // k distinct experts per token, random weights in (0.05, 0.5)
+            std::vector<int32_t> perm(static_cast<size_t>(E));
+            std::iota(perm.begin(), perm.end(), 0);
+            for (int64_t i = 0; i < k; ++i) std::swap(perm[size_t(i)], perm[size_t(r.randint(int(i), int(E - 1)))]);
+            for (int64_t i = 0; i < k; ++i) {
+                hids[size_t(t * k + i)] = perm[size_t(i)];
+                hw[size_t(t * k + i)] = r.uniform(0.05f, 0.5f);
+            }
+        }
+        if (sh.invalid) hids[size_t(2 * k + 1)] = -1;
+        dev<float> dx(r.vec(size_t(T * D))), dw(hw), scratch(size_t(T * k * (F + D))), y(size_t(T * D));
+        dev<int32_t> dids(hids), gw(size_t(cuda::moe_group_ints(T, k, E, D))), err(16);
+        cudaStream_t st;
+        cu(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+        // tokens [t0, t0 + n) as one launch; pairs: the pair form on (else the grouped kernels); flag: ERR_EXPERT_ID
+        auto run = [&](int64_t t0, int64_t n, bool pairs, int & flag) {
+            cuda::dmoe_opts o;
+            o.dec_v4 = o.dec_v5 = true;
+            o.v5_cfg = sh.cfg;
+            o.dec_bf16 = true;
+            o.bf16_cfg = sh.cfg;
+            o.dec_pairs_fp4 = o.dec_pairs_bf16 = pairs ? 64 : 0;
+            std::vector<float> out(size_t(n * D));
+            cu(cudaMemsetAsync(err.p, 0, 64, st), "memset err");
+            cu(cudaMemsetAsync(y.p, 0xff, size_t(T * D) * 4, st), "memset y");   // NaN: an unwritten row shows
+            cu(cudaMemsetAsync(gw.p, 0x7f, gw.n * 4, st), "memset gw");            // garbage counters
+            cu(cuda::launch_moe_experts_grouped(sh.vfmt, dx.p + t0 * D, n, D, dids.p + t0 * k, dw.p + t0 * k, k, dex, E,
+                                                cuda::dexperts_cfg{1, 2.0f, 3.0f, F, D}, scratch.p, gw.p, y.p, err.p, st, o),
+               "launch_moe_experts_grouped");
+            cu(cudaMemcpyAsync(out.data(), y.p, out.size() * 4, cudaMemcpyDeviceToHost, st), "download y");
+            int herr[16] = {};
+            cu(cudaMemcpyAsync(herr, err.p, sizeof(herr), cudaMemcpyDeviceToHost, st), "download err");
+            cu(cudaStreamSynchronize(st), "sync");
+            flag = herr[cuda::ERR_EXPERT_ID];
+            return out;
+        };
+        const int fmt = sh.vfmt == 2 ? 2 : 1;
+        int flag = 0;
+        const int64_t c0 = cuda::moe_pair_launches(fmt);
+        const auto yp = run(0, T, true, flag);
+        const int64_t ran = cuda::moe_pair_launches(fmt) - c0;
+        const bool flagged_ok = sh.invalid ? flag != 0 : flag == 0;
+        std::printf("[%s/pair launches %lld, flag %d] %s\n", nm.c_str(), static_cast<long long>(ran), flag,
+                    ran == 1 && flagged_ok ? "PASS" : "FAIL");
+        EXPECT_EQ(ran, 1) << nm << ": the pair form did not run";
+        EXPECT_TRUE(flagged_ok) << nm;
+        tally(ran == 1 && flagged_ok);
+        std::vector<float> y1(size_t(T * D));
+        for (int64_t t = 0; t < T; ++t) {
+            int f1 = 0;
+            const auto row = run(t, 1, true, f1);
+            std::copy(row.begin(), row.end(), y1.begin() + t * D);
+        }
+        int n_same = 0;
+        for (int64_t t = 0; t < T; ++t) n_same += bitwise(yp.data() + t * D, y1.data() + t * D, size_t(D));
+        std::printf("[%s/each token vs its T == 1 launch] %d of %lld rows bitwise equal: %s\n", nm.c_str(), n_same,
+                    static_cast<long long>(T), n_same == T ? "PASS" : "FAIL");
+        EXPECT_EQ(n_same, T) << nm;
+        tally(n_same == T);
+        {   // controls: another token's row, and one ulp, must both be seen by the bitwise comparator
+            const bool other = bitwise(yp.data() + D, y1.data(), size_t(D));
+            auto bad = yp;
+            bad[size_t(D + 7)] = std::nextafter(bad[size_t(D + 7)], INFINITY);
+            const bool ulp = bitwise(bad.data() + D, y1.data() + D, size_t(D));
+            std::printf("[%s/control(token 1's row vs token 0's; one ulp)] %s / %s (both must differ)\n", nm.c_str(),
+                        other ? "EQUAL: FAIL" : "differ: PASS", ulp ? "EQUAL: FAIL" : "differ: PASS");
+            EXPECT_FALSE(other) << nm;
+            EXPECT_FALSE(ulp) << nm;
+            tally(!other && !ulp);
+        }
+        if (!sh.invalid) {   // the grouped kernels (pair form off): no pair launch, y within the f32 tolerance
+            const int64_t c1 = cuda::moe_pair_launches(fmt);
+            const auto yg = run(0, T, false, flag);
+            const bool still = cuda::moe_pair_launches(fmt) == c1;
+            const bool near = check(nm + "/grouped kernels vs pair form", to_f64(yp), yg, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(still) << nm << ": the pair form ran with its switch off";
+            EXPECT_TRUE(near) << nm;
+            tally(still && near);
+        }
+        cudaStreamDestroy(st);
+    }
+}
+
+// The pair form through the backend, from a routed graph (x -> MOE_ROUTE -> MOE_EXPERTS) at T tokens vs the CPU
+// reference: ids exact, y at the f32 tolerance; the pair launch counter advanced (the form really ran); three graph
+// replays bitwise the eager run (the combine counters are re-zeroed inside the graph). Shapes: MXFP4 D = F = 1024 T 8 top-4
+// of 16 (experts shared by tokens), D 640 / F 512 T 24 with x * 4e3 and scales 100..140 (v7's bounds fail there: v6),
+// K3's expert (3584 x 3072) T 3 top-16 of 64, top-1 T 5; BF16 the 48B's expert (2304 x 1024) T 8 top-8 of 32 and 1024 x
+// 2048 T 6 top-12 (the NS 2 down form). Controls that must FAIL: token 0's first two experts' weights swapped, at the f32
+// tolerance vs the CPU; the comparator family (10x perturbation, negative threshold).
+TEST(cuda_moe, decode_pairs_batch) {
+    NEED_GPU();
+    struct shape { int fmt, T, D, F, E, k, act, s_lo, s_hi; float xscale; };
+    const shape shapes[] = {{1, 8, 1024, 1024, 16, 4, 1, 116, 122, 1.0f}, {1, 24, 640, 512, 12, 4, 0, 100, 140, 4e3f},
+                            {1, 3, 3584, 3072, 64, 16, 1, 118, 121, 1.0f}, {1, 5, 1024, 1024, 6, 1, 0, 116, 122, 1.0f},
+                            {0, 8, 2304, 1024, 32, 8, 0, 0, 0, 1.0f},       {0, 6, 1024, 2048, 24, 12, 1, 0, 0, 1.0f}};
+    auto bitwise = [](const std::vector<float> & a, const std::vector<float> & b) {
+        return a.size() == b.size() && !a.empty() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 17000 + uint32_t(sh.D + sh.F + sh.k + sh.T * 7 + sh.fmt);
+        auto mc = moe_graph(sh.fmt, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale);
+        graph & g = mc->g;
+        const std::string nm = fmt::format("moe-pairs-graph/{}/T{}/D{}/F{}/k{}/x{}", fmt_name(sh.fmt), sh.T, sh.D, sh.F, sh.k,
+                                           sh.xscale);
+        cuda_options po{true, 8};
+        po.moe_decode_pairs_mxfp4 = po.moe_decode_pairs_bf16 = 64;
+        const int pf = sh.fmt == 1 ? 2 : 1;
+        const int64_t c0 = cuda::moe_pair_launches(pf);
+        EXPECT_TRUE(parity(nm, g, {{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}}, po)) << nm;
+        const int64_t ran = cuda::moe_pair_launches(pf) - c0;
+        std::printf("[%s/pair launches %lld] %s\n", nm.c_str(), static_cast<long long>(ran), ran >= 1 ? "PASS" : "FAIL");
+        EXPECT_GE(ran, 1) << nm << ": the pair form did not run";
+        tally(ran >= 1);
+        const auto got = run_cuda(g, mc->y, po);
+        {
+            cuda_options cap = po;
+            cap.guard = false;
+            auto gpu = backend_cuda_init(0, cap);
+            gpu->run(g);
+            const auto eager = read_f32(*gpu, mc->y);
+            gpu->capture(g);
+            gpu->replay(3);
+            const bool bit = bitwise(eager, read_f32(*gpu, mc->y)) && bitwise(eager, got);
+            std::printf("[%s/graph-replay x3] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(bit) << nm;
+            tally(bit);
+        }
+        auto cpu = backend_cpu_init();
+        cpu->run(g);
+        const auto ref = read_f32(*cpu, mc->y);
+        const auto ids = read_i32(*cpu, mc->ids);
+        if (sh.k >= 2) {
+            auto ms = moe_graph(sh.fmt, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, sh.s_lo, sh.s_hi, seed, 1.0f, sh.xscale, true, ids[0],
+                                ids[1]);
+            const bool swapped = check(nm + "/control(experts " + std::to_string(ids[0]) + " <-> " + std::to_string(ids[1]) +
+                                           " swapped vs f32 tolerance)",
+                                       to_f64(ref), run_cuda(ms->g, ms->y, po), metric::NMSE, k_tol_f32);
+            EXPECT_FALSE(swapped) << nm;
+            tally(!swapped);
+        }
+        controls(nm, ref, got, metric::NMSE, k_tol_f32);
+    }
+}
+
 // Microbenchmark (prints, asserts nothing but a clean run): K3's MXFP4 expert node at T == 1 (Din 3584, d_ff 3072, top-16,
 // SiTU) straight through launch_moe_experts_grouped, 64 experts on the device (1.1 GB; each launch takes the next set of
 // 16, so a set's 0.28 GB was last read 3 launches = 0.85 GB earlier: weights come from HBM, not the 50 MB L2). Per variant:
@@ -1076,7 +1275,7 @@ TEST(cuda_moe, bench_decode_k3_experts) {
     auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
     auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
-    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E, D)) * 4));
     auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * err = static_cast<int *>(dalloc(64));
     ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
@@ -1271,7 +1470,7 @@ TEST(cuda_moe, decode_bf16_direct) {
     auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
     auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
-    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E, D)) * 4));
     auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * err = static_cast<int *>(dalloc(64));
     ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
@@ -1378,7 +1577,7 @@ TEST(cuda_moe, bench_decode_48b_experts) {
     auto * dw = static_cast<float *>(dalloc(hw.size() * 4));
     auto * dx = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * scratch = static_cast<float *>(dalloc(size_t(k * (F + D)) * 4));
-    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E)) * 4));
+    auto * gw = static_cast<int32_t *>(dalloc(size_t(cuda::moe_group_ints(1, k, E, D)) * 4));
     auto * y = static_cast<float *>(dalloc(size_t(D) * 4));
     auto * err = static_cast<int *>(dalloc(64));
     ASSERT_EQ(cudaMemcpyAsync(dex, hex.data(), hex.size() * sizeof(cuda::dexpert), cudaMemcpyHostToDevice, st), cudaSuccess);
@@ -1550,7 +1749,7 @@ TEST(cuda_moe, decode_bf16_shared_direct) {
         if (with_shared) {
             o.rc = cuda::launch_moe_bf16_decode_shared(dx, D, dids, dw, k, dex, E, cfg, sh, hbuf, y, err, st, bcfg);
         } else {
-            EXPECT_TRUE(cuda::launch_moe_bf16_decode(dx, D, dids, dw, k, dex, E, cfg, hbuf, y, err, st, bcfg));
+            EXPECT_TRUE(cuda::launch_moe_bf16_decode(dx, 1, D, dids, dw, k, dex, E, cfg, hbuf, y, err, st, bcfg));
         }
         EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
         o.y = host_f(y, D, false);

@@ -14,6 +14,7 @@
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/prefill-ops.h"
+#include "dev-buffer.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -614,25 +615,14 @@ TEST(cuda_prefill, mla_attn_kernels_alone) {
             return o;
         };
 
-        auto up = [](const void * h, size_t bytes) {
-            void * p = nullptr;
-            EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 16)), cudaSuccess);
-            if (h && bytes) {
-                EXPECT_EQ(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-            }
-            return p;
-        };
-        auto * dq = static_cast<float *>(up(q.data(), q.size() * 4));
-        auto * dkv = static_cast<float *>(up(kv.data(), kv.size() * 4));
-        auto * dkr = static_cast<float *>(up(kr.data(), kr.size() * 4));
-        auto * dss = static_cast<int32_t *>(up(seq_start.data(), seq_start.size() * 4));
-        auto * dp0 = static_cast<int32_t *>(up(bc.pos0.data(), bc.pos0.size() * 4));
-        auto * dts = static_cast<int32_t *>(up(tok_seq.data(), tok_seq.size() * 4));
-        auto * planes = static_cast<uint16_t *>(up(nullptr, size_t(2 * P * (kvw + d.dr)) * 2));
-        uint16_t *kvh = planes, *kvl = kvh + P * kvw, *krh = kvl + P * kvw, *krl = krh + P * d.dr;
+        // device buffers (dev-buffer.h: freed at scope exit, also when an ASSERT ends the case early)
         const size_t on = size_t(T) * size_t(d.H * d.dv);
-        auto * dom = static_cast<float *>(up(nullptr, on * 4));
-        auto * dos = static_cast<float *>(up(nullptr, on * 4));
+        dev<float> q_b(q), kv_b(kv), kr_b(kr), om_b(on), os_b(on);
+        dev<int32_t> ss_b(seq_start), p0_b(bc.pos0), ts_b(tok_seq);
+        dev<uint16_t> planes_b(size_t(2 * P * (kvw + d.dr)));
+        float *dq = q_b.p, *dkv = kv_b.p, *dkr = kr_b.p, *dom = om_b.p, *dos = os_b.p;
+        const int32_t *dss = ss_b.p, *dp0 = p0_b.p, *dts = ts_b.p;
+        uint16_t *kvh = planes_b.p, *kvl = kvh + P * kvw, *krh = kvl + P * kvw, *krl = krh + P * d.dr;
         cuda::dbatch b;
         b.n_seq = n_seq, b.n_tok = T, b.seq_start = dss, b.pos0 = dp0, b.tok_seq = dts, b.max_pos = max_pos;
         const cuda::mla_shape ms{d.H, d.dn, d.dr, d.dv, 0};
@@ -647,10 +637,6 @@ TEST(cuda_prefill, mla_attn_kernels_alone) {
         std::vector<float> got_mma(on), got_simt(on);
         EXPECT_EQ(cudaMemcpy(got_mma.data(), dom, on * 4, cudaMemcpyDeviceToHost), cudaSuccess);
         EXPECT_EQ(cudaMemcpy(got_simt.data(), dos, on * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-        for (void * p : {static_cast<void *>(dq), static_cast<void *>(dkv), static_cast<void *>(dkr), static_cast<void *>(dss),
-                         static_cast<void *>(dp0), static_cast<void *>(dts), static_cast<void *>(planes), static_cast<void *>(dom),
-                         static_cast<void *>(dos)})
-            cudaFree(p);
 
         const auto ref = reference(true);
         for (const auto & [form, got] : {std::pair<const char *, const std::vector<float> &>{"mma", got_mma}, {"simt", got_simt}}) {
