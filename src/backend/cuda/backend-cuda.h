@@ -209,9 +209,10 @@ struct cuda_options {
     // on): k3-layers-4 B=8 17.86 -> 7.25 ms, B=16 29.43 -> 9.36, B=32 50.88 -> 14.36, B=64 82.19 -> 24.87 ms (MOE_EXPERTS
     // x3 76.2 -> 16.2 ms: 1 024 slots x 17.5 MB per layer at ~3.3 TB/s); B=1 unchanged (2.398 / 2.401). Tests: every
     // token's row bit for bit its T == 1 launch (decode_pairs_direct), CPU parity at the f32 tolerance from a routed
-    // graph (decode_pairs_batch, K3's expert shape included), memcheck / racecheck 0. On up to 64 (the measured range;
-    // steps of moe_mma_large_step tokens and more take the tensor-core experts anyway).
-    int moe_decode_pairs_mxfp4 = 64;
+    // graph (decode_pairs_batch, K3's expert shape included), memcheck / racecheck 0. Call B: B=128 91.13 -> 47.42 ms
+    // (64: 82.26 -> 25.87). On up to 128, the measured range (the time grows with the slots, T x 16, so somewhere below
+    // moe_mma_large_step = 256, where the tensor-core experts take over, the grouped kernels would win again; not measured).
+    int moe_decode_pairs_mxfp4 = 128;
     // ... the same for BF16 experts (moe_decode_bf16's pair, moe-bf16-decode.cu: the 48B geometry). Measured (same call):
     // 48B B=8 11.85 -> 10.88 ms, B=16 17.50 -> 17.60, B=32 28.44 -> 29.06, B=64 37.66 -> 51.86 ms: BF16 experts are 4x
     // the bytes of MXFP4 ones per row and the grouped kernels already read them at a good share of the copy rate, so the

@@ -75,6 +75,14 @@ void controls(const std::string & name, const std::vector<float> & ref, const st
     tally(!pert && !neg);
 }
 
+// Options for the tests of the grouped kernels (tensor-core and grouped GEMV experts) at T > 1: the pair form
+// (cuda_options::moe_decode_pairs_*, on by default for steps of up to 64 / 8 tokens) would take their steps instead.
+cuda_options grouped_path() {
+    cuda_options o{true, 8};
+    o.moe_decode_pairs_mxfp4 = o.moe_decode_pairs_bf16 = 0;
+    return o;
+}
+
 std::vector<float> run_cuda(graph & g, node_ref r, cuda_options opt) {
     auto gpu = backend_cuda_init(0, opt);
     gpu->check_supported(g);
@@ -155,11 +163,11 @@ TEST(cuda_moe, mma_split_prefill_f32_tolerance) {
                 graph g = bd.finish(y);
                 const std::string nm = fmt::format("moe-mma/{}/{}/T{}/D{}/F{}", fmt_name(fmt), act == 1 ? "situ" : "silu", T, D, F);
                 const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {y, metric::NMSE, k_tol_f32}};
-                cuda_options o{true, 8};
+                cuda_options o = grouped_path();
                 o.moe_mma_tokens = 1;
                 EXPECT_TRUE(parity(nm + "/all-mma", g, oc, o)) << nm;
                 if (T == 64) {
-                    cuda_options mix{true, 8};
+                    cuda_options mix = grouped_path();
                     mix.moe_mma_tokens = 8;
                     EXPECT_TRUE(parity(nm + "/mixed-8", g, oc, mix)) << nm;
                 }
@@ -208,7 +216,7 @@ TEST(cuda_moe, mma_v2_prefill_f32_tolerance) {
                 graph g = bd.finish(y);
                 const std::string nm = fmt::format("moe-mma-v2/{}/{}/T{}/D{}/F{}", fmt_name(fmt), act == 1 ? "situ" : "silu", T, D, F);
                 const std::vector<out_check> oc{{ids, metric::NMSE, 0, true}, {y, metric::NMSE, k_tol_f32}};
-                cuda_options v2{true, 8};
+                cuda_options v2 = grouped_path();
                 v2.moe_mma_tokens = 1;
                 v2.moe_mma_v2 = true;
                 v2.moe_mma_v3 = v2.moe_mma_v4 = false;   // (no shape here is in their bounds; pinned all the same)
@@ -420,7 +428,7 @@ TEST(cuda_moe, mma_v3_prefill) {
         const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
         for (int n_min : {1, 8}) {
             if (n_min == 8 && sh.T != 64 && sh.T != 24) continue;
-            cuda_options v2{true, 8};
+            cuda_options v2 = grouped_path();
             v2.moe_mma_tokens = n_min;
             v2.moe_mma_large_step = 0;
             v2.moe_mma_v2 = true;
@@ -453,7 +461,7 @@ TEST(cuda_moe, mma_v3_prefill) {
             controls(nmt + "/v3", ref, y3, metric::NMSE, k_tol_f32);
         }
         if (!in_bounds) continue;
-        cuda_options v3{true, 8};
+        cuda_options v3 = grouped_path();
         v3.moe_mma_tokens = 1;
         v3.moe_mma_large_step = 0;
         v3.moe_mma_v3 = true;
@@ -498,7 +506,7 @@ TEST(cuda_moe, mma_v4_prefill) {
         const bool in_bounds = sh.D % 512 == 0 && sh.F % 512 == 0;
         for (int n_min : {1, 8}) {
             if (n_min == 8 && sh.T != 64 && sh.T != 24) continue;
-            cuda_options v3{true, 8};
+            cuda_options v3 = grouped_path();
             v3.moe_mma_tokens = n_min;
             v3.moe_mma_large_step = 0;
             v3.moe_mma_v3 = true;
@@ -570,7 +578,7 @@ TEST(cuda_moe, mma_v4_bf16_prefill) {
         const auto ref = read_f32(*cpu, mc->y);
         for (int n_min : {1, 8}) {
             if (n_min == 8 && sh.T != 64 && sh.T != 24) continue;
-            cuda_options v1{true, 8};
+            cuda_options v1 = grouped_path();
             v1.moe_mma_tokens = n_min;
             v1.moe_mma_large_step = 0;
             v1.moe_mma_v4_bf16 = false;
@@ -698,7 +706,7 @@ TEST(cuda_moe, small_v4_batch) {
         for (int mt : {8, 0}) {
             const std::string nm = fmt::format("moe-small-v4/{}/T{}/D{}/F{}/k{}/mma{}", fmt_name(sh.fmt), sh.T, sh.D, sh.F, sh.k, mt);
             const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
-            cuda_options v4{true, 8};
+            cuda_options v4 = grouped_path();
             v4.moe_small_v4 = true;
             v4.moe_mma_tokens = mt;
             EXPECT_TRUE(parity(nm, g, oc, v4)) << nm;
