@@ -92,7 +92,7 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
     [](CLI::App & sub) {
         struct opts {
             std::string model, synthetic, batches = "1,8,32", backend = "cpu";
-            int prompt_len = 64, decode = 32, budget = 2048;
+            int prompt_len = 64, decode = 32, budget = 0;
         };
         auto o = std::make_shared<opts>();
         sub.add_option("--model", o->model, "model directory");
@@ -100,7 +100,8 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
         sub.add_option("--prompt-len", o->prompt_len, "prompt tokens per request")->capture_default_str()->check(CLI::Range(1, 1 << 20));
         sub.add_option("--decode", o->decode, "generated tokens per request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
         sub.add_option("--batch", o->batches, "comma-separated batch sizes")->capture_default_str();
-        sub.add_option("--max-batched-tokens", o->budget, "per-step token budget")->capture_default_str();
+        sub.add_option("--max-batched-tokens", o->budget, "per-step token budget (0: the backend's default, cpu 512, cuda 2048)")
+            ->capture_default_str()->check(CLI::Range(0, 1 << 20));
         sub.add_option("--backend", o->backend, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
         return std::function<int()>([o] {
             PG_CHECK(o->model.empty() != o->synthetic.empty(), "bench: give exactly one of --model DIR or --synthetic PRESET");
@@ -125,6 +126,7 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
             ro.max_tokens = o->prompt_len + o->decode;
             ro.backend = o->backend;
             model_runner r(dir, ro);
+            if (o->budget == 0) o->budget = r.be().step_tokens_default();
             std::printf("bench: %s, backend %s, prompt %d, decode %d, budget %d tokens/step\n",
                         o->synthetic.empty() ? dir.c_str() : ("synthetic " + o->synthetic).c_str(), r.be().name().c_str(),
                         o->prompt_len, o->decode, o->budget);

@@ -94,7 +94,7 @@ public:
         engine_options eo;
         eo.max_num_seqs = 1;
         eo.max_model_len = a.max_model_len;
-        eo.max_num_batched_tokens = 512;
+        eo.max_num_batched_tokens = runner_->be().step_tokens_default();
         eo.page_size = opt.page_size;
         eng_ = std::make_unique<engine>(*runner_, eo);
         for (auto id : ct_.stop_ids())

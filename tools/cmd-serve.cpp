@@ -24,11 +24,7 @@ struct serve_args {
     std::string api_key_file;
     bool mock = false;
     double mock_decode_s = 0.0, mock_prefill_s = 0.0;
-    // 0: the backend's default. cpu 512 (a step is slow there; a small budget keeps other streams' decodes
-    // responsive); cuda 2048: every prefill chunk re-reads all the routed experts (the 48B geometry's ~94 GB), so the
-    // chunk size sets long-prompt throughput: 48B prefill 512 tokens 45.2 ms vs 2048 tokens 124.8 ms (11.3k vs 16.4k
-    // tok/s, bench/RESULTS.md session 13) at the price of a ~125 ms decode stall while a 2048-token chunk runs (vLLM
-    // picks 8192 on H100 / H200-class GPUs for its API server).
+    // 0: the backend's default (backend::step_tokens_default: cpu 512, cuda 2048; the reasons are there).
     int max_num_batched_tokens = 0;
     double drain_timeout_s = 30.0;
     // TEST-ONLY fault drill (server/fault_drill.h): NaN logits for prompts containing this id.
@@ -91,7 +87,7 @@ int run_serve(serve_args & a) {
         eo.max_num_seqs = a.so.max_num_seqs;
         eo.max_model_len = a.so.max_model_len;
         eo.max_queue = a.so.max_queue;
-        eo.max_num_batched_tokens = a.max_num_batched_tokens > 0 ? a.max_num_batched_tokens : a.backend == "cuda" ? 2048 : 512;
+        eo.max_num_batched_tokens = a.max_num_batched_tokens > 0 ? a.max_num_batched_tokens : runner->be().step_tokens_default();
         if (a.max_num_batched_tokens == 0)
             std::fprintf(stderr, "perigee serve: --max-num-batched-tokens %d (the %s backend's default)\n",
                          eo.max_num_batched_tokens, a.backend.c_str());

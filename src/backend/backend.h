@@ -71,6 +71,9 @@ class backend {
 public:
     virtual ~backend() = default;
     virtual std::string name() const = 0;
+    // The per-step token budget (engine_options::max_num_batched_tokens: the longest prefill chunk of a step) a caller
+    // should use when its user gives none: the chunk size this backend runs well. serve, chat and bench ask for it.
+    virtual int step_tokens_default() const = 0;
     // Throws perigee::error naming the first node (name and op) this backend cannot run.
     virtual void check_supported(const graph & g) const = 0;
     // Called after each node has run, with host copies (F32 or I32) of its outputs. For node-by-node

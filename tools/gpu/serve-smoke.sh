@@ -209,12 +209,16 @@ done
 
 # 4. The long prompt: identical text, and the per-step budgets seen in the engine-step counts (the servers are idle
 # between requests, so a request's step delta is its prefill chunks plus one step per further generated token).
-for be in cpu "$SECOND"; do
-  want=$([ "$be" = cpu ] && echo 512 || echo 2048)
-  if grep -q -- "--max-num-batched-tokens $want (the $be backend's default)" "$OUT/serve-$be-$([ "$be" = cpu ] && echo $PORT_CPU || echo $PORT_CUDA).log"; then
-    echo "PASS budget: serve --backend $be runs the default budget $want"
-  else echo "FAIL budget: serve --backend $be log does not name the default budget $want"; fail=1; fi
-done
+# budget_named BACKEND PORT: the log of the server started as `start BACKEND PORT` names that backend's default budget
+# (backend::step_tokens_default: cpu 512, cuda 2048).
+budget_named() {
+  local be=$1 port=$2 want; want=$([ "$1" = cpu ] && echo 512 || echo 2048)
+  if grep -q -- "--max-num-batched-tokens $want (the $be backend's default)" "$OUT/serve-$be-$port.log"; then
+    echo "PASS budget: serve --backend $be (port $port) runs the default budget $want"
+  else echo "FAIL budget: serve --backend $be (port $port) log does not name the default budget $want"; fail=1; fi
+}
+budget_named cpu "$PORT_CPU"
+budget_named "$SECOND" "$PORT_CUDA"
 sa0=$(steps "$PORT_CPU"); sb0=$(steps "$PORT_CUDA")
 a=$(long "$PORT_CPU"); ra=$?
 b=$(long "$PORT_CUDA"); rb=$?

@@ -271,6 +271,9 @@ public:
     }
 
     std::string name() const override { return "cpu"; }
+    // A step is slow here (seconds for a long chunk of a real model): a small budget keeps the other streams' decodes
+    // responsive, and the CPU's prefill rate hardly depends on the chunk length.
+    int step_tokens_default() const override { return 512; }
 
     void check_supported(const graph & g) const override {
         for (int i = 0; i < int(g.nodes.size()); ++i) check_node(g, i);
