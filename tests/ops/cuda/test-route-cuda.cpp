@@ -18,6 +18,7 @@
 // The cases skip (saying why) on a machine without a CUDA device.
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/prefill-ops.h"
+#include "dev-buffer.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -29,6 +30,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -37,6 +39,9 @@
 
 namespace perigee::cuda {
 namespace {
+
+using test::cu;
+using test::dev;
 
 bool have_gpu() {
     int n = 0;
@@ -62,37 +67,24 @@ const char * kind_name(kind k) { return k == kind::warp ? "warp" : k == kind::so
 
 // Runs one selection kernel on the device over logits [T, E].
 result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
-    float *dl = nullptr, *db = nullptr, *dw = nullptr;
-    int32_t * di = nullptr;
-    cudaMalloc(reinterpret_cast<void **>(&dl), logits.size() * 4);
-    cudaMemcpy(dl, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice);
-    if (c.bias) {
-        cudaMalloc(reinterpret_cast<void **>(&db), bias.size() * 4);
-        cudaMemcpy(db, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice);
-    }
-    cudaMalloc(reinterpret_cast<void **>(&di), size_t(c.T * c.k) * 4);
-    cudaMalloc(reinterpret_cast<void **>(&dw), size_t(c.T * c.k) * 4);
-    cudaMemset(di, 0xff, size_t(c.T * c.k) * 4);   // sentinels: an unwritten slot shows up as -1 / NaN
-    cudaMemset(dw, 0xff, size_t(c.T * c.k) * 4);
+    dev<float> dl(logits), dw(size_t(c.T * c.k));
+    std::unique_ptr<dev<float>> db;
+    if (c.bias) db = std::make_unique<dev<float>>(bias);
+    dev<int32_t> di(size_t(c.T * c.k));
+    cu(cudaMemset(di.p, 0xff, di.n * 4), "memset ids");   // sentinels: an unwritten slot shows up as -1 / NaN
+    cu(cudaMemset(dw.p, 0xff, dw.n * 4), "memset w");
     const droute r{c.E, c.k, c.n_group, c.topk_group, c.renorm, 2.5f, c.softmax ? 1 : 0};
-    const dweight bw{db, wtype::F32};
+    const dweight bw{db ? db->p : nullptr, wtype::F32};
     cudaStream_t st;
-    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl, c.T, bw, r, di, dw, st)
-                          : kk == kind::sort  ? launch_moe_select_sort(dl, c.T, bw, r, di, dw, st)
-                          : kk == kind::radix ? launch_moe_select_radix(dl, c.T, bw, r, di, dw, st)
-                                              : launch_moe_select(dl, c.T, bw, r, di, dw, st);
+    cu(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl.p, c.T, bw, r, di.p, dw.p, st)
+                          : kk == kind::sort  ? launch_moe_select_sort(dl.p, c.T, bw, r, di.p, dw.p, st)
+                          : kk == kind::radix ? launch_moe_select_radix(dl.p, c.T, bw, r, di.p, dw.p, st)
+                                              : launch_moe_select(dl.p, c.T, bw, r, di.p, dw.p, st);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
     cudaStreamDestroy(st);
-    result out{std::vector<int32_t>(size_t(c.T * c.k)), std::vector<float>(size_t(c.T * c.k))};
-    cudaMemcpy(out.ids.data(), di, out.ids.size() * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(out.w.data(), dw, out.w.size() * 4, cudaMemcpyDeviceToHost);
-    cudaFree(dl);
-    cudaFree(db);
-    cudaFree(di);
-    cudaFree(dw);
-    return out;
+    return result{di.down(), dw.down()};
 }
 
 // The reference's rule on the host (src/backend/cpu/moe.cpp moe_route_ref, from given logits).
@@ -308,40 +300,22 @@ struct fused_out {
 
 fused_out run_fused(int E, int k, int64_t D, const std::vector<uint16_t> & gate, const std::vector<float> & x,
                     const std::vector<float> & bias, unsigned counter0, cudaError_t * err = nullptr) {
-    void * dg = nullptr;
-    float *dx = nullptr, *db = nullptr, *dl = nullptr, *dw = nullptr;
-    int32_t * di = nullptr;
-    unsigned * dc = nullptr;
-    cudaMalloc(&dg, gate.size() * 2);
-    cudaMemcpy(dg, gate.data(), gate.size() * 2, cudaMemcpyHostToDevice);
-    cudaMalloc(reinterpret_cast<void **>(&dx), x.size() * 4);
-    cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice);
-    cudaMalloc(reinterpret_cast<void **>(&db), bias.size() * 4);
-    cudaMemcpy(db, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice);
-    cudaMalloc(reinterpret_cast<void **>(&dl), size_t(E) * 4);
-    cudaMalloc(reinterpret_cast<void **>(&di), size_t(k) * 4);
-    cudaMalloc(reinterpret_cast<void **>(&dw), size_t(k) * 4);
-    cudaMalloc(reinterpret_cast<void **>(&dc), 4);
-    cudaMemcpy(dc, &counter0, 4, cudaMemcpyHostToDevice);
-    cudaMemset(di, 0xff, size_t(k) * 4);
-    cudaMemset(dw, 0xff, size_t(k) * 4);
+    dev<uint16_t> dg(gate);
+    dev<float> dx(x), db(bias), dl(static_cast<size_t>(E)), dw(static_cast<size_t>(k));
+    dev<int32_t> di(static_cast<size_t>(k));
+    dev<unsigned> dc(std::vector<unsigned>{counter0});
+    cu(cudaMemset(di.p, 0xff, di.n * 4), "memset ids");
+    cu(cudaMemset(dw.p, 0xff, dw.n * 4), "memset w");
     const droute r{E, k, 1, 1, true, 2.5f, 0};
     cudaStream_t st;
-    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    const cudaError_t e = launch_moe_route_radix_fused(dx, D, {dg, wtype::BF16}, {db, wtype::F32}, r, dl, dc, di, dw, st);
+    cu(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    const cudaError_t e = launch_moe_route_radix_fused(dx.p, D, {dg.p, wtype::BF16}, {db.p, wtype::F32}, r, dl.p, dc.p, di.p,
+                                                       dw.p, st);
     if (err) *err = e;
     else EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
     cudaStreamDestroy(st);
-    fused_out o{std::vector<float>(size_t(E)), result{std::vector<int32_t>(size_t(k)), std::vector<float>(size_t(k))}, 0};
-    cudaMemcpy(o.logits.data(), dl, size_t(E) * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(o.r.ids.data(), di, size_t(k) * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(o.r.w.data(), dw, size_t(k) * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(&o.counter_after, dc, 4, cudaMemcpyDeviceToHost);
-    for (void * p : {dg, static_cast<void *>(dx), static_cast<void *>(db), static_cast<void *>(dl), static_cast<void *>(di),
-                     static_cast<void *>(dw), static_cast<void *>(dc)})
-        cudaFree(p);
-    return o;
+    return fused_out{dl.down(), result{di.down(), dw.down()}, dc.down().at(0)};
 }
 
 TEST(route_select, fused_t1) {
@@ -456,23 +430,19 @@ TEST(route_select, timing) {
             std::memcpy(&u, &f, 4);
             x = uint16_t(u >> 16);
         }
-        std::vector<void *> wc(static_cast<size_t>(copies));
-        for (auto & p : wc) {
-            cudaMalloc(&p, wbytes);
-            cudaMemcpy(p, hw.data(), wbytes, cudaMemcpyHostToDevice);
+        std::vector<std::unique_ptr<dev<uint16_t>>> wcb;   // copies of the router weight (L2-cold launches)
+        std::vector<void *> wc;
+        for (int i = 0; i < copies; ++i) {
+            wcb.push_back(std::make_unique<dev<uint16_t>>(hw));
+            wc.push_back(wcb.back()->p);
         }
         std::vector<float> hx(size_t(8 * g.D)), hb(size_t(g.E));
-        for (auto & x : hx) x = nd(rng);
+        for (auto & v : hx) v = nd(rng);
         for (auto & b : hb) b = nd(rng) * 0.01f;
-        float *x, *db, *lg, *w;
-        int32_t * ids;
-        cudaMalloc(reinterpret_cast<void **>(&x), hx.size() * 4);
-        cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
-        cudaMalloc(reinterpret_cast<void **>(&db), hb.size() * 4);
-        cudaMemcpy(db, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice);
-        cudaMalloc(reinterpret_cast<void **>(&lg), size_t(8 * g.E) * 4);
-        cudaMalloc(reinterpret_cast<void **>(&ids), size_t(8 * g.k) * 4);
-        cudaMalloc(reinterpret_cast<void **>(&w), size_t(8 * g.k) * 4);
+        dev<float> xb(hx), dbb(hb), lgb(size_t(8 * g.E)), wb(size_t(8 * g.k));
+        dev<int32_t> idsb(size_t(8 * g.k));
+        float *x = xb.p, *db = dbb.p, *lg = lgb.p, *w = wb.p;
+        int32_t * ids = idsb.p;
         const droute r{g.E, g.k, 1, 1, true, 2.5f, 0};
         const dweight bw{db, wtype::F32};
         using sel_fn = cudaError_t (*)(const float *, int64_t, dweight, const droute &, int32_t *, float *, cudaStream_t);
@@ -491,15 +461,13 @@ TEST(route_select, timing) {
                 std::printf(" | %s %.2f", sv.first,
                             tm.us([&](int) { EXPECT_EQ(sv.second(lg, T, bw, r, ids, w, st), cudaSuccess); }, nl));
             if (T == 1) {
-                unsigned * ctr;
-                cudaMalloc(reinterpret_cast<void **>(&ctr), 4);
-                cudaMemset(ctr, 0, 4);
+                dev<unsigned> ctrb(std::vector<unsigned>{0u});
+                unsigned * ctr = ctrb.p;
                 std::printf(" | fused %.2f", tm.us([&](int i) {
                                 EXPECT_EQ(launch_moe_route_radix_fused(x, g.D, dweight{wc[size_t(i % copies)], wtype::BF16}, bw, r, lg,
                                                                        ctr, ids, w, st),
                                           cudaSuccess);
                             }, nl));
-                cudaFree(ctr);
             }
             std::printf("\n[timing] %s route T=%d, GEMV + selection:", g.name, T);
             for (const auto & gv : gemvs)
@@ -510,12 +478,6 @@ TEST(route_select, timing) {
                                 }, nl));
             std::printf("\n");
         }
-        for (auto p : wc) cudaFree(p);
-        cudaFree(x);
-        cudaFree(db);
-        cudaFree(lg);
-        cudaFree(ids);
-        cudaFree(w);
     }
     cudaStreamDestroy(st);
 }
