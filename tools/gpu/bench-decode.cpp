@@ -361,6 +361,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_decode_bf16") co.moe_decode_bf16 = v != 0;
         else if (k == "moe_decode_pairs_mxfp4") co.moe_decode_pairs_mxfp4 = v;
         else if (k == "moe_decode_pairs_bf16") co.moe_decode_pairs_bf16 = v;
+        else if (k == "moe_decode_pairs_sorted") co.moe_decode_pairs_sorted = v != 0;
         else if (k == "moe_small_v4") co.moe_small_v4 = v != 0;
         else if (k == "moe_mma_tokens") co.moe_mma_tokens = v;
         else if (k == "moe_mma_v3") co.moe_mma_v3 = v != 0;

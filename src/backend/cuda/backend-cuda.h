@@ -218,6 +218,12 @@ struct cuda_options {
     // the bytes of MXFP4 ones per row and the grouped kernels already read them at a good share of the copy rate, so the
     // re-reads of experts shared by tokens cost more than the pair form saves from B=16 on. On up to 8.
     int moe_decode_pairs_bf16 = 8;
+    // The pair form's slots in expert order (moe.cu k_moe_slot_order, one more launch per MoE layer: a stable sort of the
+    // T k slots by expert id), so that the blocks re-reading an expert picked by several tokens run back to back and the
+    // later reads can hit L2 (MXFP4: gate/up and down + combine; BF16: gate/up). Outputs bit for bit the unsorted ones.
+    // Predicted (session 15, before its run): k3-layers-4 B=64 experts 16.2 -> ~11 ms (~40% of the slots re-read an
+    // expert); B=8 no change.
+    bool moe_decode_pairs_sorted = false;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
     // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).

@@ -1288,6 +1288,7 @@ private:
                     mo.dec_bf16 = opt_.moe_decode_bf16;
                     mo.dec_pairs_fp4 = opt_.moe_decode_pairs_mxfp4;
                     mo.dec_pairs_bf16 = opt_.moe_decode_pairs_bf16;
+                    mo.pairs_sorted = opt_.moe_decode_pairs_sorted;
                     mo.bf16_cfg = 100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0);
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));

@@ -221,6 +221,7 @@ struct dmoe_opts {
     bool dec_bf16 = false;  // T == 1, BF16, shapes of moe_bf16_decode_supported: moe-bf16-decode.cu (precedes dec_v4)
     int dec_pairs_fp4 = 0;  // 1 < T <= this, MXFP4: dec_v5's v6 / v7 kernels with each (token, pick) pair as a slot
     int dec_pairs_bf16 = 0; // 1 < T <= this, BF16: dec_bf16's pair the same way
+    bool pairs_sorted = false;  // the pair form's slots run in expert order (moe.cu k_moe_slot_order)
     int bf16_cfg = 0;       // benchmarks: launch_moe_bf16_decode's cfg; 0 = the defaults
     bool mma_v3 = false;    // tensor-core experts, MXFP4 with Din, d_ff multiples of 512: k_moe_mma3 (precedes mma_v2)
     bool mma_v4 = false;    // ... the wgmma form (moe-wgmma.cu; precedes mma_v3)
@@ -237,9 +238,11 @@ bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, i
 // False (nothing launched) when the shape is not supported. T tokens (x [T, Din], ids / w [T, k], y [T, d_out]); T > 1
 // is the pair form: every (token, pick) pair a slot of the T == 1 kernels, each token's y bit for bit a T == 1 launch's on
 // that token alone (cuda_options::moe_decode_pairs_bf16). hbuf: T * k * d_ff floats.
+// order (T > 1, optional): a permutation of the T k slots (the gate/up blocks take slot order[blockIdx.y]: the slots in
+// expert order, so that an expert's re-reads by several tokens run back to back; outputs unchanged).
 bool launch_moe_bf16_decode(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
-                            cudaStream_t st, int cfg = 0);
+                            cudaStream_t st, int cfg = 0, const int32_t * order = nullptr);
 // The shared expert as slot k of the BF16 decode pair (cuda_options::moe_shared_slot, fuse-plan.h): weight 1.0, added
 // after the routed sum. w: its dense BF16 matrices (gate/up [d_ff, Din], down [d_out, d_ff]: the routed widths). The pair
 // writes gate/up [d_ff] (its projections), act [d_ff] (the GLU product, read back by the down stage), down [d_out], the

@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
                                                                          const int32_t * __restrict__ ids, int k,
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ hbuf,
-                                                                         int * err, dmoe_shared sh, int fl) {
+                                                                         int * err, dmoe_shared sh, int fl,
+                                                                         const int32_t * __restrict__ order) {
     const bool early = fl & 1;   // fl: bit 0 early (below), bit 1 the weights' L2 evict_first (l2_stream_policy)
     const uint64_t pol = l2_stream_policy(fl & 2);
     if (SH && sh.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {   // weights only (dmoe_shared::prefetch)
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     // early (SH only): the shared slot is blockIdx.y 0, the first blocks dispatched, so they are the ones resident while
     // the route still runs; it reads only x (the route's input: written before the launch before this one, so complete
     // once this grid runs at all under PDL) and its weights, so all of its work but the writes happens before the wait.
-    const int j = SH && early ? (blockIdx.y == 0 ? k : int(blockIdx.y) - 1) : int(blockIdx.y);
+    int j = SH && early ? (blockIdx.y == 0 ? k : int(blockIdx.y) - 1) : int(blockIdx.y);
     const bool shared = SH && j == k;
     if (SH && early && shared) {
         const int lane = threadIdx.x & 31;
@@ -140,6 +141,7 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
         return;
     }
     pdl_enter();
+    if (!SH && order) j = order[blockIdx.y];      // the slots in expert order (launch_moe_bf16_decode)
     if (!SH) x += int64_t(j / k) * (256 * NU);   // the slot's token (the pair form, T > 1; T == 1: token 0)
     const int32_t e = shared ? 0 : ids[j];
     if (!shared && (e < 0 || e >= E)) {
@@ -285,9 +287,10 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
 // sh: the shared slot when SH (else ignored: a zero dmoe_shared).
 template <int NU, bool SH>
 void launch_bf16_gate_up(const float * x, int64_t T, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E,
-                         const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, int fl) {
+                         const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, int fl,
+                         const int32_t * order) {
     launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(T * k + SH)), k_bgu_warps * 32, 0, st,
-             x, ids, int(k), ex, E, c, hbuf, err, sh, fl);
+             x, ids, int(k), ex, E, c, hbuf, err, sh, fl, order);
 }
 
 template <int NU, int R, int NS, int MINB, bool SH>
@@ -318,7 +321,7 @@ void launch_bf16_down_nu(const float * hbuf, int64_t T, const int32_t * ids, con
 template <bool SH>
 void launch_bf16_pair(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                       const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
-                      cudaStream_t st, int cfg, const dmoe_shared & sh) {
+                      cudaStream_t st, int cfg, const dmoe_shared & sh, const int32_t * order) {
     const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
     // the loads before the PDL wait (cuda_options::moe_bf16_early): 1 = down and the shared slot, 2 = down only
     const int ed = cfg / 100 % 10;
@@ -327,9 +330,9 @@ void launch_bf16_pair(const float * x, int64_t T, int64_t Din, const int32_t * i
     const int fl_gu = (early_sh ? 1 : 0) | ef, fl_dn = (early_dn ? 1 : 0) | ef;
     if (stage != 2) {
         switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
-            case 8: launch_bf16_gate_up<8, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
-            default: launch_bf16_gate_up<9, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu); break;
+            case 4: launch_bf16_gate_up<4, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order); break;
+            default: launch_bf16_gate_up<9, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order); break;
         }
     }
     if (stage != 1) {
@@ -353,9 +356,9 @@ bool moe_bf16_decode_supported(int64_t Din, int64_t k, const dexperts_cfg & c, i
 
 bool launch_moe_bf16_decode(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
-                            cudaStream_t st, int cfg) {
+                            cudaStream_t st, int cfg, const int32_t * order) {
     if (!moe_bf16_decode_supported(Din, k, c, cfg) || T < 1 || T * k > 65535) return false;
-    launch_bf16_pair<false>(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{});
+    launch_bf16_pair<false>(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{}, order);
     return true;
 }
 
@@ -385,7 +388,7 @@ cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const in
                            static_cast<const void *>(sh.sum), sh.w.gate.w, sh.w.up.w, sh.w.down.w})
         if (!a16(p)) return cudaErrorInvalidValue;
     if (sh.res && (!a16(sh.res) || !a16(sh.sum2))) return cudaErrorInvalidValue;
-    launch_bf16_pair<true>(x, 1, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh);
+    launch_bf16_pair<true>(x, 1, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh, nullptr);
     return cudaGetLastError();
 }
 

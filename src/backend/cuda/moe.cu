@@ -1757,12 +1757,12 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_gate_up_v6(const float * _
                                                                 const int32_t * __restrict__ ids, int k,
                                                                 const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
                                                                 float * __restrict__ hbuf, int * err, int * __restrict__ cnt,
-                                                                int n_cnt) {
+                                                                int n_cnt, const int32_t * __restrict__ order) {
     pdl_enter();
     if (blockIdx.x == 0 && blockIdx.y == 0)
         for (int i = threadIdx.x; i < n_cnt; i += blockDim.x) cnt[i] = 0;
     extern __shared__ uint32_t xs_v5[];
-    const int j = blockIdx.y;
+    const int j = order ? order[blockIdx.y] : int(blockIdx.y);   // order: the slots sorted by expert (launch_v6)
     x += int64_t(j / k) * Din;   // the slot's token
     const int32_t e = ids[j];
     if (e < 0 || e >= E) {   // the whole block leaves: no barrier is reached
@@ -1807,12 +1807,13 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
                                                                   const int32_t * __restrict__ ids,
                                                                   const dexpert * __restrict__ ex, int64_t E, dexperts_cfg c,
                                                                   float * __restrict__ ybuf, const float * __restrict__ w,
-                                                                  int64_t k, int * __restrict__ cnt, float * __restrict__ y) {
+                                                                  int64_t k, int * __restrict__ cnt, float * __restrict__ y,
+                                                                  const int32_t * __restrict__ order) {
     pdl_enter();
     extern __shared__ uint32_t xs_v5[];
     __shared__ int last;
     constexpr int R = 16 * W;   // rows per block
-    const int j = blockIdx.y;
+    const int j = order ? order[blockIdx.y] : int(blockIdx.y);   // as in the gate/up kernel
     const int64_t t = j / k, j0t = t * k;   // the slot's token and its first slot
     const int32_t e = ids[j];
     const int64_t Dout = c.d_out;
@@ -1879,25 +1880,26 @@ __global__ void __launch_bounds__(W * 32, MINB) k_moe_down_comb_v6(const float *
 // fail the launch, never run partial batches or a mismatched set of combine counters.
 template <int W, int U, int NB, int MINB>
 cudaError_t launch_v7_gate_up(const float * x, int64_t T, int64_t Din, const int32_t * ids, int64_t k, const dexpert * experts,
-                              int64_t E, const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st) {
+                              int64_t E, const dexperts_cfg & c, float * hbuf, int * err, int * cnt, int n_cnt, cudaStream_t st,
+                              const int32_t * order) {
     if ((Din / 32) % (4 * U) != 0 || Din % 128 != 0 || c.d_ff % (16 * W) != 0) return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_gate_up_v6<1, MINB, W, U, NB>;
     const cudaError_t attr = smem_attr<kern>(v7_smem<2, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_ff / (16 * W)), unsigned(T * k)), W * 32, v7_smem<2, W, U, NB>(Din), st, x, Din,
-                    ids, int(k), experts, E, c, hbuf, err, cnt, n_cnt);
+                    ids, int(k), experts, E, c, hbuf, err, cnt, n_cnt, order);
 }
 template <int W, int U, int NB, int MINB>
 cudaError_t launch_v7_down(const float * hbuf, int64_t T, const int32_t * ids, int64_t k, const dexpert * experts, int64_t E,
                            const dexperts_cfg & c, float * ybuf, const float * w, int * cnt, int n_cnt, float * y,
-                           cudaStream_t st) {
+                           cudaStream_t st, const int32_t * order) {
     if ((c.d_ff / 32) % (4 * U) != 0 || c.d_ff % 128 != 0 || c.d_out % (16 * W) != 0 || n_cnt != T * (c.d_out / (16 * W)))
         return cudaErrorInvalidValue;
     constexpr auto kern = k_moe_down_comb_v6<1, MINB, W, U, NB>;
     const cudaError_t attr = smem_attr<kern>(v7_smem<1, W, U, NB>(k_v5_max_k));
     if (attr != cudaSuccess) return attr;
     return launch_k(kern, dim3(unsigned(c.d_out / (16 * W)), unsigned(T * k)), W * 32, v7_smem<1, W, U, NB>(c.d_ff), st, hbuf,
-                    ids, experts, E, c, ybuf, w, k, cnt, y);
+                    ids, experts, E, c, ybuf, w, k, cnt, y, order);
 }
 
 // The v7 forms, (warps W, steps per batch U, batches NB, blocks per SM), gate/up by cfg / 100 % 10, down + combine by
@@ -1912,6 +1914,38 @@ struct v7_form { int W, U; };
 inline v7_form v7_gu_form(int gu) { return gu == 2 ? v7_form{4, 4} : gu == 3 ? v7_form{2, 4} : gu == 4 ? v7_form{8, 2} : v7_form{4, 2}; }
 inline v7_form v7_dn_form(int dn) { return dn == 2 ? v7_form{8, 4} : dn == 3 ? v7_form{4, 4} : v7_form{8, 2}; }
 
+// The combine counters' room in gw at the head (one per (token, down row tile of >= 64 rows)).
+int64_t moe_counter_ints(int64_t T, int64_t d_out) { return T * ((d_out + 63) / 64); }
+
+// order [S] = the slots 0 .. S - 1 sorted by expert id, stably (an invalid id sorts as E, after every valid one): slot
+// order[i] is the i-th. One block; each thread ranks its slots against all S keys staged in shared memory (S <= 4096:
+// ~S / 1024 x S compares per thread, a few us at S = 1 024).
+constexpr int k_order_max = 4096;
+__global__ void __launch_bounds__(1024) k_moe_slot_order(const int32_t * __restrict__ ids, int S, int64_t E,
+                                                         int32_t * __restrict__ order) {
+    pdl_enter();
+    __shared__ int32_t key[k_order_max];
+    for (int j = threadIdx.x; j < S; j += blockDim.x) {
+        const int32_t e = ids[j];
+        key[j] = e >= 0 && e < E ? e : int32_t(E);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < S; j += blockDim.x) {
+        const int32_t kj = key[j];
+        int r = 0;
+        for (int i = 0; i < S; ++i) {
+            const int32_t ki = key[i];
+            r += ki < kj || (ki == kj && i < j);
+        }
+        order[r] = j;
+    }
+}
+
+cudaError_t launch_moe_slot_order(const int32_t * ids, int64_t S, int64_t E, int32_t * order, cudaStream_t st) {
+    if (S < 1 || S > k_order_max) return cudaErrorInvalidValue;
+    return launch_k(k_moe_slot_order, 1, 1024, 0, st, ids, int(S), E, order);
+}
+
 // v6 when every bound holds (else false: the caller runs v5 at T == 1, the grouped kernels at T > 1): Din, d_ff, d_out
 // multiples of 128, the T x Dout / 128 counters fit in gw (n_gw ints), T k <= 65535 slots.
 // T > 1, the pair form (cuda_options::moe_decode_pairs_mxfp4): every (token, pick) pair is a slot of the T == 1 kernels
@@ -1923,10 +1957,20 @@ inline v7_form v7_dn_form(int dn) { return dn == 2 ? v7_form{8, 4} : dn == 3 ? v
 // at 4, 2 = PD 3 at 2, 4 = PD 2 at 3. Stages (cfg % 10): 0 both, 1 gate/up only, 2 down (+ combine) only.
 bool launch_v6(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k, const dexpert * experts,
                int64_t E, const dexperts_cfg & c, float * hbuf, float * ybuf, float * y, int32_t * gw, int64_t n_gw, int * err,
-               cudaStream_t st, int cfg, cudaError_t * launch_err) {
+               cudaStream_t st, int cfg, cudaError_t * launch_err, bool sorted) {
     const int64_t tiles = c.d_out / k_v5_rows;
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || T < 1 || T * tiles > n_gw || k < 1 || T * k > 65535)
         return false;
+    // sorted (T > 1): the slots in expert order (moe_slot_order), after the counters in gw
+    const int32_t * order = nullptr;
+    if (sorted && T > 1) {
+        int32_t * ord = gw + moe_counter_ints(T, c.d_out);
+        if (moe_counter_ints(T, c.d_out) + T * k > n_gw || launch_moe_slot_order(ids, T * k, E, ord, st) != cudaSuccess) {
+            *launch_err = cudaErrorInvalidValue;
+            return true;
+        }
+        order = ord;
+    }
     int gu = cfg / 100 % 10, dn = cfg / 10 % 10;
     const int stages = cfg % 10;
     int * cnt = reinterpret_cast<int *>(gw);
@@ -1940,15 +1984,15 @@ bool launch_v6(const float * x, int64_t T, int64_t Din, const int32_t * ids, con
         cudaError_t e = cudaSuccess;
         const int nc = int(T * vt);
         if (stages != 2) {
-            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
-            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
-            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
-            else e = launch_v7_gate_up<4, 2, 3, 3>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st);
+            if (gu == 2) e = launch_v7_gate_up<4, 4, 2, 2>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st, order);
+            else if (gu == 3) e = launch_v7_gate_up<2, 4, 2, 4>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st, order);
+            else if (gu == 4) e = launch_v7_gate_up<8, 2, 2, 2>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st, order);
+            else e = launch_v7_gate_up<4, 2, 3, 3>(x, T, Din, ids, k, experts, E, c, hbuf, err, cnt, nc, st, order);
         }
         if (stages != 1 && e == cudaSuccess) {
-            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
-            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
-            else e = launch_v7_down<8, 2, 2, 4>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st);
+            if (dn == 2) e = launch_v7_down<8, 4, 2, 2>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st, order);
+            else if (dn == 3) e = launch_v7_down<4, 4, 2, 4>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st, order);
+            else e = launch_v7_down<8, 2, 2, 4>(hbuf, T, ids, k, experts, E, c, ybuf, w, cnt, nc, y, st, order);
         }
         *launch_err = e;
         return true;
@@ -1958,23 +2002,23 @@ bool launch_v6(const float * x, int64_t T, int64_t Din, const int32_t * ids, con
         const dim3 grid{unsigned(c.d_ff / k_v5_rows), unsigned(T * k)};
         if (gu == 2)
             launch_k(k_moe_gate_up_v6<2, 2>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, ki, experts, E, c, hbuf, err,
-                     cnt, nc);
+                     cnt, nc, order);
         else
             launch_k(k_moe_gate_up_v6<1, 3>, grid, k_v5_warps * 32, v5_smem(Din), st, x, Din, ids, ki, experts, E, c, hbuf, err,
-                     cnt, nc);
+                     cnt, nc, order);
     }
     if (stages != 1) {
         const dim3 grid{unsigned(tiles), unsigned(T * k)};
         const float * hb = hbuf;
         if (dn == 2)
             launch_k(k_moe_down_comb_v6<3, 2>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
-                     cnt, y);
+                     cnt, y, order);
         else if (dn == 4)
             launch_k(k_moe_down_comb_v6<2, 3>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
-                     cnt, y);
+                     cnt, y, order);
         else
             launch_k(k_moe_down_comb_v6<2, 4>, grid, k_v5_warps * 32, v5_smem(c.d_ff), st, hb, ids, experts, E, c, ybuf, w, k,
-                     cnt, y);
+                     cnt, y, order);
     }
     return true;
 }
@@ -1989,8 +2033,8 @@ int64_t moe_pair_launches(int fmt) {
 }
 
 int64_t moe_group_ints(int64_t T, int64_t k, int64_t E, int64_t d_out) {
-    const int64_t S = T * k, A = S < E ? S : E, groups = 2 + 2 * A + 2 * S, counters = T * ((d_out + 63) / 64);
-    return groups > counters ? groups : counters;
+    const int64_t S = T * k, A = S < E ? S : E, groups = 2 + 2 * A + 2 * S, counters = moe_counter_ints(T, d_out) + S;
+    return groups > counters ? groups : counters;   // counters: the combine counters, then the sorted slot order
 }
 
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
@@ -2018,17 +2062,26 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
         cudaError_t e = cudaSuccess;
         const int ver = o.v5_cfg / 1000 % 10;
         const bool v6 = (ver == 1 || ver == 2) &&
-                        launch_v6(x, T, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E, c.d_out), err, st, o.v5_cfg, &e);
+                        launch_v6(x, T, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, gw, moe_group_ints(T, k, E, c.d_out), err, st, o.v5_cfg, &e,
+                                  o.pairs_sorted);
         if (v6 || one) {
             if (!v6) launch_v5_one(x, Din, ids, w, k, experts, E, c, hbuf, ybuf, y, err, st, o.v5_cfg);
             if (!one) g_pair_launches[1].fetch_add(1, std::memory_order_relaxed);
             return e != cudaSuccess ? e : cudaGetLastError();
         }
     }
-    if ((one || T <= o.dec_pairs_bf16) && o.dec_bf16 && vfmt == 1 &&
-        launch_moe_bf16_decode(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg)) {
+    if ((one || T <= o.dec_pairs_bf16) && o.dec_bf16 && vfmt == 1 && moe_bf16_decode_supported(Din, k, c, o.bf16_cfg) &&
+        T * k <= 65535) {   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below
+        const int32_t * order = nullptr;   // pairs_sorted: the gate/up slots in expert order (the head of gw)
+        if (o.pairs_sorted && !one) {
+            const cudaError_t oe = launch_moe_slot_order(ids, T * k, E, gw, st);
+            if (oe != cudaSuccess) return oe;
+            order = gw;
+        }
+        if (!launch_moe_bf16_decode(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg, order))
+            return cudaErrorInvalidValue;   // (its own bounds are the ones checked above)
         if (!one) g_pair_launches[0].fetch_add(1, std::memory_order_relaxed);
-        return cudaGetLastError();   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below
+        return cudaGetLastError();
     }
     if (one && o.dec_v4 && (vfmt == 1 || vfmt == 2) && k <= 32) {   // 2 launches (v4: gate/up per slot, down + combine)
         if (vfmt == 1) launch_v4_one<1>(x, Din, ids, w, k, experts, E, c, hbuf, y, err, st);

@@ -1110,8 +1110,9 @@ TEST(cuda_moe, decode_pairs_direct) {
         cudaStream_t st;
         cu(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
         // tokens [t0, t0 + n) as one launch; pairs: the pair form on (else the grouped kernels); flag: ERR_EXPERT_ID
-        auto run = [&](int64_t t0, int64_t n, bool pairs, int & flag) {
+        auto run = [&](int64_t t0, int64_t n, bool pairs, int & flag, bool sorted = false) {
             cuda::dmoe_opts o;
+            o.pairs_sorted = sorted;
             o.dec_v4 = o.dec_v5 = true;
             o.v5_cfg = sh.cfg;
             o.dec_bf16 = true;
@@ -1121,6 +1122,7 @@ TEST(cuda_moe, decode_pairs_direct) {
             cu(cudaMemsetAsync(err.p, 0, 64, st), "memset err");
             cu(cudaMemsetAsync(y.p, 0xff, size_t(T * D) * 4, st), "memset y");   // NaN: an unwritten row shows
             cu(cudaMemsetAsync(gw.p, 0x7f, gw.n * 4, st), "memset gw");            // garbage counters
+            cu(cudaMemsetAsync(scratch.p, 0xff, scratch.n * 4, st), "memset scratch");   // a slot never computed shows
             cu(cuda::launch_moe_experts_grouped(sh.vfmt, dx.p + t0 * D, n, D, dids.p + t0 * k, dw.p + t0 * k, k, dex, E,
                                                 cuda::dexperts_cfg{1, 2.0f, 3.0f, F, D}, scratch.p, gw.p, y.p, err.p, st, o),
                "launch_moe_experts_grouped");
@@ -1154,6 +1156,16 @@ TEST(cuda_moe, decode_pairs_direct) {
                     static_cast<long long>(T), n_same == T ? "PASS" : "FAIL");
         EXPECT_EQ(n_same, T) << nm;
         tally(n_same == T);
+        {   // the slots in expert order (cuda_options::moe_decode_pairs_sorted): every row bitwise the unsorted one's
+            int fs = 0;
+            const int64_t cs = cuda::moe_pair_launches(fmt);
+            const auto ys = run(0, T, true, fs, true);
+            const bool same = bitwise(ys.data(), yp.data(), yp.size()) && cuda::moe_pair_launches(fmt) == cs + 1 &&
+                              (sh.invalid ? fs != 0 : fs == 0);
+            std::printf("[%s/sorted slots vs unsorted] %s\n", nm.c_str(), same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(same) << nm;
+            tally(same);
+        }
         {   // controls: another token's row, and one ulp, must both be seen by the bitwise comparator
             const bool other = bitwise(yp.data() + D, y1.data(), size_t(D));
             auto bad = yp;
@@ -1220,6 +1232,21 @@ TEST(cuda_moe, decode_pairs_batch) {
             gpu->replay(3);
             const bool bit = bitwise(eager, read_f32(*gpu, mc->y)) && bitwise(eager, got);
             std::printf("[%s/graph-replay x3] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
+            EXPECT_TRUE(bit) << nm;
+            tally(bit);
+        }
+        {   // the slots in expert order: eager and three graph replays bitwise the unsorted run
+            cuda_options so = po;
+            so.guard = false;
+            so.moe_decode_pairs_sorted = true;
+            auto gpu = backend_cuda_init(0, so);
+            gpu->run(g);
+            const auto eager = read_f32(*gpu, mc->y);
+            gpu->capture(g);
+            gpu->replay(3);
+            const bool bit = bitwise(eager, got) && bitwise(read_f32(*gpu, mc->y), got);
+            std::printf("[%s/sorted slots, eager + graph-replay x3 vs unsorted] %s\n", nm.c_str(),
+                        bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
             tally(bit);
         }
