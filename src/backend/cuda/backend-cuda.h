@@ -213,17 +213,22 @@ struct cuda_options {
     // (64: 82.26 -> 25.87). On up to 128, the measured range (the time grows with the slots, T x 16, so somewhere below
     // moe_mma_large_step = 256, where the tensor-core experts take over, the grouped kernels would win again; not measured).
     int moe_decode_pairs_mxfp4 = 128;
-    // ... the same for BF16 experts (moe_decode_bf16's pair, moe-bf16-decode.cu: the 48B geometry). Measured (same call):
-    // 48B B=8 11.85 -> 10.88 ms, B=16 17.50 -> 17.60, B=32 28.44 -> 29.06, B=64 37.66 -> 51.86 ms: BF16 experts are 4x
-    // the bytes of MXFP4 ones per row and the grouped kernels already read them at a good share of the copy rate, so the
-    // re-reads of experts shared by tokens cost more than the pair form saves from B=16 on. On up to 8.
-    int moe_decode_pairs_bf16 = 8;
+    // ... the same for BF16 experts (moe_decode_bf16's pair, moe-bf16-decode.cu: the 48B geometry). Measured (same call,
+    // slots unsorted): 48B B=8 11.85 -> 10.88 ms, B=16 17.50 -> 17.60, B=32 28.44 -> 29.06, B=64 37.66 -> 51.86 ms: BF16
+    // experts are 4x the bytes of MXFP4 ones per row and the grouped kernels already read them at a good share of the copy
+    // rate, so the re-reads of experts shared by tokens cost more than the pair form saves. With the slots sorted
+    // (moe_decode_pairs_sorted, call G, same binary, two rounds): B=16 17.07 -> 16.39-16.42, B=32 27.91-27.92 -> 26.24-26.25
+    // ms; B=64 still slower (call F: 45.29 vs 37.66). On up to 32.
+    int moe_decode_pairs_bf16 = 32;
     // The pair form's slots in expert order (moe.cu k_moe_slot_order, one more launch per MoE layer: a stable sort of the
     // T k slots by expert id), so that the blocks re-reading an expert picked by several tokens run back to back and the
     // later reads can hit L2 (MXFP4: gate/up and down + combine; BF16: gate/up). Outputs bit for bit the unsorted ones.
     // Predicted (session 15, before its run): k3-layers-4 B=64 experts 16.2 -> ~11 ms (~40% of the slots re-read an
-    // expert); B=8 no change.
-    bool moe_decode_pairs_sorted = false;
+    // expert), step ~25 -> ~20 ms; B=8 no change. Measured (call F, same binary, off -> on): k3-layers-4 B=8 7.252 -> 7.223,
+    // B=64 25.39 -> 22.96, B=128 46.68 -> 40.52 ms (less than predicted: a part of the re-reads still misses L2); 48B with
+    // the BF16 pair form to 64 tokens B=8 10.98 -> 10.78, B=16 17.36 -> 16.41, B=32 28.97 -> 26.28, B=64 52.11 -> 45.29.
+    // Tests: the sorted runs bitwise the unsorted ones (decode_pairs_direct, decode_pairs_batch eager and replayed). On.
+    bool moe_decode_pairs_sorted = true;
     // MOE_EXPERTS grouped, T > 1: experts routed at least this many tokens run on bf16 tensor cores (moe.cu k_moe_mma:
     // weight tile dequantized to bf16 in shared memory once per 32-token tile, activations rounded to bf16, fp32
     // accumulation); the others keep the grouped GEMV kernels. 0: off (every expert on the GEMV kernels).
