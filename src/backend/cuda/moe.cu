@@ -1961,9 +1961,10 @@ bool launch_v6(const float * x, int64_t T, int64_t Din, const int32_t * ids, con
     const int64_t tiles = c.d_out / k_v5_rows;
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || T < 1 || T * tiles > n_gw || k < 1 || T * k > 65535)
         return false;
-    // sorted (T > 1): the slots in expert order (moe_slot_order), after the counters in gw
+    // sorted (T > 1): the slots in expert order (k_moe_slot_order), after the counters in gw. A speed choice only (the
+    // outputs are the same in any order): beyond k_order_max slots the blocks run in slot order.
     const int32_t * order = nullptr;
-    if (sorted && T > 1) {
+    if (sorted && T > 1 && T * k <= k_order_max) {
         int32_t * ord = gw + moe_counter_ints(T, c.d_out);
         if (moe_counter_ints(T, c.d_out) + T * k > n_gw || launch_moe_slot_order(ids, T * k, E, ord, st) != cudaSuccess) {
             *launch_err = cudaErrorInvalidValue;
@@ -2073,7 +2074,7 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     if ((one || T <= o.dec_pairs_bf16) && o.dec_bf16 && vfmt == 1 && moe_bf16_decode_supported(Din, k, c, o.bf16_cfg) &&
         T * k <= 65535) {   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below
         const int32_t * order = nullptr;   // pairs_sorted: the gate/up slots in expert order (the head of gw)
-        if (o.pairs_sorted && !one) {
+        if (o.pairs_sorted && !one && T * k <= k_order_max) {   // (beyond k_order_max slots: slot order, same outputs)
             const cudaError_t oe = launch_moe_slot_order(ids, T * k, E, gw, st);
             if (oe != cudaSuccess) return oe;
             order = gw;
