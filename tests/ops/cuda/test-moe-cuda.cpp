@@ -1214,6 +1214,7 @@ TEST(cuda_moe, decode_pairs_batch) {
                                            sh.xscale);
         cuda_options po{true, 8};
         po.moe_decode_pairs_mxfp4 = po.moe_decode_pairs_bf16 = 64;
+        po.moe_decode_pairs_sorted = false;   // the slot-order baseline; the sorted runs below are compared with it
         const int pf = sh.fmt == 1 ? 2 : 1;
         const int64_t c0 = cuda::moe_pair_launches(pf);
         EXPECT_TRUE(parity(nm, g, {{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}}, po)) << nm;
