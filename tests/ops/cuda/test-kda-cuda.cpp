@@ -13,6 +13,7 @@
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/cuda-ops.h"
+#include "dev-buffer.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -20,7 +21,6 @@
 #include <algorithm>
 #include <chrono>
 #include <set>
-#include <stdexcept>
 
 namespace perigee::test {
 namespace {
@@ -33,27 +33,6 @@ bool have_gpu() {
 }
 #define NEED_GPU() \
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine: the chunked KDA kernels run on the GPU machine"
-
-void cu(cudaError_t e, const char * what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-template <class T>
-struct dev {
-    T * p = nullptr;
-    size_t n = 0;
-    explicit dev(size_t n_) : n(n_) { cu(cudaMalloc(reinterpret_cast<void **>(&p), std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"); }
-    explicit dev(const std::vector<T> & v) : dev(v.size()) { up(v); }
-    ~dev() { cudaFree(p); }
-    dev(const dev &) = delete;
-    dev & operator=(const dev &) = delete;
-    void up(const std::vector<T> & v) { cu(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"); }
-    std::vector<T> down() const {
-        std::vector<T> v(n);
-        cu(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
-        return v;
-    }
-};
 
 enum class gate_kind { k3_mixed, near_lb, near_zero, softplus_deep };
 const char * gate_name(gate_kind g) {

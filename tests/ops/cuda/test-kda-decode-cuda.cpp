@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <numeric>
 #include <set>
-#include <stdexcept>
 
 namespace perigee::test {
 namespace {

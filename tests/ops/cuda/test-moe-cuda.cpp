@@ -75,6 +75,23 @@ void controls(const std::string & name, const std::vector<float> & ref, const st
     tally(!pert && !neg);
 }
 
+// y after one eager run and after `replays` replays of the CUDA graph then captured, on one backend with `opt` (guard
+// off: the capture path). The tests compare both with the eager bits elsewhere (replays re-zero the combine counters and
+// refill the rings, which a stale graph would skip).
+struct eager_and_replayed {
+    std::vector<float> eager, replayed;
+};
+eager_and_replayed run_eager_and_replayed(graph & g, node_ref r, cuda_options opt, int replays) {
+    opt.guard = false;
+    auto gpu = backend_cuda_init(0, opt);
+    gpu->run(g);
+    eager_and_replayed out{read_f32(*gpu, r), {}};
+    gpu->capture(g);
+    gpu->replay(replays);
+    out.replayed = read_f32(*gpu, r);
+    return out;
+}
+
 // Options for the tests of the grouped kernels (tensor-core and grouped GEMV experts) at T > 1: the pair form
 // (cuda_options::moe_decode_pairs_*, on by default for steps of up to 64 / 8 tokens) would take their steps instead.
 cuda_options grouped_path() {
@@ -658,14 +675,7 @@ TEST(cuda_moe, decode_v4_t1) {
         const bool same = got4.size() == got_old.size() && std::memcmp(got4.data(), got_old.data(), got4.size() * 4) == 0;
         std::printf("[%s/info] v4 bitwise %s the old kernel\n", nm.c_str(), same ? "EQUAL to" : "different from");
         {
-            cuda_options cap = v4;
-            cap.guard = false;
-            auto gpu = backend_cuda_init(0, cap);
-            gpu->run(g);
-            const auto eager = read_f32(*gpu, mc->y);
-            gpu->capture(g);
-            gpu->replay(2);
-            const auto rep = read_f32(*gpu, mc->y);
+            const auto [eager, rep] = run_eager_and_replayed(g, mc->y, v4, 2);
             const bool bit = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
             std::printf("[%s/graph-replay] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
@@ -763,14 +773,7 @@ TEST(cuda_moe, decode_v5_t1) {
         EXPECT_TRUE(vs) << nm;
         tally(vs);
         {
-            cuda_options cap = v5;
-            cap.guard = false;
-            auto gpu = backend_cuda_init(0, cap);
-            gpu->run(g);
-            const auto eager = read_f32(*gpu, mc->y);
-            gpu->capture(g);
-            gpu->replay(2);
-            const auto rep = read_f32(*gpu, mc->y);
+            const auto [eager, rep] = run_eager_and_replayed(g, mc->y, v5, 2);
             const bool bit = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
             std::printf("[%s/graph-replay] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
@@ -845,13 +848,7 @@ TEST(cuda_moe, decode_v6_t1) {
             cuda_options v7 = v6;
             v7.moe_decode_v7 = true;
             const auto got7 = run_cuda(g, mc->y, v7);
-            cuda_options cap = v7;
-            cap.guard = false;
-            auto gpu = backend_cuda_init(0, cap);
-            gpu->run(g);
-            gpu->capture(g);
-            gpu->replay(3);
-            const auto rep7 = read_f32(*gpu, mc->y);
+            const auto rep7 = run_eager_and_replayed(g, mc->y, v7, 3).replayed;
             const bool same7 = bitwise(got7, got6) && bitwise(rep7, got6);
             // v7's default forms (U 2) run where nu = K / 32 is a multiple of 8 for both K (moe.cu v7 bounds); else v6 runs
             const bool ran7 = sh.v6 && (sh.D / 32) % 8 == 0 && (sh.F / 32) % 8 == 0;
@@ -870,14 +867,7 @@ TEST(cuda_moe, decode_v6_t1) {
             tally(caught);
         }
         {   // graph replays (the counters must be re-zeroed each replay) bitwise the eager run
-            cuda_options cap = v6;
-            cap.guard = false;
-            auto gpu = backend_cuda_init(0, cap);
-            gpu->run(g);
-            const auto eager = read_f32(*gpu, mc->y);
-            gpu->capture(g);
-            gpu->replay(3);
-            const auto rep = read_f32(*gpu, mc->y);
+            const auto [eager, rep] = run_eager_and_replayed(g, mc->y, v6, 3);
             const bool bit = bitwise(eager, rep) && bitwise(eager, got6);
             std::printf("[%s/graph-replay x3] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
@@ -923,12 +913,7 @@ TEST(cuda_moe, decode_v7_forms_k3) {
         cuda_options v7 = v6;
         v7.moe_decode_v7 = true;
         v7.moe_decode_v7_form = form;
-        auto gpu = backend_cuda_init(0, v7);
-        gpu->run(g);
-        const auto eager = read_f32(*gpu, mc->y);
-        gpu->capture(g);
-        gpu->replay(2);
-        const auto rep = read_f32(*gpu, mc->y);
+        const auto [eager, rep] = run_eager_and_replayed(g, mc->y, v7, 2);
         const bool same = bitwise(eager, y6) && bitwise(rep, y6);
         std::printf("[moe-v7/K3/form %03d eager + graph replay x2 vs v6] %s\n", form, same ? "bitwise equal: PASS" : "DIFFERS: FAIL");
         EXPECT_TRUE(same) << form;
@@ -1224,28 +1209,17 @@ TEST(cuda_moe, decode_pairs_batch) {
         tally(ran >= 1);
         const auto got = run_cuda(g, mc->y, po);
         {
-            cuda_options cap = po;
-            cap.guard = false;
-            auto gpu = backend_cuda_init(0, cap);
-            gpu->run(g);
-            const auto eager = read_f32(*gpu, mc->y);
-            gpu->capture(g);
-            gpu->replay(3);
-            const bool bit = bitwise(eager, read_f32(*gpu, mc->y)) && bitwise(eager, got);
+            const auto [eager, rep] = run_eager_and_replayed(g, mc->y, po, 3);
+            const bool bit = bitwise(eager, rep) && bitwise(eager, got);
             std::printf("[%s/graph-replay x3] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
             tally(bit);
         }
         {   // the slots in expert order: eager and three graph replays bitwise the unsorted run
             cuda_options so = po;
-            so.guard = false;
             so.moe_decode_pairs_sorted = true;
-            auto gpu = backend_cuda_init(0, so);
-            gpu->run(g);
-            const auto eager = read_f32(*gpu, mc->y);
-            gpu->capture(g);
-            gpu->replay(3);
-            const bool bit = bitwise(eager, got) && bitwise(read_f32(*gpu, mc->y), got);
+            const auto [eager, rep] = run_eager_and_replayed(g, mc->y, so, 3);
+            const bool bit = bitwise(eager, got) && bitwise(rep, got);
             std::printf("[%s/sorted slots, eager + graph-replay x3 vs unsorted] %s\n", nm.c_str(),
                         bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
@@ -1446,14 +1420,7 @@ TEST(cuda_moe, decode_bf16_t1) {
         EXPECT_TRUE(same) << nm;
         tally(same);
         {
-            cuda_options cap = nb;
-            cap.guard = false;
-            auto gpu = backend_cuda_init(0, cap);
-            gpu->run(g);
-            const auto eager = read_f32(*gpu, mc->y);
-            gpu->capture(g);
-            gpu->replay(2);
-            const auto rep = read_f32(*gpu, mc->y);
+            const auto [eager, rep] = run_eager_and_replayed(g, mc->y, nb, 2);
             const bool bit = eager.size() == rep.size() && std::memcmp(eager.data(), rep.data(), eager.size() * 4) == 0;
             std::printf("[%s/graph-replay] %s\n", nm.c_str(), bit ? "bitwise equal: PASS" : "DIFFERS: FAIL");
             EXPECT_TRUE(bit) << nm;
