@@ -1941,9 +1941,19 @@ __global__ void __launch_bounds__(1024) k_moe_slot_order(const int32_t * __restr
     }
 }
 
-cudaError_t launch_moe_slot_order(const int32_t * ids, int64_t S, int64_t E, int32_t * order, cudaStream_t st) {
-    if (S < 1 || S > k_order_max) return cudaErrorInvalidValue;
-    return launch_k(k_moe_slot_order, 1, 1024, 0, st, ids, int(S), E, order);
+// The pair form's slot order for a step of T tokens (dmoe_opts::pairs_sorted), for the MXFP4 and the BF16 pair alike:
+// *order = the T k slots sorted by expert (k_moe_slot_order, written into gw after the combine counters), or nullptr
+// when there is nothing to sort (one token, sorting off) or more than k_order_max slots (the blocks then run in slot
+// order: a speed choice only, the outputs are the same in any order). gw: moe_group_ints(T, k, E, d_out) ints.
+cudaError_t launch_pair_order(bool sorted, const int32_t * ids, int64_t T, int64_t k, int64_t E, int64_t d_out, int32_t * gw,
+                              cudaStream_t st, const int32_t ** order) {
+    *order = nullptr;
+    const int64_t S = T * k;
+    if (!sorted || T < 2 || S > k_order_max) return cudaSuccess;
+    int32_t * ord = gw + moe_counter_ints(T, d_out);
+    const cudaError_t e = launch_k(k_moe_slot_order, 1, 1024, 0, st, ids, int(S), E, ord);
+    if (e == cudaSuccess) *order = ord;
+    return e;
 }
 
 // v6 when every bound holds (else false: the caller runs v5 at T == 1, the grouped kernels at T > 1): Din, d_ff, d_out
@@ -1961,16 +1971,10 @@ bool launch_v6(const float * x, int64_t T, int64_t Din, const int32_t * ids, con
     const int64_t tiles = c.d_out / k_v5_rows;
     if (Din % 128 != 0 || c.d_ff % 128 != 0 || c.d_out % 128 != 0 || T < 1 || T * tiles > n_gw || k < 1 || T * k > 65535)
         return false;
-    // sorted (T > 1): the slots in expert order (k_moe_slot_order), after the counters in gw. A speed choice only (the
-    // outputs are the same in any order): beyond k_order_max slots the blocks run in slot order.
-    const int32_t * order = nullptr;
-    if (sorted && T > 1 && T * k <= k_order_max) {
-        int32_t * ord = gw + moe_counter_ints(T, c.d_out);
-        if (moe_counter_ints(T, c.d_out) + T * k > n_gw || launch_moe_slot_order(ids, T * k, E, ord, st) != cudaSuccess) {
-            *launch_err = cudaErrorInvalidValue;
-            return true;
-        }
-        order = ord;
+    const int32_t * order = nullptr;   // sorted: the slots in expert order (launch_pair_order)
+    if (const cudaError_t oe = launch_pair_order(sorted, ids, T, k, E, c.d_out, gw, st, &order); oe != cudaSuccess) {
+        *launch_err = oe;
+        return true;
     }
     int gu = cfg / 100 % 10, dn = cfg / 10 % 10;
     const int stages = cfg % 10;
@@ -2073,12 +2077,9 @@ cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int
     }
     if ((one || T <= o.dec_pairs_bf16) && o.dec_bf16 && vfmt == 1 && moe_bf16_decode_supported(Din, k, c, o.bf16_cfg) &&
         T * k <= 65535) {   // BF16 decode pair (moe-bf16-decode.cu) where its shapes hold; else v4 below
-        const int32_t * order = nullptr;   // pairs_sorted: the gate/up slots in expert order (the head of gw)
-        if (o.pairs_sorted && !one && T * k <= k_order_max) {   // (beyond k_order_max slots: slot order, same outputs)
-            const cudaError_t oe = launch_moe_slot_order(ids, T * k, E, gw, st);
-            if (oe != cudaSuccess) return oe;
-            order = gw;
-        }
+        const int32_t * order = nullptr;   // the gate/up slots in expert order (pairs_sorted)
+        if (const cudaError_t oe = launch_pair_order(o.pairs_sorted, ids, T, k, E, c.d_out, gw, st, &order); oe != cudaSuccess)
+            return oe;
         if (!launch_moe_bf16_decode(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, o.bf16_cfg, order))
             return cudaErrorInvalidValue;   // (its own bounds are the ones checked above)
         if (!one) g_pair_launches[0].fetch_add(1, std::memory_order_relaxed);
