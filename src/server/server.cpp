@@ -16,8 +16,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <csignal>
 #include <ctime>
 #include <deque>
@@ -120,6 +122,14 @@ public:
         static const bool once = (init_httplib_statics(), true);   // (an instrumented guard: TSan sees this one)
         (void)once;
     }
+
+    // httplib 0.11.4 listens with a backlog of 5 (create_server_socket; `ss -ltn` shows Send-Q 5). A burst of
+    // new connections while the accept thread is not scheduled overflows that queue: Linux then drops the SYN or
+    // the handshake's last ACK, and the client waits for a retransmit (1 s, 3 s, 7 s, ...; ListenOverflows in
+    // /proc/net/netstat counts them). On a busy 2-core machine 32 streaming clients produced 35 overflows in
+    // 10 s and, in one CI run, handshakes that did not finish within the client's 30 s read timeout. listen()
+    // on a listening socket only changes its backlog; SOMAXCONN is clamped by net.core.somaxconn.
+    bool widen_backlog() { return svr_sock_ != INVALID_SOCKET && ::listen(svr_sock_, SOMAXCONN) == 0; }
 
 private:
     // Same as httplib 0.11.4's Server::process_and_close_socket (checked against the disassembly of the Debian
@@ -904,6 +914,8 @@ int http_server::bind() {
     if (I.opt.port == 0) I.bound_port = I.svr.bind_to_any_port(I.opt.host);
     else I.bound_port = I.svr.bind_to_port(I.opt.host, I.opt.port) ? I.opt.port : -1;
     PG_CHECK(I.bound_port > 0, "server: cannot listen on {}:{} (address in use or not available)", I.opt.host, I.opt.port);
+    PG_CHECK(I.svr.widen_backlog(), "server: cannot set the listen backlog of {}:{} to {}: {}", I.opt.host, I.bound_port,
+             SOMAXCONN, std::strerror(errno));
     return I.bound_port;
 }
 
