@@ -388,6 +388,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
         else if (k == "gemv_evict_first") co.gemv_evict_first = v != 0;
         else if (k == "linear_split_bf16") co.linear_split_bf16 = v != 0;
+        else if (k == "linear_split_stacked") co.linear_split_stacked = v;
         else if (k == "moe_mma_split") co.moe_mma_split = v != 0;
         else if (k == "moe_bf16_evict_first") co.moe_bf16_evict_first = v != 0;
         else if (k == "norm_reg") co.norm_reg = v != 0;

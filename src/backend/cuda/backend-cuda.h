@@ -51,6 +51,16 @@ struct cuda_options {
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny
     // random models, measured on k3-tiny 2026-11-29).
     bool linear_split_bf16 = true;
+    // ... with the split, up to this many tokens the hi and lo rows run as ONE GEMM of 2T columns (they sit back to
+    // back in the scratch: a [2T, K] matrix), then an ADD of the two halves (hi part + lo part, the sum the second
+    // GEMM's beta = 1 epilogue forms), so the weights are read once instead of twice. Why: a decode batch past
+    // gemv_max_tokens is weight-bound, and the second pass re-read every weight (k3-layers-4 B=16: 9.38 ms with the
+    // split, 7.25 with one bf16 pass; session 16 call B). Above it (prefill chunks, compute-bound) the two GEMMs stay:
+    // there the ADD's extra 2T x O fp32 traffic would cost more than the weights. 0: two GEMMs everywhere.
+    // Measured (session 16 call C, same binary, 256 vs 0, two rounds): k3-layers-4 B=16 9.38 -> 7.34 ms, B=64 23.2 ->
+    // 21.3 ms; 48B B=16 16.44 -> 15.15 ms, B=64 37.04 -> 35.77 ms; B=1 unchanged (GEMV path). The output is bit for bit
+    // the two GEMMs' in every case of test-ops-cuda linear_split_stacked (T 9 / 64 / 256, two shapes).
+    int linear_split_stacked = 256;
     // MOE_EXPERTS: the grouped kernels (slots grouped by expert on the device, each selected expert's rows read once
     // with 16-byte loads, FP4 dequantized in registers). false: the first per-slot kernels (compare mode).
     bool moe_grouped = true;
@@ -536,6 +546,8 @@ public:
     virtual int fused_moe_shared() const = 0;
     // Router logits the last run/capture computed inside a norm's launch (cuda_options::fuse_norm_route).
     virtual int fused_routes() const = 0;
+    // BF16 LINEARs the last run/capture ran as one stacked hi + lo GEMM (cuda_options::linear_split_stacked).
+    virtual int linear_stacked() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

@@ -327,6 +327,7 @@ public:
     int fused_kda_decodes() const override { return n_kda_fused_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
     int fused_routes() const override { return n_fused_routes_; }
+    int linear_stacked() const override { return n_linear_stacked_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -1373,7 +1374,7 @@ private:
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
         n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
-        n_fused_routes_ = 0;
+        n_fused_routes_ = n_linear_stacked_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1758,6 +1759,13 @@ private:
             return;
         }
         PG_CUDA_CHECK(cuda::launch_f32_to_bf16_split(f32_in(n, 0), T * K, xb, xb + T * K, st_));
+        if (T <= opt_.linear_split_stacked) {   // hi rows then lo rows: one GEMM of 2T columns, the weights read once
+            auto * d = static_cast<float *>(node_scratch(size_t(2 * T * O) * 4));
+            lt_matmul(W.data, xb, CUDA_R_16BF, d, O, 2 * T, K, 0.0f);
+            PG_CUDA_CHECK(cuda::launch_elementwise(cuda::ew_op::ADD, d, d + T * O, T * O, {}, y, st_));
+            ++n_linear_stacked_;
+            return;
+        }
         lt_matmul(W.data, xb, CUDA_R_16BF, y, O, T, K, 0.0f);
         lt_matmul(W.data, xb + T * K, CUDA_R_16BF, y, O, T, K, 1.0f);
     }
@@ -1906,6 +1914,7 @@ private:
     std::unordered_map<const void *, float *> norm_w32_;   // device weight -> its F32 copy (non-F32 norm weights)
     int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;
     int n_fused_routes_ = 0;
+    int n_linear_stacked_ = 0;
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;

@@ -33,6 +33,17 @@ constexpr double k_tol_bf16_gemm = 5e-4;  // NMSE: cuBLASLt path rounds activati
 constexpr double k_tol_kda = 5e-3;      // RMS ratio: KDA o and final state (fla test_kda.py)
 constexpr double k_tol_mla_abs = 8e-4;  // max abs: MLA output (FlashMLA dense decode)
 
+// The cuBLASLt LINEAR on bf16-rounded activations (one GEMM, no lo half), the option set by name. The positional
+// {true, 8, false} the tests used before session 16 set gemv_unroll (the third field), not linear_split_bf16, so their
+// "bf16-act" rows ran the split path; linear_split_stacked's control (one bf16 pass must differ from the split) found
+// it. (get_rows_and_linear's x comes from a BF16 embedding, exact in bf16, so its rows cannot tell the two forms apart
+// anyway: the control on f32 x in linear_split_stacked is the check that can.)
+cuda_options one_bf16_pass() {
+    cuda_options o{true, 8};
+    o.linear_split_bf16 = false;
+    return o;
+}
+
 int g_passed = 0, g_failed = 0;
 void tally(bool ok) { (ok ? g_passed : g_failed)++; }
 
@@ -217,7 +228,7 @@ TEST(cuda_ops, get_rows_and_linear) {
                 const std::string nm = fmt::format("linear/{}/T{}/{}x{}", dtype_name(wt), T, out, in);
                 EXPECT_TRUE(parity(nm, g, {{x, metric::NMSE, k_tol_f32}, {y, metric::NMSE, thr}}, {})) << nm;
                 if (T > 8 && wt == dtype::BF16) {
-                    EXPECT_TRUE(parity(nm + "/bf16-act", g, {{y, metric::NMSE, k_tol_bf16_gemm}}, {}, {true, 8, false})) << nm;
+                    EXPECT_TRUE(parity(nm + "/bf16-act", g, {{y, metric::NMSE, k_tol_bf16_gemm}}, {}, one_bf16_pass())) << nm;
                 }
                 if (T == 64 && in == 256 && wt == dtype::BF16) {
                     auto cpu = backend_cpu_init();
@@ -225,10 +236,65 @@ TEST(cuda_ops, get_rows_and_linear) {
                     auto gpu = backend_cuda_init(0, {true, 8});
                     gpu->run(g);
                     controls(nm, read_f32(*cpu, y), read_f32(*gpu, y), metric::NMSE, thr);
-                    auto gpu2 = backend_cuda_init(0, {true, 8, false});
+                    auto gpu2 = backend_cuda_init(0, one_bf16_pass());
                     gpu2->run(g);
                     controls(nm + "/bf16-act", read_f32(*cpu, y), read_f32(*gpu2, y), metric::NMSE, k_tol_bf16_gemm);
                 }
+            }
+        }
+    }
+}
+
+// The split-bf16 cuBLASLt LINEAR as ONE GEMM over the hi rows and the lo rows stacked (2T columns, the weights read
+// once) plus an ADD of the halves (cuda_options::linear_split_stacked, up to 256 tokens by default), and as the two
+// GEMMs it replaces (0). Both within the f32 tolerance of the CPU; the stacked run is counted (linear_stacked: 1 per
+// LINEAR from 9 to 256 tokens, 0 with the switch off and above the bound); the two forms agree to the f32 tolerance.
+// Control: the one-bf16-pass result (no lo half) against the stacked one must FAIL the f32 tolerance, i.e. the
+// stacked GEMM's lo columns are really added in.
+TEST(cuda_ops, linear_split_stacked) {
+    NEED_GPU();
+    for (int T : {9, 64, 256, 257}) {
+        for (auto [in, out] : std::vector<std::pair<int, int>>{{256, 300}, {2304, 1024}}) {
+            rng r(7000 + uint32_t(T) * 13 + uint32_t(in));
+            arena a;
+            builder bd(batch_simple(T));
+            auto xv = r.vec(size_t(T) * size_t(in));
+            auto wv = r.vec(size_t(out) * size_t(in), -0.05f, 0.05f);
+            const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, in}, xv), "x"), 1.0f), "x_scaled");
+            const node_ref y = bd.name(bd.linear(x, bd.weight(a.bf16({out, in}, wv), "W")), "linear");
+            graph g = bd.finish(y);
+            const std::string nm = fmt::format("linear_stacked/T{}/{}x{}", T, out, in);
+            cuda_options on{true, 8};
+            cuda_options off{true, 8};
+            off.linear_split_stacked = 0;
+            EXPECT_TRUE(parity(nm + "/stacked", g, {{y, metric::NMSE, k_tol_f32}}, {}, on)) << nm;
+            EXPECT_TRUE(parity(nm + "/two-gemms", g, {{y, metric::NMSE, k_tol_f32}}, {}, off)) << nm;
+            auto g_on = backend_cuda_init(0, on);
+            g_on->run(g);
+            const int want = T <= on.linear_split_stacked ? 1 : 0;
+            std::printf("[%s/counter] stacked LINEARs %d == %d\n", nm.c_str(), g_on->linear_stacked(), want);
+            EXPECT_EQ(g_on->linear_stacked(), want) << nm;
+            tally(g_on->linear_stacked() == want);
+            auto g_off = backend_cuda_init(0, off);
+            g_off->run(g);
+            std::printf("[%s/counter-off] stacked LINEARs %d == 0\n", nm.c_str(), g_off->linear_stacked());
+            EXPECT_EQ(g_off->linear_stacked(), 0) << nm;
+            tally(g_off->linear_stacked() == 0);
+            const auto ys = read_f32(*g_on, y), yt = read_f32(*g_off, y);
+            std::printf("[%s/bitwise] stacked vs two GEMMs: %s\n", nm.c_str(),
+                        std::memcmp(ys.data(), yt.data(), ys.size() * 4) == 0 ? "EQUAL" : "DIFFERENT");
+            const bool agree = check(nm + "/stacked-vs-two", to_f64(yt), ys, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(agree) << nm;
+            tally(agree);
+            if (T == 64) {
+                auto one = backend_cuda_init(0, one_bf16_pass());
+                one->run(g);
+                const bool hi_only = check(nm + "/control(one bf16 pass vs stacked)", to_f64(ys), read_f32(*one, y), metric::NMSE,
+                                           k_tol_f32);
+                std::printf("[%s/control] one bf16 pass %s the f32 tolerance of the stacked run (must FAIL)\n", nm.c_str(),
+                            hi_only ? "PASSED" : "FAILED");
+                EXPECT_FALSE(hi_only) << nm;
+                tally(!hi_only);
             }
         }
     }
