@@ -19,8 +19,8 @@
 #include <cerrno>
 #include <cmath>
 #include <condition_variable>
-#include <cstring>
 #include <csignal>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <mutex>

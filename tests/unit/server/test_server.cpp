@@ -713,11 +713,11 @@ TEST(server_http, transport_limits) {
 // so the kernel query is shown able to see a short queue.
 TEST(server_http, listen_backlog_is_somaxconn) {
     test_server s;
-    if (listen_backlog(s.port) == -2) GTEST_SKIP() << "no NETLINK_SOCK_DIAG socket here: " << std::strerror(errno);
+    const int backlog = listen_backlog(s.port);
+    if (backlog == -2) GTEST_SKIP() << "no NETLINK_SOCK_DIAG socket here: " << std::strerror(errno);
     int somaxconn = SOMAXCONN;
     std::ifstream("/proc/sys/net/core/somaxconn") >> somaxconn;
-    EXPECT_EQ(listen_backlog(s.port), std::min(SOMAXCONN, somaxconn));
-    EXPECT_GE(listen_backlog(s.port), 128);
+    EXPECT_EQ(backlog, std::min(SOMAXCONN, somaxconn));
     httplib::Server plain;
     const int p = plain.bind_to_any_port("127.0.0.1");
     ASSERT_GT(p, 0);
