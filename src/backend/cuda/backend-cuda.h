@@ -46,6 +46,13 @@ struct cuda_options {
     int gemv_v3 = 2;
     int gemv_v3_min_in = 2048;
     int gemv_v3_max_in = 2304;
+    // The tensor-core GEMV (linear.cu "GEMV on the tensor cores", cuda::gemv_cfg::mma) for the chunks of at least this many
+    // tokens with BF16 weights and in % 8 == 0, in every GEMV launch form (plain, grouped, fused epilogues, staged norm,
+    // the decode router's logits); fp32 parity (x in three bf16 parts). 0 = off. Why: at 3..8 tokens the FP32 kernels are
+    // bound by FMAs and L1 traffic, not by the weights (session 16 calls G/H: k3-layers-4 B=8 7.25 ms/step on them, 4.86
+    // with cuBLASLt for those LINEARs, which gives up the fusions). Predicted before its first H200 run: k3-layers-4 B=4
+    // 4.40 -> ~3.3 ms, B=8 7.25 -> ~4.5 ms; 48B B=8 10.8 -> ~8.5 ms; B=1 unchanged.
+    int gemv_mma_min_tokens = 3;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny

@@ -191,6 +191,8 @@ public:
                      opt.gemv_unroll == 8,
                  "cuda_options::gemv_unroll {} is not one of 0, 1, 2, 4, 8", opt.gemv_unroll);
         PG_CHECK(opt.gemv_v3 >= 0 && opt.gemv_v3 <= 2, "cuda_options::gemv_v3 {} is not one of 0, 1, 2", opt.gemv_v3);
+        PG_CHECK(opt.gemv_mma_min_tokens >= 0 && opt.gemv_mma_min_tokens <= 8,
+                 "cuda_options::gemv_mma_min_tokens {} is not in 0..8 (0: off)", opt.gemv_mma_min_tokens);
         PG_CHECK(opt.moe_bf16_early >= 0 && opt.moe_bf16_early <= 2, "cuda_options::moe_bf16_early {} is not one of 0, 1, 2",
                  opt.moe_bf16_early);
         int n = 0;
@@ -1350,7 +1352,7 @@ private:
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
         return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
-                              opt_.gemv_evict_first};
+                              opt_.gemv_evict_first, opt_.gemv_mma_min_tokens};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?

@@ -94,7 +94,15 @@ struct gemv_cfg {
     int v3_unroll = 0;
     // v2 / v3 (cuda_options::gemv_evict_first): weights loaded with the L2 policy evict_first. Results unchanged.
     bool evict_first = false;
+    // The tensor-core GEMV (cuda_options::gemv_mma_min_tokens; linear.cu "GEMV on the tensor cores"): chunks of at least
+    // this many tokens (1..8) with BF16 weights and in % 8 == 0 run as mma.sync over 32 rows x 8 tokens per warp, x split
+    // into mma_parts bf16 parts (3: x = p0 + p1 + p2, 24 significant bits, fp32 parity; 1 or 2: fewer bits, for the
+    // tests' controls). 0 = off (every chunk keeps the kernels above). Takes precedence over v3 and unroll.
+    int mma = 0;
+    int mma_parts = 3;
 };
+// Launches of the tensor-core GEMV kernel since the process started (host counter; tests check the path ran).
+long gemv_mma_launches();
 // y [T, out] = x [T, in] W^T, W [out, in]; the bandwidth GEMV path (any T, best for T <= 8).
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
                                gemv_cfg cfg = {});

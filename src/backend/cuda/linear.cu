@@ -1,8 +1,11 @@
 // LINEAR (bandwidth GEMV for small T; cuBLASLt is driven from cuda-backend.cpp for larger T) and GET_ROWS.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fuse-ops.h"
+#include "backend/cuda/mma-sync.cuh"
+#include "backend/cuda/smem-attr.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace perigee::cuda {
@@ -1040,11 +1043,211 @@ cudaError_t v3_chunk(const float * x, int64_t in, wtype wt, const fused_segs & g
                  : v3_run<wtype::F16, false, false>(x, in, g, cfg, nw, eps, yn, st);
 }
 
+// ---- GEMV on the tensor cores (gemv_cfg::mma; chunks of mma..8 tokens, BF16 weights, in % 8 == 0) ----
+// Why: past 2 tokens the kernels above are bound by the FP32 pipe and L1, not by the weights: every weight element takes
+// TT FMAs and every lane re-reads TT x 32 bytes of x per 16 bytes of weights (x / weight bytes 4:1 at T = 8 with 4 rows
+// per warp). Session 16 calls G/H: k3-layers-4 B=8 7.25 ms/step on them, 4.86 ms with those LINEARs on cuBLASLt; B=4
+// 4.40 vs 3.63 ms. Here a warp computes 32 rows x 8 tokens with mma.sync m16n8k16 (two 16-row tiles):
+//  - weights straight from global, no shared memory: in each 32-column step lane (g, q) (g = lane / 4, q = lane % 4)
+//    loads 16 bytes of rows g, g + 8, g + 16, g + 24 at columns 8q .. 8q + 7 (the 4 lanes of a row read 64 contiguous
+//    bytes). A dot product does not depend on the order of k, so the step's two m16n8k16 products take physical columns
+//    {8q, 8q+1 | 8q+2, 8q+3} and {8q+4, 8q+5 | 8q+6, 8q+7} where the fragment layout says {2q, 2q+1 | 2q+8, 2q+9};
+//    the B fragment (token g, read by the same lane from the same 8 columns of x) is permuted the same way;
+//  - x = p0 + p1 + p2 with each part bf16 (p0 = bf16(x), p1 = bf16(x - p0), p2 = bf16(x - p0 - p1): 24 significant
+//    bits, the prefill router's split3): bf16 x bf16 products are exact in fp32, so the sums are fp32 sums of exact
+//    products, as in the FP32 kernels (the order differs: tensor-core accumulation). x / weight bytes 1:2;
+//  - tokens past TT are zero fragments (the mma always computes 8 columns; they are not stored);
+//  - S warps of a block share each 32-row group (split-K over whole 32-column steps, gemv2_split's rule), partials summed
+//    in shared memory in warp order; STAGED: x' = RMSNorm(x) * nw staged in shared memory first (stage_norm, as v2).
+// Deterministic for a given split.
+constexpr int k_mma_rows = 32;    // rows per warp (two m16 tiles)
+constexpr int k_mma_steps = 2;    // 32-column steps in flight per lane (4 rows x 16 bytes each)
+constexpr size_t k_mma_part_bytes = size_t(k_gemv_warps) * k_mma_rows * 8 * 4;   // S > 1 partials [warp][row][token]
+std::atomic<long> g_mma_launches{0};
+
+__device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
+
+// The three bf16 parts of 8 fp32 values (x[0..7]), each as 4 packed pairs: pt[p][j] = part p of (x[2j], x[2j+1]).
+__device__ __forceinline__ void split3_pairs(const float (&x)[8], uint32_t (&pt)[3][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float a = x[2 * j], b = x[2 * j + 1];
+        const __nv_bfloat162 h0 = __floats2bfloat162_rn(a, b);
+        const float2 f0 = __bfloat1622float2(h0);
+        const float ra = a - f0.x, rb = b - f0.y;   // exact (Sterbenz / same binade)
+        const __nv_bfloat162 h1 = __floats2bfloat162_rn(ra, rb);
+        const float2 f1 = __bfloat1622float2(h1);
+        const __nv_bfloat162 h2 = __floats2bfloat162_rn(ra - f1.x, rb - f1.y);
+        pt[0][j] = bf2_bits(h0), pt[1][j] = bf2_bits(h1), pt[2][j] = bf2_bits(h2);
+    }
+}
+
+template <int TT, bool STAGED>
+__global__ void __launch_bounds__(k_gemv_warps * 32)
+    k_linear_gemv_mma(const float * __restrict__ x, int64_t in, fused_segs g, int split, int parts,
+                      const float * __restrict__ nw, float eps, float * __restrict__ yn, bool ef) {
+    const uint64_t pol = l2_stream_policy(ef);
+    if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
+    pdl_enter();
+    extern __shared__ float4 dyn4[];
+    float * part = reinterpret_cast<float *>(dyn4);   // [k_gemv_warps][32 rows][8 tokens]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, q = lane & 3;
+    const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
+    const int64_t rows_tile = int64_t(groups) * k_mma_rows;
+    const unsigned total = g.start[g.n];
+    const int64_t nst = (in + 31) / 32;   // 32-column steps
+    const float * xs = x;
+    if constexpr (STAGED) {
+        float * st = part + k_mma_part_bytes / 4;   // [TT, in] after the partials
+        stage_norm<TT>(x, in, nw, eps, st, yn);
+        xs = st;
+    }
+    const bool tok = gq < TT;   // this lane's B column (token gq) is a real token
+    const float * xt = xs + int64_t(tok ? gq : 0) * in;
+    for (unsigned vb = blockIdx.x; vb < total; vb += gridDim.x) {
+        int s = 0;
+        while (s + 1 < g.n && vb >= g.start[s + 1]) ++s;
+        const int64_t out = g.out[s];
+        const int64_t tile0 = int64_t(vb - g.start[s]) * rows_tile;
+        const int64_t r0 = tile0 + int64_t(gi) * k_mma_rows;
+        const void * W = g.w[s];
+        int64_t rb[4];   // rows r0 + gq + 8j (tile j / 2, fragment half j % 2), past the end clamped (read, never stored)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int64_t r = r0 + gq + 8 * j;
+            rb[j] = (r < out ? r : out - 1) * in;
+        }
+        float acc[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+        const int64_t kb = nst * ks / S, ke = nst * (ks + 1) / S;
+        for (int64_t k = kb; k < ke; k += k_mma_steps) {
+            uint4 w[k_mma_steps][4];
+#pragma unroll
+            for (int u = 0; u < k_mma_steps; ++u) {
+                const int64_t c = (k + u) * 32 + 8 * q;
+                const bool ok = k + u < ke && c < in;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) w[u][j] = ok ? wraw_load<wtype::BF16>(W, rb[j] + c, pol) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < k_mma_steps; ++u) {
+                if (k + u >= ke) break;   // warp-uniform: every lane runs the same mma instructions
+                const int64_t c = (k + u) * 32 + 8 * q;
+                float xv[8];
+                if (tok && c < in) {
+                    const float4 a = *reinterpret_cast<const float4 *>(xt + c), b = *reinterpret_cast<const float4 *>(xt + c + 4);
+                    xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w, xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) xv[i] = 0.0f;
+                }
+                uint32_t pt[3][4];
+                split3_pairs(xv, pt);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const uint4 lo = w[u][2 * m], hi = w[u][2 * m + 1];   // rows g and g + 8 of tile m
+                    const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};      // physical columns 8q .. 8q + 3
+                    const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};      // 8q + 4 .. 8q + 7
+#pragma unroll
+                    for (int p = 2; p >= 0; --p) {   // the smallest part first
+                        if (p >= parts) continue;
+                        mma_bf16(acc[m], a0, pt[p][0], pt[p][1]);
+                        mma_bf16(acc[m], a1, pt[p][2], pt[p][3]);
+                    }
+                }
+            }
+        }
+        // acc[m][e]: row r0 + 16m + gq + 8 (e / 2), token 2q + e % 2
+        if (S == 1) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int64_t row = r0 + 16 * m + gq + 8 * (e >> 1);
+                    const int t = 2 * q + (e & 1);
+                    if (t < TT && row < out) gemv_store(g, s, row, t, acc[m][e]);
+                }
+        } else {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    part[(warp * k_mma_rows + 16 * m + gq + 8 * (e >> 1)) * 8 + 2 * q + (e & 1)] = acc[m][e];
+            __syncthreads();
+            for (int i = tid; i < groups * k_mma_rows * TT; i += k_gemv_warps * 32) {
+                const int g2 = i / (k_mma_rows * TT), rt = i % (k_mma_rows * TT), rr = rt / TT, t = rt % TT;
+                const int64_t row = tile0 + int64_t(g2) * k_mma_rows + rr;
+                float v = 0.0f;
+                for (int w2 = 0; w2 < S; ++w2) v += part[((g2 * S + w2) * k_mma_rows + rr) * 8 + t];
+                if (row < out) gemv_store(g, s, row, t, v);
+            }
+            __syncthreads();   // part is reused by the next tile
+        }
+    }
+}
+
+template <int TT, bool STAGED>
+cudaError_t mma_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg & cfg, const float * nw, float eps,
+                       float * yn, cudaStream_t st) {
+    const auto kern = k_linear_gemv_mma<TT, STAGED>;
+    const int th = k_gemv_warps * 32;
+    const int sms = device_sms();
+    const size_t smem = k_mma_part_bytes + (STAGED ? size_t(TT) * size_t(in) * 4 : 0);
+    int occ = 0;
+    if constexpr (STAGED) {   // above 48 KB with the largest stage: the opt-in, once per device
+        const cudaError_t e = smem_attr<k_linear_gemv_mma<TT, STAGED>>(k_mma_part_bytes + size_t(k_gemv_norm_stage_max));
+        if (e != cudaSuccess) return e;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
+    } else {
+        static int occ_plain = 0;   // the same dynamic size every launch: one query per instantiation
+        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, kern, th, smem);
+        occ = occ_plain;
+    }
+    const int64_t slots = int64_t(sms) * std::max(1, occ);
+    const int S = cfg.split > 0 ? cfg.split : gemv2_split(g.out, g.n, in, k_mma_rows, 1, sms, slots);
+    const int64_t rows_tile = int64_t(k_gemv_warps / S) * k_mma_rows;
+    g.start[0] = 0;
+    for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
+    const unsigned total = g.start[g.n];
+    const unsigned grid = STAGED ? unsigned(std::min<int64_t>(total, slots)) : total;
+    g_mma_launches.fetch_add(1, std::memory_order_relaxed);
+    return launch_k(kern, grid, th, smem, st, x, in, g, S, cfg.mma_parts, nw, eps, yn, cfg.evict_first);
+}
+
+template <bool STAGED>
+cudaError_t mma_tokens(const float * x, int64_t tt, int64_t in, const fused_segs & g, const gemv_cfg & cfg, const float * nw,
+                       float eps, float * yn, cudaStream_t st) {
+    switch (tt) {
+        case 1: return mma_launch<1, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 2: return mma_launch<2, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 3: return mma_launch<3, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 4: return mma_launch<4, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 5: return mma_launch<5, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 6: return mma_launch<6, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        case 7: return mma_launch<7, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+        default: return mma_launch<8, STAGED>(x, in, g, cfg, nw, eps, yn, st);
+    }
+}
+
+// Whether a chunk of tt tokens goes to the tensor-core kernel.
+bool mma_applies(const gemv_cfg & cfg, int64_t tt, int64_t in, wtype wt) {
+    return cfg.mma > 0 && tt >= cfg.mma && wt == wtype::BF16 && in % 8 == 0;
+}
+
+cudaError_t mma_chunk(const float * x, int64_t tt, int64_t in, const fused_segs & g, const gemv_cfg & cfg, bool staged,
+                      const float * nw, float eps, float * yn, cudaStream_t st) {
+    return staged ? mma_tokens<true>(x, tt, in, g, cfg, nw, eps, yn, st) : mma_tokens<false>(x, tt, in, g, cfg, nw, eps, yn, st);
+}
+
 bool cfg_valid(const gemv_cfg & c) {
     const bool u = c.unroll == 0 || c.unroll == 1 || c.unroll == 2 || c.unroll == 4 || c.unroll == 8;
     const bool s = c.split == 0 || c.split == 1 || c.split == 2 || c.split == 4 || c.split == 8;
     const bool v3 = (c.v3 >= 0 && c.v3 <= 2) && (c.v3_unroll == 0 || v3_u_valid(c.v3_unroll));
-    return u && s && v3;
+    const bool mma = c.mma >= 0 && c.mma <= 8 && c.mma_parts >= 1 && c.mma_parts <= 3;
+    return u && s && v3 && mma;
 }
 
 __global__ void k_weight_to_f32(dweight w, int64_t n, float * __restrict__ y) {
@@ -1087,18 +1290,22 @@ __global__ void k_get_rows(dweight table, int64_t V, int64_t D, const int32_t * 
 
 } // namespace
 
+long gemv_mma_launches() { return g_mma_launches.load(std::memory_order_relaxed); }
+
 cudaError_t launch_linear_gemv(const float * x, int64_t T, int64_t in, dweight W, int64_t out, float * y, cudaStream_t st,
                                gemv_cfg cfg) {
     if (!cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
         const int64_t tt = T - t0 < 8 ? T - t0 : 8;
-        if (cfg.unroll > 0 || v3_applies(cfg, tt, in, W.type)) {
+        if (cfg.unroll > 0 || v3_applies(cfg, tt, in, W.type) || mma_applies(cfg, tt, in, W.type)) {
             fused_segs g{};
             g.n = 1;
             g.w[0] = W.data;
             g.y[0] = y + t0 * out;
             g.out[0] = out;
-            const cudaError_t e = v3_applies(cfg, tt, in, W.type)
+            const cudaError_t e = mma_applies(cfg, tt, in, W.type)
+                                      ? mma_chunk(x + t0 * in, tt, in, g, cfg, false, nullptr, 0.0f, nullptr, st)
+                                  : v3_applies(cfg, tt, in, W.type)
                                       ? v3_chunk(x + t0 * in, in, W.type, g, cfg, false, nullptr, 0.0f, nullptr, st)
                                       : v2_chunk(x + t0 * in, tt, in, W.type, g, cfg, false, nullptr, 0.0f, nullptr, st);
             if (e != cudaSuccess) return e;
@@ -1121,7 +1328,7 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
     if (n < 1 || n > k_gemv_group_max || !cfg_valid(cfg)) return cudaErrorInvalidValue;
     for (int64_t t0 = 0; t0 < T; t0 += 8) {
         const int64_t tt = T - t0 < 8 ? T - t0 : 8;
-        if (cfg.unroll > 0 || v3_applies(cfg, tt, in, wt)) {
+        if (cfg.unroll > 0 || v3_applies(cfg, tt, in, wt) || mma_applies(cfg, tt, in, wt)) {
             fused_segs g{};
             g.n = n;
             for (int s = 0; s < n; ++s) {
@@ -1129,7 +1336,9 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
                 g.y[s] = y[s] + t0 * out[s];
                 g.out[s] = out[s];
             }
-            const cudaError_t e = v3_applies(cfg, tt, in, wt)
+            const cudaError_t e = mma_applies(cfg, tt, in, wt)
+                                      ? mma_chunk(x + t0 * in, tt, in, g, cfg, false, nullptr, 0.0f, nullptr, st)
+                                  : v3_applies(cfg, tt, in, wt)
                                       ? v3_chunk(x + t0 * in, in, wt, g, cfg, false, nullptr, 0.0f, nullptr, st)
                                       : v2_chunk(x + t0 * in, tt, in, wt, g, cfg, false, nullptr, 0.0f, nullptr, st);
             if (e != cudaSuccess) return e;
@@ -1180,6 +1389,12 @@ cudaError_t launch_linear_gemv_fused(const float * x, int64_t T, int64_t in, wty
         const float * xc = x + t0 * in;
         float * yn = nm.on && nm.y ? nm.y + t0 * in : nullptr;
         const bool staged = nm.on && nm.staged && tt * in * 4 <= k_gemv_norm_stage_max && in % 4 == 0;
+        if (mma_applies(cfg, tt, in, wt) && (staged || !nm.on)) {   // the in-warp norm prologue keeps the first kernel
+            const cudaError_t e = mma_chunk(xc, tt, in, g, cfg, staged, nm.w, nm.eps, yn, st);
+            if (e != cudaSuccess) return e;
+            if (staged && staged_launches) ++*staged_launches;
+            continue;
+        }
         if (v3_applies(cfg, tt, in, wt) && (staged || !nm.on)) {   // the in-warp norm prologue keeps the first kernel
             const cudaError_t e = v3_chunk(xc, in, wt, g, cfg, staged, nm.w, nm.eps, yn, st);
             if (e != cudaSuccess) return e;

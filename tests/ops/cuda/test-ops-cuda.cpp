@@ -1044,7 +1044,8 @@ TEST(cuda_ops, linear_group_same_input) {
 // each run in a fresh backend after a decoy backend of the same shapes and other values (round 2's K7168/F32/T8 failure:
 // a leaf read before its upload landed gave all-zero LINEARs in the 2nd and later backends of a case). x must come back
 // bitwise equal to its leaf. Each with the first GEMV kernels (cuda_options::gemv_unroll 0), the default v2 kernels and
-// v3 (cuda_options::gemv_v3 2; it runs for the BF16 weights at T = 1).
+// v3 (cuda_options::gemv_v3 2; it runs for the BF16 weights at T = 1) and the tensor-core kernel (gemv_mma_min_tokens 3:
+// it runs for the BF16 weights at T = 8; a counter shows it ran there and nowhere else).
 TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
     NEED_GPU();
     const int K = 7168, O = 2304;
@@ -1072,13 +1073,14 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
             std::vector<out_check> oc;
             for (auto & y : ys) oc.push_back({y, metric::NMSE, k_tol_f32});
             for (int on = 0; on < 2; ++on)
-            for (int var : {0, 1, 2}) {   // the first GEMV kernels, the default v2 kernels, v3 (gemv_v3 2: BF16 at T = 1)
+            for (int var : {0, 1, 2, 3}) {   // the first GEMV kernels, v2, v3 (gemv_v3 2: BF16 at T = 1), the tensor-core kernel
                 const int unroll = var == 0 ? 0 : cuda::k_gemv_unroll_default;
                 const std::string nm = fmt::format("linear_wide/{}/K{}/T{}/fusions-{}/u{}{}", dtype_name(wt), K, T, on ? "on" : "off",
-                                                   unroll, var == 2 ? "/v3" : "");
+                                                   unroll, var == 2 ? "/v3" : var == 3 ? "/mma" : "");
                 cuda_options o{true, 8};
                 o.gemv_unroll = unroll;
                 o.gemv_v3 = var == 2 ? 2 : 0;
+                o.gemv_mma_min_tokens = var == 3 ? 3 : 0;   // (3: the default; it runs for the BF16 weights at T = 8)
                 o.gemv_v3_min_in = 0;          // v3 on every width here (the default keeps it to the 48B's 2304-wide rows)
                 o.gemv_v3_max_in = 1 << 20;
                 o.linear_group = on != 0;
@@ -1091,7 +1093,13 @@ TEST(cuda_ops, linear_wide_gemv_fusions_off_and_on) {
                 }
                 EXPECT_TRUE(parity(nm, g, oc, {}, o)) << nm;
                 auto gpu = backend_cuda_init(0, o);
+                const long mma0 = cuda::gemv_mma_launches();
                 gpu->run(g);
+                const long mma_ran = cuda::gemv_mma_launches() - mma0;
+                const bool mma_ok = (mma_ran > 0) == (var == 3 && wt == dtype::BF16 && T == 8);
+                std::printf("[%s] tensor-core GEMV launches %ld\n", nm.c_str(), mma_ran);
+                EXPECT_TRUE(mma_ok) << nm << ": tensor-core GEMV launches " << mma_ran;
+                tally(mma_ok);
                 const auto xg = read_f32(*gpu, xr);
                 const bool xb = xg.size() == xv.size() && std::memcmp(xg.data(), xv.data(), xv.size() * 4) == 0;
                 std::printf("[%s/x] %s\n", nm.c_str(), xb ? "bitwise equal to its leaf" : "DIFFERS from its leaf");
@@ -1155,11 +1163,17 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                                               // the references, and at T = 1 split 1 bit for bit the same cfg without
                                               // it (v2 u4 s1; v3 early s1)
                                               {4, 1, 0, 0, true}, {4, 0, 0, 0, true},
-                                              {0, 1, 2, 0}, {0, 1, 2, 0, true}, {0, 0, 2, 0, true}};
+                                              {0, 1, 2, 0}, {0, 1, 2, 0, true}, {0, 0, 2, 0, true},
+                                              // the tensor-core kernel (gemv_cfg::mma; BF16, in % 8 == 0, else the
+                                              // unroll/split kernel) on every chunk, 3 parts: chosen split, forced 1 / 2
+                                              // / 8; from 3 tokens (the default threshold: 1-2 token chunks keep v2)
+                                              {4, 0, 0, 0, false, 1}, {4, 1, 0, 0, false, 1}, {4, 2, 0, 0, false, 1},
+                                              {4, 8, 0, 0, false, 1}, {4, 0, 0, 0, false, 3}};
     const char * kinds[] = {"plain", "group", "epilogue", "norm"};
     std::map<std::string, std::pair<double, int>> worst;   // (dtype/kind/cfg) -> (worst NMSE, cases)
     int n_bad = 0, n_v3_bitwise = 0, n_v3_expected = 0, n_pf_bitwise = 0, n_pf3_bitwise = 0;
-    bool controls_done[3][4] = {}, controls_v3_done[3][4] = {};
+    bool controls_done[3][4] = {}, controls_v3_done[3][4] = {}, controls_mma_done[4] = {};
+    int n_mma_ran = 0, n_mma_expected = 0, n_mma_parts_fail = 0, n_mma_parts_cases = 0;
     // Every candidate output of one launch bit for bit the kept outputs of another (`ref`), counted in n_equal; and its
     // control: the first output with the low bit of its LAST element flipped (one ulp, never inf or NaN) must compare
     // unequal, so a comparison that stopped short of the end (a byte count off) could not pass it.
@@ -1251,6 +1265,7 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         cuda::gemv_fused_seg segs[3];
                         for (int s = 0; s < 3; ++s) segs[s].w = wp[s], segs[s].y = yp[s], segs[s].out = outs[s];
                         cuda::gemv_norm nm;
+                        const long mma0 = cuda::gemv_mma_launches();
                         if (kind == 0) e = cuda::launch_linear_gemv(dx.f(), T, in, {dw[0]->p, cw}, outs[0], yp[0], nullptr, cfg);
                         if (kind == 1) e = cuda::launch_linear_gemv_group(dx.f(), T, in, cw, wp, yp, outs, 3, nullptr, cfg);
                         if (kind == 2) {   // seg 0: sigmoid + both residuals; seg 1: sigmoid; seg 2: one residual
@@ -1261,7 +1276,24 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         if (kind == 3) nm.on = true, nm.staged = true, nm.w = dnw.f(), nm.eps = eps, nm.y = dyn.f();
                         if (kind >= 2) e = cuda::launch_linear_gemv_fused(dx.f(), T, in, cw, segs, 3, nm, nullptr, nullptr, cfg);
                         if (e == cudaSuccess) e = cudaDeviceSynchronize();
-                        const std::string key = cfg.v3 ? fmt::format("gemv/{}/{}/v3-{}u{}s{}{}", dtype_name(wt), kinds[kind], cfg.v3,
+                        // the tensor-core kernel ran exactly where it applies: a chunk of >= cfg.mma tokens, BF16, in % 8
+                        // == 0 (the folded norm: only where it is staged; T = 9 / 11: two chunks); nowhere else
+                        {
+                            const auto applies = [&](int tt) { return cfg.mma > 0 && tt >= cfg.mma && wt == dtype::BF16 && in % 8 == 0; };
+                            long want = 0;
+                            for (int t0 = 0; t0 < T; t0 += 8) {
+                                const int tt = std::min(8, T - t0);
+                                if (applies(tt) && (kind != 3 || tt * in * 4 <= cuda::k_gemv_norm_stage_max)) ++want;
+                            }
+                            const long got = cuda::gemv_mma_launches() - mma0;
+                            if (want > 0) ++n_mma_expected;
+                            if (want > 0 && got == want) ++n_mma_ran;
+                            EXPECT_EQ(got, want) << "tensor-core GEMV launches, " << dtype_name(wt) << " kind " << kinds[kind] << " T " << T
+                                                 << " in " << in << " mma " << cfg.mma;
+                            tally(got == want);
+                        }
+                        const std::string key = cfg.mma ? fmt::format("gemv/{}/{}/mma{}s{}", dtype_name(wt), kinds[kind], cfg.mma, cfg.split)
+                                              : cfg.v3 ? fmt::format("gemv/{}/{}/v3-{}u{}s{}{}", dtype_name(wt), kinds[kind], cfg.v3,
                                                                       cfg.v3_unroll, cfg.split,
                                                                       cfg.evict_first ? "-ef" : "")
                                                        : fmt::format("gemv/{}/{}/u{}s{}{}", dtype_name(wt), kinds[kind], cfg.unroll, cfg.split,
@@ -1301,7 +1333,34 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         }
                         // controls, once per (dtype, kind) with the default cfg: a perturbed output must fail
                         const int di = wt == dtype::BF16 ? 0 : wt == dtype::F16 ? 1 : 2;
-                        if (cfg.unroll == cuda::k_gemv_unroll_default && cfg.split == 0 && !controls_done[di][kind] && T == 3) {
+                        // the tensor-core kernel: a perturbed output must fail, once per kind (BF16, T = 5, a shape it runs on);
+                        // and with x in ONE bf16 part instead of three (the lo parts dropped) the f32 tolerance must fail on the
+                        // wide rows (in >= 2304): the comparison can see the precision the split buys
+                        if (cfg.mma == 1 && cfg.split == 0 && wt == dtype::BF16 && T == 5 && in % 8 == 0) {
+                            if (!controls_mma_done[kind]) {
+                                controls_mma_done[kind] = true;
+                                const bool pert = check(nm_case + "/control(perturbed 10x)", pr[0].first,
+                                                        perturb(pr[0].first, pr[0].second, metric::NMSE, k_tol_f32), metric::NMSE, k_tol_f32);
+                                std::printf("[%s/control] (must FAIL) %s\n", nm_case.c_str(), pert ? "PASSED - BAD" : "FAILED as required");
+                                EXPECT_FALSE(pert);
+                                tally(!pert);
+                            }
+                            if (kind == 0 && in >= 2304) {
+                                cuda::gemv_cfg one = cfg;
+                                one.mma_parts = 1;
+                                nan_fill();
+                                e = cuda::launch_linear_gemv(dx.f(), T, in, {dw[0]->p, cw}, outs[0], yp[0], nullptr, one);
+                                EXPECT_EQ(e == cudaSuccess ? cudaDeviceSynchronize() : e, cudaSuccess);
+                                const cmp_result c1 = compare(yref[0], dget(dy[0]->f(), size_t(T * outs[0])), metric::NMSE, k_tol_f32);
+                                ++n_mma_parts_cases;
+                                if (!c1.ok) ++n_mma_parts_fail;
+                                std::printf("[%s/control(one bf16 part)] (must FAIL) NMSE %.3e: %s\n", nm_case.c_str(), c1.measured,
+                                            c1.ok ? "PASSED - BAD" : "FAILED as required");
+                                EXPECT_FALSE(c1.ok);
+                                tally(!c1.ok);
+                            }
+                        }
+                        if (cfg.mma == 0 && cfg.unroll == cuda::k_gemv_unroll_default && cfg.split == 0 && !controls_done[di][kind] && T == 3) {
                             controls_done[di][kind] = true;
                             const bool pert = check(nm_case + "/control(perturbed 10x)", pr[0].first,
                                                     perturb(pr[0].first, pr[0].second, metric::NMSE, k_tol_f32), metric::NMSE, k_tol_f32);
@@ -1321,7 +1380,7 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         }
                         // v3 with one warp per row sums each lane's chunks in v2's order (v2 at T = 1: one row per warp):
                         // every output bit for bit equal to v2 u4 s1's; v2 without the split keeps its outputs for that
-                        if (T == 1 && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1 && !cfg.evict_first) {
+                        if (T == 1 && cfg.v3 == 0 && cfg.mma == 0 && cfg.unroll == 4 && cfg.split == 1 && !cfg.evict_first) {
                             v2_s1[kind].clear();
                             for (const auto & q : pr) v2_s1[kind].push_back(q.second);
                         }
@@ -1332,7 +1391,7 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                         // a cache policy changes no bit: evict_first at T = 1, split 1 against the same cfg without it
                         if (T == 1 && cfg.v3 == 2 && cfg.split == 1 && cfg.evict_first)
                             same_bits(pr, v3e_s1[kind], nm_case + "/vs v3 early s1 without evict_first", n_pf3_bitwise);
-                        if (T == 1 && cfg.evict_first && cfg.v3 == 0 && cfg.unroll == 4 && cfg.split == 1)
+                        if (T == 1 && cfg.evict_first && cfg.v3 == 0 && cfg.mma == 0 && cfg.unroll == 4 && cfg.split == 1)
                             same_bits(pr, v2_s1[kind], nm_case + "/vs v2 u4s1 without evict_first", n_pf_bitwise);
                         if (v3_ran && cfg.v3 == 1 && cfg.split == 1 && cfg.v3_unroll == 0) {
                             ++n_v3_expected;
@@ -1361,6 +1420,15 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     EXPECT_EQ(n_pf_bitwise, 100);
     std::printf("[gemv] v3 early s1 evict_first bitwise equal to v3 early s1 in %d of 100 launches\n", n_pf3_bitwise);
     EXPECT_EQ(n_pf3_bitwise, 100);
+    // the tensor-core kernel ran in every launch where it applies (BF16: 8 shapes with in % 8 == 0 x 10 token counts x 4
+    // kinds x 4 cfgs from 1 token, less the folded norms too wide to stage; + the cfg from 3 tokens), and dropping its
+    // lo parts failed the tolerance on each wide shape (2304, 2312, 4096, 7176)
+    std::printf("[gemv] tensor-core kernel ran as expected in %d of %d launches; one-bf16-part control failed in %d of %d\n",
+                n_mma_ran, n_mma_expected, n_mma_parts_fail, n_mma_parts_cases);
+    EXPECT_GT(n_mma_expected, 100);
+    EXPECT_EQ(n_mma_ran, n_mma_expected);
+    EXPECT_EQ(n_mma_parts_cases, 4);
+    EXPECT_EQ(n_mma_parts_fail, n_mma_parts_cases);
     // an invalid cfg is refused, not run
     {
         dmem x(64 * 4), w(64 * 64 * 2), y(64 * 4);
@@ -1368,6 +1436,14 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
         const cudaError_t e5 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {4, 3});
         const cudaError_t e6 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {0, 0, 3, 0});
         const cudaError_t e7 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {0, 0, 1, 7});
+        const cudaError_t e8 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {4, 0, 0, 0, false, 9});
+        const cudaError_t e9 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr,
+                                                        {4, 0, 0, 0, false, 1, 4});
+        std::printf("[gemv/invalid cfg] mma 9: %s, mma_parts 4: %s (must be invalid value)\n", cudaGetErrorString(e8),
+                    cudaGetErrorString(e9));
+        EXPECT_EQ(e8, cudaErrorInvalidValue);
+        EXPECT_EQ(e9, cudaErrorInvalidValue);
+        tally(e8 == cudaErrorInvalidValue && e9 == cudaErrorInvalidValue);
         std::printf("[gemv/invalid cfg] unroll 3: %s, split 3: %s, v3 3: %s, v3_unroll 7: %s (all must be invalid value)\n",
                     cudaGetErrorString(e3), cudaGetErrorString(e5), cudaGetErrorString(e6), cudaGetErrorString(e7));
         EXPECT_EQ(e3, cudaErrorInvalidValue);
@@ -1395,6 +1471,17 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
             backend_cuda_init(0, o);
         } catch (const error & e) {
             named = std::string(e.what()).find("gemv_v3") != std::string::npos;
+            std::printf("[gemv/invalid option] %s\n", e.what());
+        }
+        EXPECT_TRUE(named);
+        tally(named);
+        o.gemv_v3 = 2;
+        o.gemv_mma_min_tokens = 9;   // likewise gemv_mma_min_tokens
+        named = false;
+        try {
+            backend_cuda_init(0, o);
+        } catch (const error & e) {
+            named = std::string(e.what()).find("gemv_mma_min_tokens") != std::string::npos;
             std::printf("[gemv/invalid option] %s\n", e.what());
         }
         EXPECT_TRUE(named);
