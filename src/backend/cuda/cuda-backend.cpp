@@ -213,6 +213,10 @@ public:
         PG_CUDA_CHECK(cudaMalloc(&lt_ws_, k_lt_ws));
         PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&route_ctr_), 4));   // fused route counter
         PG_CUDA_CHECK(cudaMemset(route_ctr_, 0, 4));
+        // the tensor-core GEMV's split-K partials and per-group counters (linear.cu; the counters are left at 0)
+        PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_part_), size_t(k_mma_part_floats) * 4));
+        PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_ctr_), size_t(k_mma_ctr_n) * 4));
+        PG_CUDA_CHECK(cudaMemset(mma_ctr_, 0, size_t(k_mma_ctr_n) * 4));
     }
     ~cuda_backend() override {
         cudaSetDevice(dev_);
@@ -228,6 +232,8 @@ public:
         if (arena_) cudaFree(arena_);
         if (lt_ws_) cudaFree(lt_ws_);
         if (route_ctr_) cudaFree(route_ctr_);
+        if (mma_part_) cudaFree(mma_part_);
+        if (mma_ctr_) cudaFree(mma_ctr_);
         if (lt_) cublasLtDestroy(lt_);
         if (st_) cudaStreamDestroy(st_);
     }
@@ -1352,7 +1358,8 @@ private:
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
         return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
-                              opt_.gemv_evict_first, opt_.gemv_mma_min_tokens};
+                              opt_.gemv_evict_first, opt_.gemv_mma_min_tokens, 3, mma_part_, k_mma_part_floats, mma_ctr_,
+                              k_mma_ctr_n};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
@@ -1888,6 +1895,12 @@ private:
     cublasLtHandle_t lt_ = nullptr;
     void * lt_ws_ = nullptr;
     unsigned * route_ctr_ = nullptr;   // the fused T == 1 route's last-block counter (route-select.cu; self-resetting)
+    // The tensor-core GEMV's scratch (cuda::gemv_cfg::mma_part / mma_ctr): split-K partials of at most ~2 x the resident
+    // warps' items (2 x 132 SMs x 2 blocks x 8 warps x 256 floats = 4.3 MB on the H200) and one counter per 32-row group.
+    static constexpr int64_t k_mma_part_floats = int64_t(2) << 20;   // 8 MB
+    static constexpr int64_t k_mma_ctr_n = 16384;
+    float * mma_part_ = nullptr;
+    unsigned * mma_ctr_ = nullptr;
     std::map<std::tuple<int64_t, int64_t, int64_t, int>, plan> plans_;
     std::unordered_map<const void *, void *> weights_;          // host data pointer -> device copy
     std::unordered_map<tensor *, void *> states_;               // host STATE tensor -> device-resident copy

@@ -95,11 +95,18 @@ struct gemv_cfg {
     // v2 / v3 (cuda_options::gemv_evict_first): weights loaded with the L2 policy evict_first. Results unchanged.
     bool evict_first = false;
     // The tensor-core GEMV (cuda_options::gemv_mma_min_tokens; linear.cu "GEMV on the tensor cores"): chunks of at least
-    // this many tokens (1..8) with BF16 weights and in % 8 == 0 run as mma.sync over 32 rows x 8 tokens per warp, x split
+    // this many tokens (1..8) with BF16 weights and in % 8 == 0 run as mma.sync over 32 rows x 8 tokens per warp item, x split
     // into mma_parts bf16 parts (3: x = p0 + p1 + p2, 24 significant bits, fp32 parity; 1 or 2: fewer bits, for the
     // tests' controls). 0 = off (every chunk keeps the kernels above). Takes precedence over v3 and unroll.
+    // split: K slices per 32-row group (1, 2, 4, 8; 0 = chosen: enough items for every resident warp). With more than one
+    // slice the kernel needs mma_part (>= groups x slices x 256 floats) and mma_ctr (>= groups counters, all 0, left at
+    // 0); without them (or too small) the chosen split is 1 and a forced one is cudaErrorInvalidValue.
     int mma = 0;
     int mma_parts = 3;
+    float * mma_part = nullptr;
+    int64_t mma_part_floats = 0;
+    unsigned * mma_ctr = nullptr;
+    int64_t mma_ctr_n = 0;
 };
 // Launches of the tensor-core GEMV kernel since the process started (host counter; tests check the path ran).
 long gemv_mma_launches();

@@ -2,7 +2,6 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fuse-ops.h"
 #include "backend/cuda/mma-sync.cuh"
-#include "backend/cuda/smem-attr.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -1057,12 +1056,17 @@ cudaError_t v3_chunk(const float * x, int64_t in, wtype wt, const fused_segs & g
 //    bits, the prefill router's split3): bf16 x bf16 products are exact in fp32, so the sums are fp32 sums of exact
 //    products, as in the FP32 kernels (the order differs: tensor-core accumulation). x / weight bytes 1:2;
 //  - tokens past TT are zero fragments (the mma always computes 8 columns; they are not stored);
-//  - S warps of a block share each 32-row group (split-K over whole 32-column steps, gemv2_split's rule), partials summed
-//    in shared memory in warp order; STAGED: x' = RMSNorm(x) * nw staged in shared memory first (stage_norm, as v2).
-// Deterministic for a given split.
-constexpr int k_mma_rows = 32;    // rows per warp (two m16 tiles)
+//  - work items are (32-row group, K slice) per WARP, KS slices per group: a group of 32 rows is one warp's work, so a
+//    LINEAR of few rows (K3's 128-row f_a, a 896-row router) would otherwise stream its weights through a handful of
+//    SMs (session 17 call A, one slice per group inside a block: k3-layers-4 B=3 4.10 ms vs 3.61 on the FP32 kernels).
+//    With KS > 1 each slice's 32 x 8 partial sums go to global scratch (gemv_cfg::mma_part); the warp whose arrival
+//    counter (gemv_cfg::mma_ctr, one per group, left at 0) reads KS - 1 sums the KS partials in slice order, applies
+//    the epilogue and resets the counter: deterministic, one launch;
+//  - a persistent grid (at most the resident blocks; warps take items w, w + 8 gridDim, ...); STAGED: x' = RMSNorm(x)
+//    * nw staged in shared memory first by each block (stage_norm, as v2).
+constexpr int k_mma_rows = 32;    // rows per warp item (two m16 tiles)
 constexpr int k_mma_steps = 2;    // 32-column steps in flight per lane (4 rows x 16 bytes each)
-constexpr size_t k_mma_part_bytes = size_t(k_gemv_warps) * k_mma_rows * 8 * 4;   // S > 1 partials [warp][row][token]
+constexpr int k_mma_item = k_mma_rows * 8;   // partial sums per item [32 rows][8 tokens]
 std::atomic<long> g_mma_launches{0};
 
 __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
@@ -1074,7 +1078,7 @@ __device__ __forceinline__ void split3_pairs(const float (&x)[8], uint32_t (&pt)
         const float a = x[2 * j], b = x[2 * j + 1];
         const __nv_bfloat162 h0 = __floats2bfloat162_rn(a, b);
         const float2 f0 = __bfloat1622float2(h0);
-        const float ra = a - f0.x, rb = b - f0.y;   // exact (Sterbenz / same binade)
+        const float ra = a - f0.x, rb = b - f0.y;   // exact: bf16(a) is within one bf16 ulp of a
         const __nv_bfloat162 h1 = __floats2bfloat162_rn(ra, rb);
         const float2 f1 = __bfloat1622float2(h1);
         const __nv_bfloat162 h2 = __floats2bfloat162_rn(ra - f1.x, rb - f1.y);
@@ -1082,34 +1086,35 @@ __device__ __forceinline__ void split3_pairs(const float (&x)[8], uint32_t (&pt)
     }
 }
 
+// g.start[s]: the first 32-row group of segment s (groups numbered over all segments).
 template <int TT, bool STAGED>
 __global__ void __launch_bounds__(k_gemv_warps * 32)
-    k_linear_gemv_mma(const float * __restrict__ x, int64_t in, fused_segs g, int split, int parts,
-                      const float * __restrict__ nw, float eps, float * __restrict__ yn, bool ef) {
+    k_linear_gemv_mma(const float * __restrict__ x, int64_t in, fused_segs g, int KS, int parts,
+                      const float * __restrict__ nw, float eps, float * __restrict__ yn, bool ef, float * part,
+                      unsigned * ctr) {
     const uint64_t pol = l2_stream_policy(ef);
     if constexpr (STAGED) stage_norm_prefetch(nw, in);   // a weight: before the wait
     pdl_enter();
-    extern __shared__ float4 dyn4[];
-    float * part = reinterpret_cast<float *>(dyn4);   // [k_gemv_warps][32 rows][8 tokens]
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, q = lane & 3;
-    const int S = split, groups = k_gemv_warps / S, gi = warp / S, ks = warp % S;
-    const int64_t rows_tile = int64_t(groups) * k_mma_rows;
-    const unsigned total = g.start[g.n];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, q = lane & 3;
+    const unsigned groups = g.start[g.n];
+    const int64_t items = int64_t(groups) * KS;
     const int64_t nst = (in + 31) / 32;   // 32-column steps
     const float * xs = x;
     if constexpr (STAGED) {
-        float * st = part + k_mma_part_bytes / 4;   // [TT, in] after the partials
+        extern __shared__ float4 stage4[];
+        float * st = reinterpret_cast<float *>(stage4);   // [TT, in]
         stage_norm<TT>(x, in, nw, eps, st, yn);
         xs = st;
     }
     const bool tok = gq < TT;   // this lane's B column (token gq) is a real token
     const float * xt = xs + int64_t(tok ? gq : 0) * in;
-    for (unsigned vb = blockIdx.x; vb < total; vb += gridDim.x) {
+    for (int64_t it = int64_t(blockIdx.x) * k_gemv_warps + warp; it < items; it += int64_t(gridDim.x) * k_gemv_warps) {
+        const unsigned G = unsigned(it / KS);
+        const int ks = int(it % KS);
         int s = 0;
-        while (s + 1 < g.n && vb >= g.start[s + 1]) ++s;
+        while (s + 1 < g.n && G >= g.start[s + 1]) ++s;
         const int64_t out = g.out[s];
-        const int64_t tile0 = int64_t(vb - g.start[s]) * rows_tile;
-        const int64_t r0 = tile0 + int64_t(gi) * k_mma_rows;
+        const int64_t r0 = int64_t(G - g.start[s]) * k_mma_rows;
         const void * W = g.w[s];
         int64_t rb[4];   // rows r0 + gq + 8j (tile j / 2, fragment half j % 2), past the end clamped (read, never stored)
 #pragma unroll
@@ -1122,7 +1127,7 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
-        const int64_t kb = nst * ks / S, ke = nst * (ks + 1) / S;
+        const int64_t kb = nst * ks / KS, ke = nst * (ks + 1) / KS;
         for (int64_t k = kb; k < ke; k += k_mma_steps) {
             uint4 w[k_mma_steps][4];
 #pragma unroll
@@ -1160,32 +1165,39 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
                 }
             }
         }
-        // acc[m][e]: row r0 + 16m + gq + 8 (e / 2), token 2q + e % 2
-        if (S == 1) {
+        // acc[m][e]: row r0 + 16m + gq + 8 (e / 2), token 2q + e % 2 (item-local index (16m + gq + 8 (e / 2)) * 8 + token)
+        if (KS > 1) {
+            float * mine = part + it * k_mma_item;
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) mine[(16 * m + gq + 8 * (e >> 1)) * 8 + 2 * q + (e & 1)] = acc[m][e];
+            __threadfence();   // the partials visible device-wide before the arrival is counted
+            __syncwarp();
+            unsigned arrived = 0;
+            if (lane == 0) arrived = atomicAdd(ctr + G, 1u);
+            arrived = __shfl_sync(0xffffffffu, arrived, 0);
+            if (arrived != unsigned(KS - 1)) continue;   // not the last slice of this group
+            __threadfence();
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int64_t row = r0 + 16 * m + gq + 8 * (e >> 1);
-                    const int t = 2 * q + (e & 1);
-                    if (t < TT && row < out) gemv_store(g, s, row, t, acc[m][e]);
+                    const int64_t o = (16 * m + gq + 8 * (e >> 1)) * 8 + 2 * q + (e & 1);
+                    float v = 0.0f;
+                    for (int j = 0; j < KS; ++j) v += __ldcg(part + (int64_t(G) * KS + j) * k_mma_item + o);   // slice order
+                    acc[m][e] = v;
                 }
-        } else {
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    part[(warp * k_mma_rows + 16 * m + gq + 8 * (e >> 1)) * 8 + 2 * q + (e & 1)] = acc[m][e];
-            __syncthreads();
-            for (int i = tid; i < groups * k_mma_rows * TT; i += k_gemv_warps * 32) {
-                const int g2 = i / (k_mma_rows * TT), rt = i % (k_mma_rows * TT), rr = rt / TT, t = rt % TT;
-                const int64_t row = tile0 + int64_t(g2) * k_mma_rows + rr;
-                float v = 0.0f;
-                for (int w2 = 0; w2 < S; ++w2) v += part[((g2 * S + w2) * k_mma_rows + rr) * 8 + t];
-                if (row < out) gemv_store(g, s, row, t, v);
-            }
-            __syncthreads();   // part is reused by the next tile
+            if (lane == 0) ctr[G] = 0u;   // left at 0 for the next launch (stream order)
         }
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int64_t row = r0 + 16 * m + gq + 8 * (e >> 1);
+                const int t = 2 * q + (e & 1);
+                if (t < TT && row < out) gemv_store(g, s, row, t, acc[m][e]);
+            }
     }
 }
 
@@ -1195,26 +1207,43 @@ cudaError_t mma_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg
     const auto kern = k_linear_gemv_mma<TT, STAGED>;
     const int th = k_gemv_warps * 32;
     const int sms = device_sms();
-    const size_t smem = k_mma_part_bytes + (STAGED ? size_t(TT) * size_t(in) * 4 : 0);
+    const size_t smem = STAGED ? size_t(TT) * size_t(in) * 4 : 0;
     int occ = 0;
-    if constexpr (STAGED) {   // above 48 KB with the largest stage: the opt-in, once per device
-        const cudaError_t e = smem_attr<k_linear_gemv_mma<TT, STAGED>>(k_mma_part_bytes + size_t(k_gemv_norm_stage_max));
-        if (e != cudaSuccess) return e;
+    if constexpr (STAGED) {
+        static bool carveout_set = false;   // a hint; once per instantiation, never inside a stream capture
+        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        cudaStreamIsCapturing(st, &cap);
+        if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
+            cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+            carveout_set = true;
+        }
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
     } else {
-        static int occ_plain = 0;   // the same dynamic size every launch: one query per instantiation
-        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, kern, th, smem);
+        static int occ_plain = 0;   // no dynamic shared memory: one query per instantiation
+        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, kern, th, 0);
         occ = occ_plain;
     }
     const int64_t slots = int64_t(sms) * std::max(1, occ);
-    const int S = cfg.split > 0 ? cfg.split : gemv2_split(g.out, g.n, in, k_mma_rows, 1, sms, slots);
-    const int64_t rows_tile = int64_t(k_gemv_warps / S) * k_mma_rows;
     g.start[0] = 0;
-    for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + rows_tile - 1) / rows_tile);
-    const unsigned total = g.start[g.n];
-    const unsigned grid = STAGED ? unsigned(std::min<int64_t>(total, slots)) : total;
+    for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + k_mma_rows - 1) / k_mma_rows);
+    const int64_t groups = g.start[g.n];
+    const int64_t nst = (in + 31) / 32;
+    // KS: forced (cfg.split), or the smallest power of 2 up to 64 giving every resident warp an item, each slice at
+    // least 4 steps (128 columns); > 1 only with scratch for the partials and the counters.
+    const auto fits = [&](int64_t ks) {
+        return ks == 1 || (cfg.mma_part && cfg.mma_ctr && groups * ks * k_mma_item <= cfg.mma_part_floats && groups <= cfg.mma_ctr_n);
+    };
+    int KS = cfg.split;
+    if (KS == 0) {
+        KS = 1;
+        while (KS < 64 && groups * KS < slots * k_gemv_warps && nst / (2 * KS) >= 4 && fits(2 * KS)) KS *= 2;
+    }
+    if (!fits(KS)) return cudaErrorInvalidValue;
+    const int64_t items = groups * KS;
+    const unsigned grid = unsigned(std::min<int64_t>((items + k_gemv_warps - 1) / k_gemv_warps, slots));
     g_mma_launches.fetch_add(1, std::memory_order_relaxed);
-    return launch_k(kern, grid, th, smem, st, x, in, g, S, cfg.mma_parts, nw, eps, yn, cfg.evict_first);
+    return launch_k(kern, grid, th, smem, st, x, in, g, KS, cfg.mma_parts, nw, eps, yn, cfg.evict_first, cfg.mma_part,
+                    cfg.mma_ctr);
 }
 
 template <bool STAGED>

@@ -1165,10 +1165,14 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                                               {4, 1, 0, 0, true}, {4, 0, 0, 0, true},
                                               {0, 1, 2, 0}, {0, 1, 2, 0, true}, {0, 0, 2, 0, true},
                                               // the tensor-core kernel (gemv_cfg::mma; BF16, in % 8 == 0, else the
-                                              // unroll/split kernel) on every chunk, 3 parts: chosen split, forced 1 / 2
-                                              // / 8; from 3 tokens (the default threshold: 1-2 token chunks keep v2)
+                                              // unroll/split kernel) on every chunk, 3 parts, with the split-K scratch:
+                                              // chosen K slices, forced 1 / 2 / 8; from 3 tokens (the default threshold:
+                                              // 1-2 token chunks keep v2) WITHOUT the scratch (one slice per group)
                                               {4, 0, 0, 0, false, 1}, {4, 1, 0, 0, false, 1}, {4, 2, 0, 0, false, 1},
                                               {4, 8, 0, 0, false, 1}, {4, 0, 0, 0, false, 3}};
+    const int64_t part_floats = int64_t(2) << 20, ctr_n = 16384;
+    dmem mma_part(size_t(part_floats) * 4), mma_ctr(size_t(ctr_n) * 4);
+    cudaMemset(mma_ctr.p, 0, size_t(ctr_n) * 4);
     const char * kinds[] = {"plain", "group", "epilogue", "norm"};
     std::map<std::string, std::pair<double, int>> worst;   // (dtype/kind/cfg) -> (worst NMSE, cases)
     int n_bad = 0, n_v3_bitwise = 0, n_v3_expected = 0, n_pf_bitwise = 0, n_pf3_bitwise = 0;
@@ -1256,8 +1260,13 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
                 };
                 std::vector<std::vector<float>> v2_s1[4];   // T = 1: v2 u4 s1's outputs per kind (the v3 bitwise check)
                 std::vector<std::vector<float>> v3e_s1[4];  // T = 1: v3 early s1's (the evict_first bitwise check)
-                for (const auto & cfg : cfgs)
+                for (const auto & cfg0 : cfgs)
                     for (int kind = 0; kind < 4; ++kind) {
+                        cuda::gemv_cfg cfg = cfg0;
+                        if (cfg.mma == 1) {
+                            cfg.mma_part = mma_part.f(), cfg.mma_part_floats = part_floats;
+                            cfg.mma_ctr = static_cast<unsigned *>(mma_ctr.p), cfg.mma_ctr_n = ctr_n;
+                        }
                         nan_fill();
                         cudaError_t e = cudaSuccess;
                         const void * wp[3] = {dw[0]->p, dw[1]->p, dw[2]->p};
@@ -1429,6 +1438,14 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
     EXPECT_EQ(n_mma_ran, n_mma_expected);
     EXPECT_EQ(n_mma_parts_cases, 4);
     EXPECT_EQ(n_mma_parts_fail, n_mma_parts_cases);
+    {   // every split-K arrival counter is back at 0 (the last slice of each group resets it)
+        std::vector<unsigned> c(static_cast<size_t>(ctr_n));
+        EXPECT_EQ(cudaMemcpy(c.data(), mma_ctr.p, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        const auto nz = std::count_if(c.begin(), c.end(), [](unsigned v) { return v != 0; });
+        std::printf("[gemv] tensor-core split-K counters left non-zero: %ld of %ld (must be 0)\n", long(nz), long(ctr_n));
+        EXPECT_EQ(nz, 0);
+        tally(nz == 0);
+    }
     // an invalid cfg is refused, not run
     {
         dmem x(64 * 4), w(64 * 64 * 2), y(64 * 4);
@@ -1439,11 +1456,14 @@ TEST(cuda_ops, linear_gemv_kernels_all_variants) {
         const cudaError_t e8 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr, {4, 0, 0, 0, false, 9});
         const cudaError_t e9 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr,
                                                         {4, 0, 0, 0, false, 1, 4});
-        std::printf("[gemv/invalid cfg] mma 9: %s, mma_parts 4: %s (must be invalid value)\n", cudaGetErrorString(e8),
-                    cudaGetErrorString(e9));
+        const cudaError_t e10 = cuda::launch_linear_gemv(x.f(), 1, 64, {w.p, cuda::wtype::BF16}, 64, y.f(), nullptr,
+                                                         {4, 2, 0, 0, false, 1});   // 2 K slices forced, no scratch
+        std::printf("[gemv/invalid cfg] mma 9: %s, mma_parts 4: %s, mma split 2 without scratch: %s (must be invalid value)\n",
+                    cudaGetErrorString(e8), cudaGetErrorString(e9), cudaGetErrorString(e10));
         EXPECT_EQ(e8, cudaErrorInvalidValue);
         EXPECT_EQ(e9, cudaErrorInvalidValue);
-        tally(e8 == cudaErrorInvalidValue && e9 == cudaErrorInvalidValue);
+        EXPECT_EQ(e10, cudaErrorInvalidValue);
+        tally(e8 == cudaErrorInvalidValue && e9 == cudaErrorInvalidValue && e10 == cudaErrorInvalidValue);
         std::printf("[gemv/invalid cfg] unroll 3: %s, split 3: %s, v3 3: %s, v3_unroll 7: %s (all must be invalid value)\n",
                     cudaGetErrorString(e3), cudaGetErrorString(e5), cudaGetErrorString(e6), cudaGetErrorString(e7));
         EXPECT_EQ(e3, cudaErrorInvalidValue);
