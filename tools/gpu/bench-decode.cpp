@@ -346,6 +346,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         if (k == "gemv_unroll") co.gemv_unroll = v;
         else if (k == "gemv_max_tokens") co.gemv_max_tokens = v;
         else if (k == "gemv_mma_min_tokens") co.gemv_mma_min_tokens = v;
+        else if (k == "gemv_max_elems") co.gemv_max_elems = v;
         else if (k == "gemv_v2_min_in") co.gemv_v2_min_in = v;
         else if (k == "gemv_v3") co.gemv_v3 = v;
         else if (k == "gemv_v3_max_in") co.gemv_v3_max_in = v;

@@ -23,6 +23,15 @@ struct cuda_options {
     bool guard = false;
     // LINEAR with more than this many tokens goes to cuBLASLt (BF16/F32 weights); at most, the GEMV path.
     int gemv_max_tokens = 8;
+    // ... and so does one of 3 or more tokens whose input holds more than this many elements (T x K; 0 = no bound).
+    // F16 weights keep the GEMV path at any T. Why: at 3-8 tokens the GEMV kernels are bound by FMAs and L1 traffic,
+    // not by the weights, on wide rows; the split-bf16 cuBLASLt LINEAR (stacked, weights read once) then wins even
+    // though it gives up the GEMV fusions. Measured (session 17 calls A/B, same binary, ms/step; "all" = every 3-8-token
+    // LINEAR on cuBLASLt): k3-layers-4 (K 7168) B=3 3.57-3.61 GEMV vs 3.36-3.40 all, B=4 4.41-4.94 vs 3.64-3.68, B=8
+    // 7.23-7.26 vs 4.85-4.89; Kimi-Linear-48B (K 2304) B=3 4.73-4.75 vs 5.76-5.81, B=4 6.19-6.21 vs 6.30-6.32, B=6
+    // 8.21-8.24 vs 7.77-7.82, B=8 10.75-10.79 vs 9.34-9.38. 16384 sends K3's 7168-wide rows there from 3 tokens and the
+    // 48B's 2304-wide ones from 8 (T x K = 18432).
+    int64_t gemv_max_elems = 16384;
     // GEMV kernels of the LINEARs on that path (plain, grouped, fused epilogues, staged norm; linear.cu): 0 = the first
     // kernels (one 16-byte weight load in flight per lane, one warp per row); 1, 2, 4 or 8 = the v2 kernels with that
     // many 16-byte weight loads in flight per lane, 1-4 rows per warp by token count and the row split over the warps of
@@ -48,11 +57,13 @@ struct cuda_options {
     int gemv_v3_max_in = 2304;
     // The tensor-core GEMV (linear.cu "GEMV on the tensor cores", cuda::gemv_cfg::mma) for the chunks of at least this many
     // tokens with BF16 weights and in % 8 == 0, in every GEMV launch form (plain, grouped, fused epilogues, staged norm,
-    // the decode router's logits); fp32 parity (x in three bf16 parts). 0 = off. Why: at 3..8 tokens the FP32 kernels are
-    // bound by FMAs and L1 traffic, not by the weights (session 16 calls G/H: k3-layers-4 B=8 7.25 ms/step on them, 4.86
-    // with cuBLASLt for those LINEARs, which gives up the fusions). Predicted before its first H200 run: k3-layers-4 B=4
-    // 4.40 -> ~3.3 ms, B=8 7.25 -> ~4.5 ms; 48B B=8 10.8 -> ~8.5 ms; B=1 unchanged.
-    int gemv_mma_min_tokens = 3;
+    // the decode router's logits); fp32 parity (x in three bf16 parts; NMSE <= 1e-9 vs fp64 in test-ops-cuda). 0 = off.
+    // OFF: measured slower than what it was to replace (session 17 calls A/B, ms/step, mma from 3 tokens vs the FP32
+    // GEMV kernels vs cuBLASLt): k3-layers-4 B=3 3.96-4.10 vs 3.57-3.61 vs 3.36-3.40, B=8 5.74-5.81 vs 7.23-7.26 vs
+    // 4.85-4.89; 48B B=3 5.60-6.09 vs 4.73-4.75 vs 5.76-5.81, B=8 8.99-9.85 vs 10.75-10.79 vs 9.34-9.38. Predicted
+    // before call A: k3 B=4 ~3.3 ms (measured 4.25-4.48), B=8 ~4.5 (5.74-5.81). Kept as a tested switch for the next
+    // attempt (a per-shape profile first: where its time goes is not yet measured).
+    int gemv_mma_min_tokens = 0;
     // cuBLASLt path with BF16 weights: activations split into bf16 hi + lo and two GEMMs accumulated (x to ~16
     // mantissa bits; NMSE vs the fp32 CPU reference ~1e-10, twice the tensor-core work). false: one GEMM on
     // bf16-rounded activations (NMSE ~3e-6 per LINEAR; enough to flip near-tie routing/greedy picks in tiny

@@ -191,6 +191,7 @@ public:
                      opt.gemv_unroll == 8,
                  "cuda_options::gemv_unroll {} is not one of 0, 1, 2, 4, 8", opt.gemv_unroll);
         PG_CHECK(opt.gemv_v3 >= 0 && opt.gemv_v3 <= 2, "cuda_options::gemv_v3 {} is not one of 0, 1, 2", opt.gemv_v3);
+        PG_CHECK(opt.gemv_max_elems >= 0, "cuda_options::gemv_max_elems {} is negative (0: no bound)", opt.gemv_max_elems);
         PG_CHECK(opt.gemv_mma_min_tokens >= 0 && opt.gemv_mma_min_tokens <= 8,
                  "cuda_options::gemv_mma_min_tokens {} is not in 0..8 (0: off)", opt.gemv_mma_min_tokens);
         PG_CHECK(opt.moe_bf16_early >= 0 && opt.moe_bf16_early <= 2, "cuda_options::moe_bf16_early {} is not one of 0, 1, 2",
@@ -1752,7 +1753,7 @@ private:
         const int64_t T = x.shape.at(0), K = x.shape.at(1), O = w.shape.at(0);
         PG_CHECK(w.shape.size() == 2 && w.shape[1] == K, "weight {} for input {}", shape_str(w.shape), shape_str(x.shape));
         const dweight W = w_in(n, 1);
-        if (T <= opt_.gemv_max_tokens || W.type == wtype::F16) {
+        if (cuda_fuse::gemv_takes(opt_, T, K, W.type == wtype::F16)) {
             PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, K, W, O, y, st_, gemv_cfg_for(K)));
             return;
         }

@@ -130,9 +130,16 @@ struct plan {
     }
 };
 
-// A LINEAR on the GEMV path (cuda-backend.cpp run_linear's rule): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf
-// [O, K], T <= gemv_max_tokens (F16 weights: any T).
-inline bool gemv_linear(const graph & g, const node & n, int gemv_max_tokens, dtype & wt, int64_t & K) {
+// Whether a LINEAR of T tokens over rows of K columns runs on the GEMV path (the rule of cuda-backend.cpp run_linear and
+// of the planner): T <= gemv_max_tokens and, from 3 tokens, T x K <= gemv_max_elems (0: no bound); F16 weights any T.
+inline bool gemv_takes(const cuda_options & o, int64_t T, int64_t K, bool f16) {
+    if (f16) return true;
+    if (T > o.gemv_max_tokens) return false;
+    return T <= 2 || o.gemv_max_elems <= 0 || T * K <= o.gemv_max_elems;
+}
+
+// A LINEAR on the GEMV path (gemv_takes): 2-D input [T, K], 2-D BF16/F16/F32 WEIGHT leaf [O, K].
+inline bool gemv_linear(const graph & g, const node & n, const cuda_options & o, dtype & wt, int64_t & K) {
     if (n.op != op_type::LINEAR || n.src.size() < 2 || !n.src[0].valid() || !n.src[1].valid()) return false;
     const node & wn = g.nodes[size_t(n.src[1].node)];
     if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->shape.size() != 2) return false;
@@ -140,7 +147,7 @@ inline bool gemv_linear(const graph & g, const node & n, int gemv_max_tokens, dt
     if (xs.size() != 2 || g.out(n.src[0]).type != dtype::F32) return false;
     wt = wn.leaf->type;
     if (wt != dtype::BF16 && wt != dtype::F16 && wt != dtype::F32) return false;
-    if (!(xs[0] <= gemv_max_tokens || wt == dtype::F16)) return false;
+    if (!gemv_takes(o, xs[0], xs[1], wt == dtype::F16)) return false;
     K = xs[1];
     return wn.leaf->shape[1] == K;
 }
@@ -328,7 +335,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 dtype wt;
                 int64_t K;
                 const node & m = g.nodes[size_t(j)];
-                if (p.done_by[size_t(j)] < 0 && gemv_linear(g, m, o.gemv_max_tokens, wt, K) && same(m.src[0], node_ref{int(i), 0}) &&
+                if (p.done_by[size_t(j)] < 0 && gemv_linear(g, m, o, wt, K) && same(m.src[0], node_ref{int(i), 0}) &&
                     K == xs[1])
                     lins.push_back(j);
                 // fuse_norm_route: the router's logits as one more segment (the MOE_ROUTE still selects at its position)
@@ -390,7 +397,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
         for (size_t i = 0; i < N; ++i) {
             dtype wt;
             int64_t K;
-            if (p.done_by[i] >= 0 || !gemv_linear(g, g.nodes[i], o.gemv_max_tokens, wt, K)) continue;
+            if (p.done_by[i] >= 0 || !gemv_linear(g, g.nodes[i], o, wt, K)) continue;
             const node_ref src = g.nodes[i].src[0];
             std::vector<seg> gr{seg{int(i), {-1, -1}, {}}};
             for (size_t j = i + 1; j < N && int(gr.size()) < k_group_max; ++j) {
@@ -398,7 +405,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 dtype wt2;
                 int64_t K2;
                 if (p.done_by[j] >= 0 || m.op != op_type::LINEAR || !same(m.src[0], src)) continue;
-                if (!gemv_linear(g, m, o.gemv_max_tokens, wt2, K2) || wt2 != wt || K2 != K) continue;
+                if (!gemv_linear(g, m, o, wt2, K2) || wt2 != wt || K2 != K) continue;
                 gr.push_back(seg{int(j), {-1, -1}, {}});
                 p.done_by[j] = int(i);
             }
@@ -454,7 +461,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 dtype wt;
                 int64_t K;
                 if (an.op == op_type::LINEAR && p.moe_shared[size_t(ready(a.node))].add < 0 &&   // not in a shared-slot launch
-                    gemv_linear(g, an, o.gemv_max_tokens, wt, K)) {
+                    gemv_linear(g, an, o, wt, K)) {
                     lin = a.node;
                     slot = 0;
                 } else if (an.op == op_type::ADD && add_lin[size_t(a.node)] >= 0) {
@@ -496,7 +503,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             const int lin = n.src[0].node;
             dtype wt;
             int64_t K;
-            if (!gemv_linear(g, g.nodes[size_t(lin)], o.gemv_max_tokens, wt, K)) continue;
+            if (!gemv_linear(g, g.nodes[size_t(lin)], o, wt, K)) continue;
             if (n.outs.at(0).type != dtype::F32 || shape_numel(n.outs.at(0).shape) != shape_numel(g.nodes[size_t(lin)].outs.at(0).shape))
                 continue;
             const int pos = ready(lin);
@@ -576,7 +583,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             int64_t R;
             if (!is(r, op_type::LINEAR) || !free_node(r.node)) return false;
             const node & l = g.nodes[size_t(r.node)];
-            if (!gemv_linear(g, l, o.gemv_max_tokens, wt, R) || wt != dtype::BF16 || R % 32 != 0 || R > 128) return false;
+            if (!gemv_linear(g, l, o, wt, R) || wt != dtype::BF16 || R % 32 != 0 || R > 128) return false;
             if (g.nodes[size_t(l.src[1].node)].leaf->shape[0] != rows) return false;
             return cons[size_t(r.node)].size() == 1 && cons[size_t(r.node)][0] == user;
         };

@@ -49,6 +49,7 @@ cuda_options fuse_opts(bool norm, bool add, bool guard = true, bool staged = tru
     cuda_options o;
     o.guard = guard;
     o.gemv_max_tokens = 8;
+    o.gemv_max_elems = 0;   // every LINEAR of up to 8 tokens on the GEMV path, K3's 7168-wide rows too (the fusions' domain)
     o.linear_group = true;
     o.fuse_norm_linear = norm;
     o.fuse_add = add;
