@@ -1058,7 +1058,9 @@ cudaError_t v3_chunk(const float * x, int64_t in, wtype wt, const fused_segs & g
 //  - tokens past TT are zero fragments (the mma always computes 8 columns; they are not stored);
 //  - work items are (32-row group, K slice) per WARP, KS slices per group: a group of 32 rows is one warp's work, so a
 //    LINEAR of few rows (K3's 128-row f_a, a 896-row router) would otherwise stream its weights through a handful of
-//    SMs (session 17 call A, one slice per group inside a block: k3-layers-4 B=3 4.10 ms vs 3.61 on the FP32 kernels).
+//    SMs (session 17 call A, one slice per group inside a block: k3-layers-4 B=3 4.10 ms vs 3.61 on the FP32 kernels;
+//    call B with these items: 3.96 ms, and the 48B slower than call A's form: off by default, cuda_options::
+//    gemv_mma_min_tokens).
 //    With KS > 1 each slice's 32 x 8 partial sums go to global scratch (gemv_cfg::mma_part); the warp whose arrival
 //    counter (gemv_cfg::mma_ctr, one per group, left at 0) reads KS - 1 sums the KS partials in slice order, applies
 //    the epilogue and resets the counter: deterministic, one launch;

@@ -6,7 +6,7 @@
 # 48B B=8 10.8 -> ~8.5 ms.) First the decode sweep at B = 2..8 (same binary): mma from 3 tokens (the
 # default), from 2, off (the FP32 GEMV kernels, session 16's default), and off with the 3..8-token LINEARs on cuBLASLt
 # (gemv_max_tokens 2, session 16 calls G/H's alternative); then every CUDA test binary on the new default, memcheck and
-# racecheck on the wide-GEMV test (the mma kernel at T = 8, split partials in shared memory), compare-backends on the 9
+# racecheck on the wide-GEMV test (the mma kernel at T = 8; call B: split-K partials in global scratch), compare-backends on the 9
 # models, the serve smoke CPU vs CUDA, decode rounds at B = 1 / 8 / 64.
 set -u
 source tools/gpu/calls/common.sh
