@@ -214,10 +214,12 @@ public:
         PG_CUDA_CHECK(cudaMalloc(&lt_ws_, k_lt_ws));
         PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&route_ctr_), 4));   // fused route counter
         PG_CUDA_CHECK(cudaMemset(route_ctr_, 0, 4));
-        // the tensor-core GEMV's split-K partials and per-group counters (linear.cu; the counters are left at 0)
-        PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_part_), size_t(k_mma_part_floats) * 4));
-        PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_ctr_), size_t(k_mma_ctr_n) * 4));
-        PG_CUDA_CHECK(cudaMemset(mma_ctr_, 0, size_t(k_mma_ctr_n) * 4));
+        // the tensor-core GEMV's split-K partials and per-group counters (linear.cu; the counters are left at 0), when on
+        if (opt.gemv_mma_min_tokens > 0) {
+            PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_part_), size_t(k_mma_part_floats) * 4));
+            PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_ctr_), size_t(k_mma_ctr_n) * 4));
+            PG_CUDA_CHECK(cudaMemset(mma_ctr_, 0, size_t(k_mma_ctr_n) * 4));
+        }
     }
     ~cuda_backend() override {
         cudaSetDevice(dev_);
@@ -1359,8 +1361,8 @@ private:
     // The GEMV kernels for rows of `in` columns: v2 (cuda_options::gemv_unroll) from gemv_v2_min_in columns, else the first.
     cuda::gemv_cfg gemv_cfg_for(int64_t in) const {
         return cuda::gemv_cfg{in >= opt_.gemv_v2_min_in ? opt_.gemv_unroll : 0, 0, in >= opt_.gemv_v3_min_in && in <= opt_.gemv_v3_max_in ? opt_.gemv_v3 : 0, 0,
-                              opt_.gemv_evict_first, opt_.gemv_mma_min_tokens, 3, mma_part_, k_mma_part_floats, mma_ctr_,
-                              k_mma_ctr_n};
+                              opt_.gemv_evict_first, opt_.gemv_mma_min_tokens, 3, mma_part_, mma_part_ ? k_mma_part_floats : 0,
+                              mma_ctr_, mma_ctr_ ? k_mma_ctr_n : 0};
     }
 
     // KDA_SCAN on the chunked WY kernels (cuda_options::kda_chunk_min_tokens) for this step?
