@@ -98,7 +98,7 @@ struct gemv_cfg {
     // this many tokens (1..8) with BF16 weights and in % 8 == 0 run as mma.sync over 32 rows x 8 tokens per warp item, x split
     // into mma_parts bf16 parts (3: x = p0 + p1 + p2, 24 significant bits, fp32 parity; 1 or 2: fewer bits, for the
     // tests' controls). 0 = off (every chunk keeps the kernels above). Takes precedence over v3 and unroll.
-    // split: K slices per 32-row group (1, 2, 4, 8; 0 = chosen: enough items for every resident warp). With more than one
+    // split: K slices per 32-row group (forced 1, 2, 4, 8; 0 = chosen, up to 64: enough items for every resident warp). With more than one
     // slice the kernel needs mma_part (>= groups x slices x 256 floats) and mma_ctr (>= groups counters, all 0, left at
     // 0); without them (or too small) the chosen split is 1 and a forced one is cudaErrorInvalidValue.
     int mma = 0;
