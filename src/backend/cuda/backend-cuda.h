@@ -423,6 +423,14 @@ struct cuda_options {
     // GEMVs' own blocks before their PDL wait (v2 first tile: 48B +0.016 ms, k3 +0.26 ms; v3 next 1 / 2 / 4 tiles: 48B
     // +0.015 / +0.048 / +0.07 ms).)
     bool moe_bf16_evict_first = true;
+    // With moe_shared_slot, one token: the MOE_ROUTE whose ids / weights only that MOE_EXPERTS reads (sigmoid, no group
+    // pruning, E <= 256, top-k <= 8: the 48B router) launches its logits GEMV at the MOE_EXPERTS node, and the BF16
+    // decode pair's blocks pick the top k from the logits themselves (route-small.cuh, dmoe_route): every gate/up block
+    // of a routed slot after its PDL wait, every down block before it; one gate/up block writes the route's ids and
+    // weights. The selection launch and its PDL boundary go (one launch per 48B MoE layer). Ids and weights bit for bit the
+    // threshold selection's (test-route-cuda, test-moe-cuda). Why: the selection launch is ~4.5 us exposed per 48B MoE
+    // layer for ~1 us of work (session 11 call B timeline); the session-11 sizing of this lever: ~-0.08 ms per 48B step.
+    bool moe_select_in_experts = true;
     // GEMV v2 / v3 launches load their weights with the L2 policy evict_first (gemv_cfg::evict_first), as
     // moe_bf16_evict_first does for the experts. Results unchanged (test-ops-cuda: every v2 / v3 form bit for bit the
     // run without). Predicted (session 10, before any run): if the experts' gain came from the step's activations and

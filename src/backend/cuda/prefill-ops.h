@@ -28,6 +28,11 @@ cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias
 // takes the serial scan. 1 <= topk <= 64, E <= 1024, n_group <= 64.
 cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                                     cudaStream_t st);
+// The small selection (route-small.cuh; what the experts' launches run under cuda_options::moe_select_in_experts) as a
+// launch of its own, one block of `warps` (4: the gate/up blocks' form, 8: the down blocks') warps per token: for its tests.
+// cudaErrorInvalidValue outside moe_select_small_supported or for other warp counts.
+cudaError_t launch_moe_select_small(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                    int warps, cudaStream_t st);
 // T == 1 in one launch (cuda_options::moe_route_fused_radix): logits [E] = gate [E, D] x (BF16 gate, D a multiple of 32;
 // written to `logits`, scratch) by blocks of E rounded up to a warp, then the last block to finish runs the threshold
 // selection. counter: one device word that is 0 before the first launch; each complete launch leaves it 0 again (atomicInc

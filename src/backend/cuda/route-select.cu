@@ -9,6 +9,7 @@
 // epilogue (route_write: ids and the renormalized weights).
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/prefill-ops.h"
+#include "backend/cuda/route-small.cuh"   // order_key, serial_pick, route_write, the small selection
 
 #include <climits>
 
@@ -17,13 +18,6 @@ namespace perigee::cuda {
 namespace {
 
 constexpr int k_sw_max_e = 1024;
-
-// A float's bits mapped to an unsigned key with the same order (for non-NaN values; -0 is mapped as +0 first, so the
-// two zeros tie as they compare equal). Every finite value and -inf maps above 0, so 0 means "no candidate".
-__device__ __forceinline__ unsigned order_key(float v) {
-    const unsigned u = __float_as_uint(v == 0.0f ? 0.0f : v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 // The route prologue, block-cooperative (every thread of the block calls it; a block of one warp is fine): the row's
 // logits -> score [E] (sigmoid, or softmax with fp32 exp and a double sum as the reference sums) and biased [E] (score +
@@ -78,38 +72,6 @@ __device__ void route_prologue(const float * __restrict__ lrow, const dweight & 
                 if (!keep[e / gs]) biased[e] = -INFINITY;
         }
         __syncthreads();
-    }
-}
-
-// The serial rule on one thread, as the reference scans: pick j = the first untaken id unless a later untaken id has a
-// strictly greater biased score (a NaN there, or no comparable candidate, keeps the first). For tokens with a NaN score.
-__device__ void serial_pick(const float * biased, int E, int k, int32_t * sel) {
-    for (int j = 0; j < k; ++j) {
-        int best = -1;
-        for (int e = 0; e < E; ++e) {
-            bool taken = false;
-            for (int i = 0; i < j; ++i) taken |= sel[i] == e;
-            if (taken) continue;
-            if (best < 0 || biased[e] > biased[best]) best = e;
-        }
-        sel[j] = best;
-    }
-}
-
-// The epilogue, called by one whole warp (all 32 lanes) once sel [k] (shared) holds the picks in order: ids [k] and the
-// weights score / (sum + 1e-20) * scale, the sum over the picks in double in pick order (as the reference sums; every
-// lane forms the same sum from shuffles), each lane writing the slots j = lane, lane + 32.
-__device__ void route_write(const float * score, const int32_t * sel, const droute & c, int64_t t, int32_t * __restrict__ ids,
-                            float * __restrict__ w) {
-    const int lane = threadIdx.x & 31, k = int(c.topk);
-    const float s0 = lane < k ? score[sel[lane]] : 0.0f, s1 = lane + 32 < k ? score[sel[lane + 32]] : 0.0f;
-    double sum = 0.0;
-    for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, j < 32 ? s0 : s1, j & 31);
-    for (int j = lane; j < k; j += 32) {
-        float wj = j < 32 ? s0 : s1;
-        if (c.renormalize) wj = float(wj / (sum + 1e-20));
-        ids[t * c.topk + j] = sel[j];
-        w[t * c.topk + j] = wj * c.scale;
     }
 }
 
@@ -336,6 +298,22 @@ __global__ void __launch_bounds__(k_sw_max_e) k_moe_route_radix_fused(const floa
     select_radix_token(logits, bias, c, 0, bias_mine, ids, w);
 }
 
+// ---- The small selection alone (route-small.cuh; in production it runs inside the experts' launches, moe-bf16-decode.cu):
+// grid T, block 32 W: token t = blockIdx.x. For its tests against the threshold form.
+template <int W>
+__global__ void __launch_bounds__(32 * W) k_moe_select_small(const float * __restrict__ logits, dweight bias, droute c,
+                                                             int32_t * __restrict__ ids, float * __restrict__ w) {
+    float bm[2];
+    route_small_bias<W>(bias, c, bm);
+    pdl_enter();
+    __shared__ route_small_smem s;
+    route_select_small<W>(logits + int64_t(blockIdx.x) * c.n_expert, bm, c, s, true);
+    if (threadIdx.x < c.topk) {
+        ids[int64_t(blockIdx.x) * c.topk + threadIdx.x] = s.ids[threadIdx.x];
+        w[int64_t(blockIdx.x) * c.topk + threadIdx.x] = s.w[threadIdx.x];
+    }
+}
+
 } // namespace
 
 cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
@@ -370,6 +348,17 @@ cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bia
     const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
     if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
+}
+
+cudaError_t launch_moe_select_small(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                    int warps, cudaStream_t st) {
+    if (!route_small_supported(c) || c.n_expert > 64 * warps) return cudaErrorInvalidValue;
+    if (T <= 0) return cudaGetLastError();
+    switch (warps) {
+        case 4: return launch_k(k_moe_select_small<4>, unsigned(T), 128, 0, st, logits, bias, c, ids, w);
+        case 8: return launch_k(k_moe_select_small<8>, unsigned(T), 256, 0, st, logits, bias, c, ids, w);
+        default: return cudaErrorInvalidValue;
+    }
 }
 
 } // namespace perigee::cuda

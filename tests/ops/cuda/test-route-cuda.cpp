@@ -12,7 +12,13 @@
 //  4. fused_t1: the one-launch T == 1 route (GEMV + last block selects): logits vs the host in double, ids and weights bit
 //     for bit the block selection over its own logits, the counter back at 0 and a second launch identical; control: a
 //     counter that never yields the last ticket leaves the sentinels, which the comparison must report.
-//  5. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection; the fused route at T = 1) at
+//  5. small_equals_radix: the small selection the BF16 decode pair runs inside its own blocks (route-small.cuh,
+//     cuda_options::moe_select_in_experts), launched alone with 4 warps (the gate/up blocks' form) and 8 (the down
+//     blocks'), bit for bit the threshold form on every case in its domain (sigmoid, no group pruning, E <= 256, top-k
+//     <= 8) plus extra E / k / tie / NaN cases; every case outside the domain refused; controls: a swapped pick, a
+//     weight one ulp off, and the small form's output with its candidate merge cut to one warp (a wrong selection on
+//     these logits) must each be reported.
+//  6. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection; the fused route at T = 1) at
 //     the Kimi-Linear-48B and K3 geometries: CUDA graphs of back-to-back launches with PDL on, router weights rotated
 //     past the L2.
 // The cases skip (saying why) on a machine without a CUDA device.
@@ -34,6 +40,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -62,8 +69,11 @@ struct result {
     std::vector<float> w;
 };
 
-enum class kind { block, warp, sort, radix };
-const char * kind_name(kind k) { return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : "block"; }
+enum class kind { block, warp, sort, radix, small4, small8 };
+const char * kind_name(kind k) {
+    return k == kind::warp ? "warp" : k == kind::sort ? "sort" : k == kind::radix ? "radix" : k == kind::small4 ? "small4"
+           : k == kind::small8 ? "small8" : "block";
+}
 
 // Runs one selection kernel on the device over logits [T, E].
 result run_select(kind kk, const rcase & c, const std::vector<float> & logits, const std::vector<float> & bias) {
@@ -80,6 +90,8 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl.p, c.T, bw, r, di.p, dw.p, st)
                           : kk == kind::sort  ? launch_moe_select_sort(dl.p, c.T, bw, r, di.p, dw.p, st)
                           : kk == kind::radix ? launch_moe_select_radix(dl.p, c.T, bw, r, di.p, dw.p, st)
+                          : kk == kind::small4 ? launch_moe_select_small(dl.p, c.T, bw, r, di.p, dw.p, 4, st)
+                          : kk == kind::small8 ? launch_moe_select_small(dl.p, c.T, bw, r, di.p, dw.p, 8, st)
                                               : launch_moe_select(dl.p, c.T, bw, r, di.p, dw.p, st);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
@@ -286,6 +298,76 @@ TEST(route_select, controls_fail) {
     for (int j = 0; j < eq.k; ++j) EXPECT_EQ(got.ids[size_t(j)], j) << "radix, all scores equal: pick " << j;
     EXPECT_NE(diff_ids_close(got, host_select(eq, logits, bias, true), 1e-6f), "")
         << "control: ties to the higher id must pick 255..248 on all-equal scores";
+}
+
+// The small selection's domain (route-small.cuh route_small_supported; moe_select_small_supported is the planner's copy).
+bool small_domain(const rcase & c) {
+    return !c.softmax && (c.n_group <= 1 || c.topk_group >= c.n_group) && c.E <= 256 && c.k <= 8 && c.k <= c.E;
+}
+
+TEST(route_select, small_equals_radix) {
+    NEED_GPU();
+    std::vector<rcase> v;
+    for (const rcase & c : cases())
+        if (small_domain(c)) v.push_back(c);
+    // every top-k 1..8 at the 48B's E, E around the lane / warp boundaries, all-equal and NaN rows at top-8
+    for (int k = 1; k <= 8; ++k)
+        for (int special : {0, 4}) v.push_back(rcase{256, k, 4, 1, 1, true, false, true, special});
+    for (int E : {8, 9, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, 255})
+        for (int k : {1, 7, 8})
+            if (k <= E) v.push_back(rcase{E, k, 3, 1, 1, E % 3 != 0, false, E % 2 == 0, E % 5 == 0 ? 4 : 0});
+    for (int special : {1, 2, 3, 5, 6}) v.push_back(rcase{256, 8, 3, 1, 1, true, false, true, special});
+    v.push_back(rcase{256, 8, 5, 8, 8, true, false, true, 4});   // groups, all kept: no pruning (in the domain)
+    int n = 0;
+    uint32_t seed = 5000;
+    for (const rcase & c : v) {
+        std::vector<float> logits, bias;
+        make_inputs(c, seed++, logits, bias);
+        const result rad = run_select(kind::radix, c, logits, bias);
+        for (const kind kk : {kind::small4, kind::small8})
+            EXPECT_EQ(diff_bitwise(run_select(kk, c, logits, bias), rad), "") << kind_name(kk) << ": " << describe(c);
+        ++n;
+    }
+    std::printf("[route_select] small (4 and 8 warps) == radix bit for bit on %d cases\n", n);
+    // outside the domain: refused by the launcher (nothing launched) and by the planner's rule (the warp count is the
+    // launcher's alone: 4 and 8 are the forms the pair runs)
+    const dweight nb{};
+    int bad = 0, n_out = 0;
+    for (const auto & [E, k, ng, tg, sm, warps] : std::vector<std::tuple<int, int, int, int, int, int>>{
+             {257, 8, 1, 1, 0, 4}, {256, 9, 1, 1, 0, 4}, {256, 8, 1, 1, 1, 4}, {256, 8, 8, 4, 0, 4}, {4, 8, 1, 1, 0, 4},
+             {0, 1, 1, 1, 0, 4}, {256, 8, 1, 1, 0, 5}, {256, 8, 1, 1, 0, 2}}) {
+        const droute r{E, k, ng, tg, true, 1.0f, sm};
+        ++n_out;
+        bad += launch_moe_select_small(nullptr, 1, nb, r, nullptr, nullptr, warps, nullptr) != cudaErrorInvalidValue;
+        bad += (warps == 4) == moe_select_small_supported(E, k, ng, tg, sm != 0);   // the shape itself out of the domain
+    }
+    EXPECT_EQ(bad, 0) << "the small selection accepted a route outside its domain";
+    const bool in_ok = moe_select_small_supported(256, 8, 1, 1, false) && moe_select_small_supported(256, 8, 8, 8, false);
+    EXPECT_TRUE(in_ok) << "the planner's rule refused the 48B route";
+    std::printf("[route_select] small: %d out-of-domain routes, %d accepted\n", n_out, bad);
+}
+
+TEST(route_select, small_controls_fail) {
+    NEED_GPU();
+    const rcase c{256, 8, 4, 1, 1, true, false, true, 0};
+    std::vector<float> logits, bias;
+    make_inputs(c, 91, logits, bias);
+    const result rad = run_select(kind::radix, c, logits, bias);
+    const result got = run_select(kind::small4, c, logits, bias);
+    ASSERT_EQ(diff_bitwise(got, rad), "");
+    result swapped = got;
+    std::swap(swapped.ids[2], swapped.ids[3]);
+    EXPECT_NE(diff_bitwise(swapped, rad), "") << "control: a swapped pick must be reported";
+    result ulp = got;
+    ulp.w[7] = std::nextafter(ulp.w[7], 1e30f);
+    EXPECT_NE(diff_bitwise(ulp, rad), "") << "control: a weight one ulp off must be reported";
+    // one warp's candidates only (E = 256 seen through the first 64 experts): another selection, which must be reported
+    rcase cut = c;
+    cut.E = 64;
+    std::vector<float> lcut;
+    for (int t = 0; t < c.T; ++t) lcut.insert(lcut.end(), logits.begin() + t * 256, logits.begin() + t * 256 + 64);
+    const result part = run_select(kind::small4, cut, lcut, std::vector<float>(bias.begin(), bias.begin() + 64));
+    EXPECT_NE(diff_bitwise(part, rad), "") << "control: the picks among a quarter of the experts must be reported";
 }
 
 // The one-launch route at T == 1 (launch_moe_route_radix_fused): its logits against a double-precision host dot product,
