@@ -388,7 +388,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "fuse_mla_kv") co.fuse_mla_kv = v != 0;
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
-        else if (k == "moe_select_in_experts") co.moe_select_in_experts = v != 0;
+        else if (k == "moe_select_small") co.moe_select_small = int(v);
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
         else if (k == "gemv_evict_first") co.gemv_evict_first = v != 0;
         else if (k == "linear_split_bf16") co.linear_split_bf16 = v != 0;
@@ -815,12 +815,6 @@ void dry_fusions(const graph & g) {
                     " off)\n",
                     p.moe_shareds, p.moe_shared_launches, p0.norms, p.norms, p0.adds, p.adds, p0.linear_grouped,
                     p.linear_grouped, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
-    }
-    {   // moe_select_in_experts off -> on: the route's selection inside the BF16 decode pair's blocks
-        const auto [p0, p] = off_on(&cuda_options::moe_select_in_experts);
-        std::printf("  moe_select_in_experts off -> on: %d selections run inside MOE_EXPERTS: %d node launches (%d fewer than"
-                    " with it off)\n",
-                    p.route_sels, n_launch - p.launches_saved(), p.launches_saved() - p0.launches_saved());
     }
     {   // fuse_norm_route off -> on (on by default since session 8): the router logits as a segment of the norm's launch
         const auto [p0, p] = off_on(&cuda_options::fuse_norm_route);

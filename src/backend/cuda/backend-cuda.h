@@ -110,6 +110,13 @@ struct cuda_options {
     // selection (test-route-cuda). On by prediction pending its H200 run (session 4: ncu k_moe_select_sort 19.8 us K3,
     // 8.9 us 48B; predicted ~4 us both, isolated).
     bool moe_select_radix = true;
+    // ... by the small form (route-small.cuh k_moe_select_small) where the route is in its domain (one token's row at a
+    // time; sigmoid, no group pruning, E <= 256, top-k <= 8: the 48B router), a block of this many warps (4: two experts
+    // per lane, or 8) per token: k rounds of two warp reductions per warp, then one ranking pass over the W k candidates;
+    // a token with a NaN score takes the serial scan. Takes precedence over the forms above inside its domain. Bit for
+    // bit the threshold form (test-route-cuda small_equals_radix). 0 = off. Predicted (session 18, before its run): the
+    // 48B selection launch ~4.5 -> ~3 us exposed per MoE layer, step -0.03..-0.04 ms.
+    int moe_select_small = 4;
     // (Tried and removed, session 11 call A: a one-warp form with each lane's 8 experts' keys in registers, each pick a
     // lane max and two warp reductions, for E <= 256 sigmoid ungrouped routes, bit for bit the block selection over 118
     // cases. Predicted 48B -0.05..-0.08 ms; measured 48B B=1 2.287 / 2.288 -> 2.318 / 2.316 ms, selection 4.5 -> 5.6 us
@@ -423,14 +430,6 @@ struct cuda_options {
     // GEMVs' own blocks before their PDL wait (v2 first tile: 48B +0.016 ms, k3 +0.26 ms; v3 next 1 / 2 / 4 tiles: 48B
     // +0.015 / +0.048 / +0.07 ms).)
     bool moe_bf16_evict_first = true;
-    // With moe_shared_slot, one token: the MOE_ROUTE whose ids / weights only that MOE_EXPERTS reads (sigmoid, no group
-    // pruning, E <= 256, top-k <= 8: the 48B router) launches its logits GEMV at the MOE_EXPERTS node, and the BF16
-    // decode pair's blocks pick the top k from the logits themselves (route-small.cuh, dmoe_route): every gate/up block
-    // of a routed slot after its PDL wait, every down block before it; one gate/up block writes the route's ids and
-    // weights. The selection launch and its PDL boundary go (one launch per 48B MoE layer). Ids and weights bit for bit the
-    // threshold selection's (test-route-cuda, test-moe-cuda). Why: the selection launch is ~4.5 us exposed per 48B MoE
-    // layer for ~1 us of work (session 11 call B timeline); the session-11 sizing of this lever: ~-0.08 ms per 48B step.
-    bool moe_select_in_experts = true;
     // GEMV v2 / v3 launches load their weights with the L2 policy evict_first (gemv_cfg::evict_first), as
     // moe_bf16_evict_first does for the experts. Results unchanged (test-ops-cuda: every v2 / v3 form bit for bit the
     // run without). Predicted (session 10, before any run): if the experts' gain came from the step's activations and

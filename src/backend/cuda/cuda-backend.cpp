@@ -36,6 +36,16 @@ using cuda::dweight;
 using cuda::wtype;
 
 constexpr size_t k_guard_bytes = 256;
+
+// The small selection's two block forms (cuda_options::moe_select_small) as the backend's selection launcher signature.
+cudaError_t launch_select_small4(const float * l, int64_t T, dweight b, const cuda::droute & c, int32_t * ids, float * w,
+                                 cudaStream_t st) {
+    return cuda::launch_moe_select_small(l, T, b, c, ids, w, 4, st);
+}
+cudaError_t launch_select_small8(const float * l, int64_t T, dweight b, const cuda::droute & c, int32_t * ids, float * w,
+                                 cudaStream_t st) {
+    return cuda::launch_moe_select_small(l, T, b, c, ids, w, 8, st);
+}
 constexpr uint32_t k_guard_word = 0xA5C3A5C3u;
 constexpr uint32_t k_poison_word = 0x7fc00000u;   // quiet NaN (also an impossible id in I32 outputs)
 
@@ -192,6 +202,8 @@ public:
                  "cuda_options::gemv_unroll {} is not one of 0, 1, 2, 4, 8", opt.gemv_unroll);
         PG_CHECK(opt.gemv_v3 >= 0 && opt.gemv_v3 <= 2, "cuda_options::gemv_v3 {} is not one of 0, 1, 2", opt.gemv_v3);
         PG_CHECK(opt.gemv_max_elems >= 0, "cuda_options::gemv_max_elems {} is negative (0: no bound)", opt.gemv_max_elems);
+        PG_CHECK(opt.moe_select_small == 0 || opt.moe_select_small == 4 || opt.moe_select_small == 8,
+                 "cuda_options::moe_select_small {} is not 0, 4 or 8 (warps per block; 0: off)", opt.moe_select_small);
         PG_CHECK(opt.gemv_mma_min_tokens >= 0 && opt.gemv_mma_min_tokens <= 8,
                  "cuda_options::gemv_mma_min_tokens {} is not in 0..8 (0: off)", opt.gemv_mma_min_tokens);
         PG_CHECK(opt.moe_bf16_early >= 0 && opt.moe_bf16_early <= 2, "cuda_options::moe_bf16_early {} is not one of 0, 1, 2",
@@ -1191,11 +1203,22 @@ private:
                 break;
             }
             case op_type::MOE_ROUTE: {
-                const cuda::droute c = route_params(n);
-                const int64_t E = c.n_expert;
+                const dtensor & gw = in(n, 1);
+                PG_CHECK(gw.shape.size() == 2 && gw.shape[1] == x.shape.at(1), "gate {} for input {}", shape_str(gw.shape),
+                         shape_str(x.shape));
+                const int64_t E = gw.shape[0];
                 const dweight bias = w_in(n, 2);
+                if (bias.data) PG_CHECK(shape_numel(in(n, 2).shape) == E, "bias {} for {} experts", shape_str(in(n, 2).shape), E);
+                PG_CHECK(n.p.topk >= 1 && n.p.topk <= E, "moe_route: top-{} of {} experts", n.p.topk, E);
+                PG_CHECK(n.p.n_group >= 1 && E % n.p.n_group == 0 && n.p.topk_group >= 1 && n.p.topk_group <= n.p.n_group,
+                         "moe_route: {} experts in {} groups, keeping {}", E, n.p.n_group, n.p.topk_group);
+                if (n.p.n_group > 1 && n.p.topk_group < n.p.n_group)
+                    PG_CHECK(n.p.topk_group * (E / n.p.n_group) >= n.p.topk, "moe_route: {} kept groups of {} cannot hold top-{}",
+                             n.p.topk_group, E / n.p.n_group, n.p.topk);
+                const cuda::droute c{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
+                                     n.p.router == router_act::SOFTMAX ? 1 : 0};
                 if (const float * lg = route_logits_.empty() ? nullptr : route_logits_[size_t(id)]) {   // fuse_norm_route
-                    PG_CUDA_CHECK(select_fn()(lg, x.shape.at(0), bias, c, static_cast<int32_t *>(out[0].p),
+                    PG_CUDA_CHECK(select_fn(c)(lg, x.shape.at(0), bias, c, static_cast<int32_t *>(out[0].p),
                                               static_cast<float *>(out[1].p), st_));
                     break;
                 }
@@ -1216,7 +1239,7 @@ private:
                         for (int k = 2; k >= 0; --k)
                             lt_matmul(gw.data, xb[k], CUDA_R_16BF, logits, E, T, D, k == 2 ? 0.0f : 1.0f);
                     }
-                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                    PG_CUDA_CHECK(select_fn(c)(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
                                               st_));
                     break;
                 }
@@ -1240,8 +1263,10 @@ private:
                     (opt_.moe_select_radix || opt_.moe_select_sort || opt_.moe_select_warp)) {   // GEMV, then the selection
                     const int64_t T = x.shape.at(0);
                     float * logits = static_cast<float *>(alloc(size_t(T * E) * 4));
-                    route_logits_gemv(n, E, logits);
-                    PG_CUDA_CHECK(select_fn()(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
+                    cuda::gemv_cfg rc = gemv_cfg_for(x.shape.at(1));
+                    if (opt_.moe_route_gemv_v2) rc.unroll = opt_.gemv_unroll;   // v2 (row split) whatever the width
+                    PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, x.shape.at(1), w_in(n, 1), E, logits, st_, rc));
+                    PG_CUDA_CHECK(select_fn(c)(logits, T, bias, c, static_cast<int32_t *>(out[0].p), static_cast<float *>(out[1].p),
                                               st_));
                     break;
                 }
@@ -1335,38 +1360,14 @@ private:
         }
     }
 
-    // MOE_ROUTE node n's parameters for the kernels, its gate and bias checked against its input (inputs bound).
-    cuda::droute route_params(const node & n) {
-        const dtensor & x = in(n, 0);
-        const dtensor & gw = in(n, 1);
-        PG_CHECK(gw.shape.size() == 2 && x.shape.size() == 2 && gw.shape[1] == x.shape[1], "gate {} for input {}",
-                 shape_str(gw.shape), shape_str(x.shape));
-        const int64_t E = gw.shape[0];
-        if (w_in(n, 2).data)
-            PG_CHECK(shape_numel(in(n, 2).shape) == E, "bias {} for {} experts", shape_str(in(n, 2).shape), E);
-        PG_CHECK(n.p.topk >= 1 && n.p.topk <= E, "moe_route: top-{} of {} experts", n.p.topk, E);
-        PG_CHECK(n.p.n_group >= 1 && E % n.p.n_group == 0 && n.p.topk_group >= 1 && n.p.topk_group <= n.p.n_group,
-                 "moe_route: {} experts in {} groups, keeping {}", E, n.p.n_group, n.p.topk_group);
-        if (n.p.n_group > 1 && n.p.topk_group < n.p.n_group)
-            PG_CHECK(n.p.topk_group * (E / n.p.n_group) >= n.p.topk, "moe_route: {} kept groups of {} cannot hold top-{}",
-                     n.p.topk_group, E / n.p.n_group, n.p.topk);
-        return cuda::droute{E, n.p.topk, n.p.n_group, n.p.topk_group, n.p.renormalize, n.p.scale,
-                            n.p.router == router_act::SOFTMAX ? 1 : 0};
-    }
-
-    // The decode router's logits GEMV (MOE_ROUTE on the GEMV path with moe_route_fast): [T, E] into `logits`.
-    void route_logits_gemv(const node & n, int64_t E, float * logits) {
-        const dtensor & x = in(n, 0);
-        cuda::gemv_cfg rc = gemv_cfg_for(x.shape.at(1));
-        if (opt_.moe_route_gemv_v2) rc.unroll = opt_.gemv_unroll;   // v2 (row split) whatever the width
-        PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), x.shape.at(0), x.shape.at(1), w_in(n, 1), E, logits, st_, rc));
-    }
-
-    // MOE_ROUTE's selection kernel from the logits: threshold (moe_select_radix), sort (moe_select_sort), warp
+    // MOE_ROUTE's selection kernel from the logits for route c: the small form inside its domain (moe_select_small), else
+    // threshold (moe_select_radix), sort (moe_select_sort), warp
     // (moe_select_warp) or the block kernel.
     using select_launcher = cudaError_t (*)(const float *, int64_t, cuda::dweight, const cuda::droute &, int32_t *, float *,
                                             cudaStream_t);
-    select_launcher select_fn() const {
+    select_launcher select_fn(const cuda::droute & c) const {
+        if (opt_.moe_select_small && cuda::moe_select_small_supported(c.n_expert, c.topk, c.n_group, c.topk_group, c.softmax != 0))
+            return opt_.moe_select_small == 4 ? launch_select_small4 : launch_select_small8;
         if (opt_.moe_select_radix) return cuda::launch_moe_select_radix;
         return opt_.moe_select_sort ? cuda::launch_moe_select_sort
                                     : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;
@@ -1399,7 +1400,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = n_route_sels_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
         n_fused_routes_ = n_linear_stacked_ = 0;
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
@@ -1687,14 +1688,6 @@ private:
     void run_moe_shared(const graph & g, int id) {
         const node & n = g.nodes[size_t(id)];
         const cuda_fuse::moe_shared_fold & f = fplan_.moe_shared[size_t(id)];
-        if (f.route >= 0) {   // moe_select_in_experts: the route's outputs are this launch's (ids / weights written by the pair)
-            const node & rn = g.nodes[size_t(f.route)];
-            PG_CHECK(rn.op == op_type::MOE_ROUTE && fplan_.done_by[size_t(f.route)] == id, "{}: route '{}' is not planned here",
-                     n.name, rn.name);
-            auto & ro = outs_[size_t(f.route)];
-            PG_CHECK(ro.empty(), "route '{}' already has outputs", rn.name);
-            for (const auto & oo : rn.outs) ro.push_back(new_out(oo.type, oo.shape));
-        }
         const dtensor & x = in(n, 0);
         const dtensor & idt = in(n, 1);
         PG_CHECK(x.shape.size() == 2 && x.shape[0] == 1 && in(n, 2).shape == idt.shape && idt.shape.size() == 2 &&
@@ -1743,28 +1736,9 @@ private:
         const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
         int * err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
         float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
-        const int cfg = 100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0);
-        if (f.route >= 0) {   // moe_select_in_experts: the route's logits GEMV here, its selection in the pair's blocks
-            const node & rn = g.nodes[size_t(f.route)];
-            for (size_t s = 1; s < rn.src.size(); ++s)   // gate and bias (weights: bound on demand)
-                if (rn.src[s].valid() && outs_[size_t(rn.src[s].node)].empty()) run_node(g, rn.src[s].node);
-            const cuda::droute rc = route_params(rn);
-            PG_CHECK(rc.n_expert == int64_t(ex.size()) && rc.topk == k && in(rn, 0).shape.at(0) == 1,
-                     "{}: route '{}' of {} experts, top-{}, for {} experts, top-{}", n.name, rn.name, rc.n_expert, rc.topk,
-                     ex.size(), k);
-            const auto & ro = outs_[size_t(f.route)];
-            float * logits = static_cast<float *>(alloc(size_t(rc.n_expert) * 4));
-            route_logits_gemv(rn, rc.n_expert, logits);
-            const cuda::dmoe_route rt{logits, w_in(rn, 2), rc, static_cast<int32_t *>(ro.at(0).p), static_cast<float *>(ro.at(1).p)};
-            PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, nullptr, nullptr, k, table, int64_t(ex.size()), c,
-                                                              sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_,
-                                                              cfg, &rt));
-            ++n_route_sels_;
-        } else {
-            PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table,
-                                                              int64_t(ex.size()), c, sh, hbuf,
-                                                              static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_, cfg));
-        }
+        PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
+                                                          c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_,
+                                                          100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0)));
         ++n_moe_shared_;
     }
 
@@ -1977,7 +1951,6 @@ private:
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;
-    int n_route_sels_ = 0;   // selections run inside the BF16 decode pair (moe_select_in_experts), this run
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

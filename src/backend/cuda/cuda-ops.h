@@ -279,27 +279,10 @@ struct dmoe_shared {
 // Whether the shared slot runs for these widths (the planner's rule; = moe_bf16_decode_supported at cfg 0). Declared
 // also in fuse-plan.h (which stays free of CUDA headers).
 bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k);
-// The selection inside the experts' launches (cuda_options::moe_select_in_experts): the gate/up and down blocks pick the
-// top k from the router's logits themselves (route-small.cuh: the threshold selection's ids and weights bit for bit)
-// instead of reading a selection launch's outputs; one gate/up block writes ids / w (the MOE_ROUTE node's outputs).
-// logits must be the output of the launch right before the pair on the same stream (the down stage reads them before its
-// PDL wait: complete once it runs at all, the gate/up launch between having waited for them).
-struct dmoe_route {
-    const float * logits = nullptr;   // [E], one token
-    dweight bias;                     // [E] | none (data null)
-    droute c{};
-    int32_t * ids = nullptr;          // [k]
-    float * w = nullptr;              // [k]
-};
-// Whether the small selection takes a route of E experts, top k (one token, sigmoid, no group pruning: E <= 256, k <= 8).
-// Declared also in fuse-plan.h (the planner's rule).
-bool moe_select_small_supported(int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool softmax);
 // cudaErrorInvalidValue (nothing launched) when the shapes, dtypes or pointers are not the above. hbuf: k * d_ff floats.
-// rt (optional): the pair selects itself (dmoe_route); ids and w are then ignored (may be null).
 cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                           const dexpert * experts, int64_t E, const dexperts_cfg & c, const dmoe_shared & sh,
-                                          float * hbuf, float * y, int * err, cudaStream_t st, int cfg = 0,
-                                          const dmoe_route * rt = nullptr);
+                                          float * hbuf, float * y, int * err, cudaStream_t st, int cfg = 0);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,

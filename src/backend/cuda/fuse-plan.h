@@ -46,11 +46,6 @@
 //                     router and the experts read it). Refused (nothing folded) when a folded node has a consumer outside
 //                     the group placed before the launch, an input computed after it, an output other than 0 read, a
 //                     dtype or width outside the kernel, or when the ADD's other operand is not y.
-//   moe_select_in_experts  (with moe_shared_slot, planned with it) the MOE_ROUTE whose two outputs feed that MOE_EXPERTS
-//                     node and nothing else, on the GEMV-then-selection path (gemv_route), one token, sigmoid without group
-//                     pruning, E <= 256, top-k <= 8 (cuda::moe_select_small_supported): the route's logits GEMV launches at
-//                     the MOE_EXPERTS node right before the pair, whose blocks select from the logits themselves and write
-//                     the route's ids / weights (moe-bf16-decode.cu, dmoe_route); the selection launch is removed.
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -62,8 +57,6 @@ namespace perigee::cuda {
 // moe-bf16-decode.cu (also declared in cuda-ops.h): whether the shared slot runs for these widths. The planner calls the
 // kernel file's own rule so the two cannot drift; declared here to keep this header free of CUDA headers.
 bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k);
-// moe-bf16-decode.cu (also declared in cuda-ops.h): whether the pair's own selection takes such a route.
-bool moe_select_small_supported(int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool softmax);
 } // namespace perigee::cuda
 
 namespace perigee::cuda_fuse {
@@ -107,7 +100,6 @@ struct moe_shared_fold {
     int add = -1;             // ADD(y, down)
     int add2 = -1;            // ADD(add, res2) (l_out), -1: not folded
     node_ref res2;
-    int route = -1;           // MOE_ROUTE whose selection the pair's blocks run (moe_select_in_experts), -1: none
     int n() const { return 5 + (add2 >= 0); }
 };
 
@@ -131,12 +123,10 @@ struct plan {
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
     std::vector<int> route_by;       // per MOE_ROUTE node: the RMS_NORM whose launch computes its logits (-1: its own GEMV)
     int routes = 0;                  // router GEMV launches folded into a norm's launch (their logits one more segment)
-    int route_sels = 0;              // selection launches run inside the BF16 decode pair (moe_select_in_experts)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
     int launches_saved() const {
-        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes +
-               route_sels;
+        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes;
     }
 };
 
@@ -187,7 +177,7 @@ inline bool gemv_route(const graph & g, const node & n, const cuda_options & o, 
 
 // Rule moe_shared_slot (see the header), planned before the others: fills p.moe_shared / done_by for each MOE_EXPERTS
 // node whose launch can take its shared expert as an extra slot. cons: consumers of output 0 of each node.
-inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>> & cons, const cuda_options & o, plan & p) {
+inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>> & cons, plan & p) {
     const size_t N = g.nodes.size();
     auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
     auto free_node = [&](int j) { return p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty() && p.moe_shared[size_t(j)].add < 0; };
@@ -279,29 +269,6 @@ inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>>
                 if (r.valid() && r.out != 0 && r.node != int(e) && in_set(r.node)) ok = false;
         if (!ok) continue;
         for (int j : set) p.done_by[size_t(j)] = int(e);
-        // moe_select_in_experts: the route feeding ids (output 0) and weights (output 1), read by this node alone
-        if (o.moe_select_in_experts && m.src.size() >= 3 && m.src[1].out == 0 && m.src[2].valid() &&
-            same(m.src[2], node_ref{m.src[1].node, 1}) && m.src[1].node < int(e)) {
-            const int r = m.src[1].node;
-            const node & rn = g.nodes[size_t(r)];
-            dtype wt;
-            int64_t K;
-            bool rok = rn.op == op_type::MOE_ROUTE && free_node(r) && gemv_route(g, rn, o, wt, K) &&
-                       g.out(rn.src[0]).shape[0] == 1 && at_pos(rn.src[0].node) < int(e) && rn.p.topk == k &&
-                       rn.p.router == router_act::SIGMOID &&
-                       cuda::moe_select_small_supported(g.at(rn.src[1]).leaf->shape[0], rn.p.topk, rn.p.n_group,
-                                                        rn.p.topk_group, false) &&
-                       g.at(rn.src[1]).leaf->shape[0] == int64_t(ex.size());
-            if (rn.src.size() > 2 && rn.src[2].valid()) rok &= g.at(rn.src[2]).op == op_type::WEIGHT;   // the bias
-            for (size_t j = 0; j < N && rok; ++j)   // every reader of either output is this node
-                for (const node_ref & rr : g.nodes[j].src)
-                    if (rr.valid() && rr.node == r && j != e) rok = false;
-            if (rok) {
-                f.route = r;
-                p.done_by[size_t(r)] = int(e);
-                ++p.route_sels;
-            }
-        }
         p.moe_shared[e] = f;
         ++p.moe_shareds;
         p.moe_shared_launches += f.n();
@@ -328,7 +295,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                 cons[size_t(r.node)].push_back(int(i));
 
     // 0. the shared expert as a slot of the routed experts' launch (before the rules that would claim its nodes)
-    if (o.moe_shared_slot && o.moe_grouped && o.moe_decode_bf16) plan_moe_shared(g, cons, o, p);
+    if (o.moe_shared_slot && o.moe_grouped && o.moe_decode_bf16) plan_moe_shared(g, cons, p);
 
     // LINEARs (in order) -> launches of at most k_group_max, one weight dtype each (first-seen dtype order)
     auto groups_of = [&](const std::vector<int> & lins) {

@@ -39,7 +39,6 @@
 // the 48B shapes: gate/up <9> 128 registers, down <4, 3, 1, 2> (R 3) 96, <4, 2, 1, 3> 72, no spills. Spills only at
 // d_ff 2048 (NU 8): down <8, 3, 1, 2, true> 92 B (false: 16 B), <8, 2, 1, 3, true> 32 B (false: 36 B).
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/route-small.cuh"
 
 namespace perigee::cuda {
 
@@ -105,20 +104,16 @@ __device__ __forceinline__ float bf16_glu(const dexperts_cfg & c, float ag, floa
 
 // hbuf [T k, F]: hbuf[j, row] = act(gate_e . x_t, up_e . x_t), e = ids[j], t = j / k; grid (F / 4, T k + SH), block 4
 // warps, warp = row. Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks). SH (T == 1 only): slot k
-// is the shared expert (sh). SEL (SH only, cuda_options::moe_select_in_experts): ids come from the selection each routed
-// block runs on rt.logits after its wait (route-small.cuh); block (0, routed slot 0) writes rt.ids / rt.w.
-template <int NU, bool SH, bool SEL>
+// is the shared expert (sh).
+template <int NU, bool SH>
 __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(const float * __restrict__ x,
                                                                          const int32_t * __restrict__ ids, int k,
                                                                          const dexpert * __restrict__ ex, int64_t E,
                                                                          dexperts_cfg c, float * __restrict__ hbuf,
                                                                          int * err, dmoe_shared sh, int fl,
-                                                                         const int32_t * __restrict__ order, dmoe_route rt) {
-    static_assert(!SEL || SH, "the selection in the experts' launch is the shared-slot form's (T == 1)");
+                                                                         const int32_t * __restrict__ order) {
     const bool early = fl & 1;   // fl: bit 0 early (below), bit 1 the weights' L2 evict_first (l2_stream_policy)
     const uint64_t pol = l2_stream_policy(fl & 2);
-    float bias_mine[2];   // SEL: the router bias of this thread's experts (a weight: before the wait)
-    if constexpr (SEL) route_small_bias<k_bgu_warps>(rt.bias, rt.c, bias_mine);
     if (SH && sh.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {   // weights only (dmoe_shared::prefetch)
         // block x of slot 0: the shared gate and up rows block x of the shared slot reads, and 1 / gridDim.x of down
         const int64_t rb = int64_t(k_bgu_warps) * (256 * NU) * 2;
@@ -148,21 +143,7 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
     pdl_enter();
     if (!SH && order) j = order[blockIdx.y];      // the slots in expert order (launch_moe_bf16_decode)
     if (!SH) x += int64_t(j / k) * (256 * NU);   // the slot's token (the pair form, T > 1; T == 1: token 0)
-    int32_t e = 0;
-    if constexpr (SEL) {
-        if (!shared) {   // block-uniform: every thread of a routed block selects (block barriers)
-            __shared__ route_small_smem rs;
-            const bool writer = blockIdx.x == 0 && j == 0;   // the MOE_ROUTE node's outputs, once
-            route_select_small<k_bgu_warps>(rt.logits, bias_mine, rt.c, rs, writer);
-            if (writer && int(threadIdx.x) < k) {
-                rt.ids[threadIdx.x] = rs.ids[threadIdx.x];
-                rt.w[threadIdx.x] = rs.w[threadIdx.x];
-            }
-            e = rs.sel[j];
-        }
-    } else {
-        e = shared ? 0 : ids[j];
-    }
+    const int32_t e = shared ? 0 : ids[j];
     if (!shared && (e < 0 || e >= E)) {
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err + ERR_EXPERT_ID, 1);
         return;
@@ -190,20 +171,15 @@ __global__ void __launch_bounds__(k_bgu_warps * 32, 4) k_moe_bf16_gate_up_d1(con
 // meet in shared memory and R threads sum them in slot order. Rows of nu = 32 NU units (F = 256 NU), Dout % R == 0.
 // SH: a ninth warp computes the shared expert's R rows from sh.act; the combine then also writes sh.down, sh.sum = y +
 // down_shared and (sh.sum2 != nullptr) sh.sum2 = sh.sum + sh.res.
-// SEL (SH only): ids and w from the selection the block runs on rt.logits (route-small.cuh), before the wait when early
-// (the logits are two launches back: complete once this grid runs at all, the argument the early ids read rests on).
-template <int NU, int R, int NS, int MINB, bool SH, bool SEL>
+template <int NU, int R, int NS, int MINB, bool SH>
 __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down_d1(const float * __restrict__ hbuf,
                                                                                 const int32_t * __restrict__ ids,
                                                                                 const float * __restrict__ w, int k,
                                                                                 const dexpert * __restrict__ ex, int64_t E,
                                                                                 dexperts_cfg c, float * __restrict__ y,
-                                                                                dmoe_shared sh, int fl, dmoe_route rt) {
-    static_assert(!SEL || SH, "the selection in the experts' launch is the shared-slot form's (T == 1)");
+                                                                                dmoe_shared sh, int fl) {
     const bool early = fl & 1;   // fl as the gate/up kernel's
     const uint64_t pol = l2_stream_policy(fl & 2);
-    float bias_mine[2];   // SEL: the router bias of this thread's experts (a weight)
-    if constexpr (SEL) route_small_bias<k_bdn_warps>(rt.bias, rt.c, bias_mine);
     // early: ids (the route's output, complete once this grid runs at all under PDL: the gate/up launch between waited
     // for it) and every weight load issued before the wait; h (the gate/up output) after it. Arithmetic unchanged.
     // h and the shared slot's act are read with __ldca (ld.global.ca: coherent, L1-cached), not __ldg: with the wait no
@@ -223,21 +199,13 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
     __shared__ float part[k_bdn_warps * NS + SH][R];
     const int wd = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r0 = int(blockIdx.x) * R;
-    const int32_t * sel_ids = nullptr;   // SEL: the block's own picks and weights (shared memory)
-    const float * sel_w = nullptr;
-    if constexpr (SEL) {   // every thread of the block (block barriers)
-        __shared__ route_small_smem rs;
-        route_select_small<k_bdn_warps>(rt.logits, bias_mine, rt.c, rs, true);
-        sel_ids = rs.sel;
-        sel_w = rs.w;
-    }
     if (!SH || wd < k_bdn_warps) {   // the routed slots (SH false: the whole kernel body, as before)
         const uint4 * base[NS];
         bool ok[NS];
 #pragma unroll
         for (int s = 0; s < NS; ++s) {
             const int jj = wd + k_bdn_warps * s;
-            const int32_t e = jj < k ? (SEL ? sel_ids[jj] : __ldcg(ids + jj)) : -1;
+            const int32_t e = jj < k ? __ldcg(ids + jj) : -1;
             ok[s] = e >= 0 && e < E;
             base[s] = ok[s] ? static_cast<const uint4 *>(ex[e].down.w) + (r0 * (32 * NU) + lane) : nullptr;
         }
@@ -301,9 +269,9 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
     if (threadIdx.x < R) {
         float o = 0.0f;
         for (int jj = 0; jj < k; ++jj) {
-            const int32_t e = SEL ? sel_ids[jj] : ids[jj];
+            const int32_t e = ids[jj];
             const float v = (e >= 0 && e < E) ? part[jj][threadIdx.x] : 0.0f;
-            o += (SEL ? sel_w[jj] : w[jj]) * v;
+            o += w[jj] * v;
         }
         y[r0 + int(threadIdx.x)] = o;
         if (SH) {   // the shared expert added last, after the routed sum (forward.cpp moe_block: y = add(y, shared))
@@ -316,21 +284,20 @@ __global__ void __launch_bounds__((k_bdn_warps + SH) * 32, MINB) k_moe_bf16_down
     }
 }
 
-// sh: the shared slot when SH (else ignored: a zero dmoe_shared); rt: the selection when SEL (else ignored).
-template <int NU, bool SH, bool SEL>
+// sh: the shared slot when SH (else ignored: a zero dmoe_shared).
+template <int NU, bool SH>
 void launch_bf16_gate_up(const float * x, int64_t T, const int32_t * ids, int64_t k, const dexpert * ex, int64_t E,
                          const dexperts_cfg & c, float * hbuf, int * err, cudaStream_t st, const dmoe_shared & sh, int fl,
-                         const int32_t * order, const dmoe_route & rt) {
-    launch_k(k_moe_bf16_gate_up_d1<NU, SH, SEL>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(T * k + SH)), k_bgu_warps * 32, 0,
-             st, x, ids, int(k), ex, E, c, hbuf, err, sh, fl, order, rt);
+                         const int32_t * order) {
+    launch_k(k_moe_bf16_gate_up_d1<NU, SH>, dim3(unsigned(c.d_ff / k_bgu_warps), unsigned(T * k + SH)), k_bgu_warps * 32, 0, st,
+             x, ids, int(k), ex, E, c, hbuf, err, sh, fl, order);
 }
 
-template <int NU, int R, int NS, int MINB, bool SH, bool SEL>
+template <int NU, int R, int NS, int MINB, bool SH>
 void launch_bf16_down(const float * hbuf, int64_t T, const int32_t * ids, const float * w, int64_t k, const dexpert * ex,
-                      int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, int fl,
-                      const dmoe_route & rt) {
-    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH, SEL>, dim3(unsigned(c.d_out / R), unsigned(T)), (k_bdn_warps + SH) * 32, 0,
-             st, hbuf, ids, w, int(k), ex, E, c, y, sh, fl, rt);
+                      int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st, const dmoe_shared & sh, int fl) {
+    launch_k(k_moe_bf16_down_d1<NU, R, NS, MINB, SH>, dim3(unsigned(c.d_out / R), unsigned(T)), (k_bdn_warps + SH) * 32, 0, st,
+             hbuf, ids, w, int(k), ex, E, c, y, sh, fl);
 }
 
 // Down form for (k, d_out, cfg): 1 = R 3 / 2 blocks per SM (k <= 8, d_out % 3 == 0, cfg 0), 2 = R 2 / 3 blocks per SM
@@ -341,21 +308,20 @@ int down_form(int64_t k, int64_t d_out, int cfg) {
     return 0;
 }
 
-template <int NU, bool SH, bool SEL>
+template <int NU, bool SH>
 void launch_bf16_down_nu(const float * hbuf, int64_t T, const int32_t * ids, const float * w, int64_t k, const dexpert * ex,
-                         int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, int fl,
-                         const dmoe_route & rt) {
-    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH, SEL>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl, rt);
-    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH, SEL>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl, rt);
-    else launch_bf16_down<NU, 2, 2, 1, SH, SEL>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl, rt);
+                         int64_t E, const dexperts_cfg & c, float * y, cudaStream_t st, int form, const dmoe_shared & sh, int fl) {
+    if (form == 1) launch_bf16_down<NU, 3, 1, 2, SH>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl);
+    else if (form == 2) launch_bf16_down<NU, 2, 1, 3, SH>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl);
+    else launch_bf16_down<NU, 2, 2, 1, SH>(hbuf, T, ids, w, k, ex, E, c, y, st, sh, fl);
 }
 
 // Both stages (cfg's ones digit as in launch_moe_bf16_decode), routed only (SH false; T tokens) or with the shared slot
-// (T == 1); SEL (SH only): the blocks select from rt.logits themselves.
-template <bool SH, bool SEL>
+// (T == 1).
+template <bool SH>
 void launch_bf16_pair(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                       const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
-                      cudaStream_t st, int cfg, const dmoe_shared & sh, const int32_t * order, const dmoe_route & rt) {
+                      cudaStream_t st, int cfg, const dmoe_shared & sh, const int32_t * order) {
     const int stage = cfg % 10;   // benchmarks: 1 gate/up alone, 2 down + combine alone
     // the loads before the PDL wait (cuda_options::moe_bf16_early): 1 = down and the shared slot, 2 = down only
     const int ed = cfg / 100 % 10;
@@ -364,15 +330,15 @@ void launch_bf16_pair(const float * x, int64_t T, int64_t Din, const int32_t * i
     const int fl_gu = (early_sh ? 1 : 0) | ef, fl_dn = (early_dn ? 1 : 0) | ef;
     if (stage != 2) {
         switch (Din / 256) {
-            case 4: launch_bf16_gate_up<4, SH, SEL>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order, rt); break;
-            case 8: launch_bf16_gate_up<8, SH, SEL>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order, rt); break;
-            default: launch_bf16_gate_up<9, SH, SEL>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order, rt); break;
+            case 4: launch_bf16_gate_up<4, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order); break;
+            case 8: launch_bf16_gate_up<8, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order); break;
+            default: launch_bf16_gate_up<9, SH>(x, T, ids, k, experts, E, c, hbuf, err, st, sh, fl_gu, order); break;
         }
     }
     if (stage != 1) {
         const int form = down_form(k, c.d_out, cfg % 100 / 10);
-        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH, SEL>(hbuf, T, ids, w, k, experts, E, c, y, st, form, sh, fl_dn, rt);
-        else launch_bf16_down_nu<8, SH, SEL>(hbuf, T, ids, w, k, experts, E, c, y, st, form, sh, fl_dn, rt);
+        if (c.d_ff / 256 == 4) launch_bf16_down_nu<4, SH>(hbuf, T, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
+        else launch_bf16_down_nu<8, SH>(hbuf, T, ids, w, k, experts, E, c, y, st, form, sh, fl_dn);
     }
 }
 
@@ -392,7 +358,7 @@ bool launch_moe_bf16_decode(const float * x, int64_t T, int64_t Din, const int32
                             const dexpert * experts, int64_t E, const dexperts_cfg & c, float * hbuf, float * y, int * err,
                             cudaStream_t st, int cfg, const int32_t * order) {
     if (!moe_bf16_decode_supported(Din, k, c, cfg) || T < 1 || T * k > 65535) return false;
-    launch_bf16_pair<false, false>(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{}, order, dmoe_route{});
+    launch_bf16_pair<false>(x, T, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, dmoe_shared{}, order);
     return true;
 }
 
@@ -402,13 +368,9 @@ bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t
     return moe_bf16_decode_supported(Din, k, c, 0);
 }
 
-bool moe_select_small_supported(int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool softmax) {
-    return route_small_supported(droute{E, k, n_group, topk_group, true, 1.0f, softmax ? 1 : 0});
-}
-
 cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                           const dexpert * experts, int64_t E, const dexperts_cfg & c, const dmoe_shared & sh,
-                                          float * hbuf, float * y, int * err, cudaStream_t st, int cfg, const dmoe_route * rt) {
+                                          float * hbuf, float * y, int * err, cudaStream_t st, int cfg) {
     if (!moe_bf16_decode_supported(Din, k, c, cfg)) return cudaErrorInvalidValue;   // (moe_bf16_shared_supported at cfg 0)
     if (sh.w.gate.type != wtype::BF16 || sh.w.up.type != wtype::BF16 || sh.w.down.type != wtype::BF16 || sh.w.gate.fmt != 0 ||
         sh.w.up.fmt != 0 || sh.w.down.fmt != 0 || !sh.w.gate.w || !sh.w.up.w || !sh.w.down.w)
@@ -426,13 +388,7 @@ cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const in
                            static_cast<const void *>(sh.sum), sh.w.gate.w, sh.w.up.w, sh.w.down.w})
         if (!a16(p)) return cudaErrorInvalidValue;
     if (sh.res && (!a16(sh.res) || !a16(sh.sum2))) return cudaErrorInvalidValue;
-    if (rt) {   // the selection in the pair: the route's shape is the kernels', its outputs the ids / w the pair writes
-        if (!route_small_supported(rt->c) || rt->c.n_expert != E || rt->c.topk != k || !rt->logits || !rt->ids || !rt->w)
-            return cudaErrorInvalidValue;
-        launch_bf16_pair<true, true>(x, 1, Din, nullptr, nullptr, k, experts, E, c, hbuf, y, err, st, cfg, sh, nullptr, *rt);
-        return cudaGetLastError();
-    }
-    launch_bf16_pair<true, false>(x, 1, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh, nullptr, dmoe_route{});
+    launch_bf16_pair<true>(x, 1, Din, ids, w, k, experts, E, c, hbuf, y, err, st, cfg, sh, nullptr);
     return cudaGetLastError();
 }
 

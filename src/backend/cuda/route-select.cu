@@ -298,8 +298,7 @@ __global__ void __launch_bounds__(k_sw_max_e) k_moe_route_radix_fused(const floa
     select_radix_token(logits, bias, c, 0, bias_mine, ids, w);
 }
 
-// ---- The small selection alone (route-small.cuh; in production it runs inside the experts' launches, moe-bf16-decode.cu):
-// grid T, block 32 W: token t = blockIdx.x. For its tests against the threshold form.
+// ---- The small selection (route-small.cuh, cuda_options::moe_select_small): grid T, block 32 W: token t = blockIdx.x.
 template <int W>
 __global__ void __launch_bounds__(32 * W) k_moe_select_small(const float * __restrict__ logits, dweight bias, droute c,
                                                              int32_t * __restrict__ ids, float * __restrict__ w) {
@@ -348,6 +347,10 @@ cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bia
     const unsigned threads = unsigned((c.n_expert + 31) / 32 * 32);
     if (T > 0) return launch_k(k_moe_select_radix, unsigned(T), threads, 0, st, logits, bias, c, ids, w);
     return cudaGetLastError();
+}
+
+bool moe_select_small_supported(int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool softmax) {
+    return route_small_supported(droute{E, k, n_group, topk_group, true, 1.0f, softmax ? 1 : 0});
 }
 
 cudaError_t launch_moe_select_small(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,

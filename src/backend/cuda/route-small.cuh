@@ -1,5 +1,5 @@
-// MOE_ROUTE selection device code shared by route-select.cu (the selection kernels) and moe-bf16-decode.cu (the selection
-// inside the experts' launches, cuda_options::moe_select_in_experts). All of it has the serial rule's exact outcome
+// MOE_ROUTE selection device code of route-select.cu's kernels: the helpers every form shares and the small selection
+// (cuda_options::moe_select_small). All of it has the serial rule's exact outcome
 // (highest biased score, ties to the lower id, -0 == +0, a NaN at the first untaken id wins as the serial scan lets it)
 // and bit for bit the block selection's weights (moe.cu k_moe_select).
 #pragma once
@@ -52,14 +52,20 @@ __device__ inline void route_write(const float * score, const int32_t * sel, con
     }
 }
 
-// ---- The small selection (the experts' launches select for themselves, cuda_options::moe_select_in_experts) ----
+// ---- The small selection (cuda_options::moe_select_small: k_moe_select_small, one block per token) ----
 // One token, sigmoid scores, no group pruning, E <= 64 W, 1 <= k <= k_small_max_k (route_small_supported). W warps of
 // the block hold 2 experts per lane (e = tid and tid + 32 W); each warp takes its k best keys by k rounds of two warp
 // reductions (value bits, then ~id among the equal values: the 64-bit pick key); warp 0 ranks the W k candidates by
 // counting. The top k of all experts are among the warps' top k, so the picks are the threshold / block selection's
-// picks in the same order. A token with a NaN biased score takes the serial scan. Why: the selection launch between the
-// router and the experts costs ~4.5 us exposed per 48B MoE layer (session 11 timeline); inside the experts' launch it is
-// a few hundred cycles on the block's critical path after its PDL wait (or, in the down stage, before it).
+// picks in the same order. A token with a NaN biased score takes the serial scan. Why: k reduction rounds per warp and
+// one ranking pass instead of the threshold form's 33 counting barriers over the whole block (the 48B selection launch:
+// 4.2-6.6 us exposed per MoE layer, session 11 call B timeline).
+// Written first (session 18, call A) to run INSIDE the BF16 decode pair's blocks (every gate/up block of a routed slot
+// after its wait, every down block before it; the selection launch gone): correct (every output bit for bit the
+// selection launch + pair) but the 48B step went 2.29 -> 2.59 ms: per MoE layer the router 2.5 -> 5.7 us (the gate/up's
+// early shared-slot blocks, which had run during the selection launch, now overlapped the router), gate/up 21.9 -> 27.2
+// and down 12.6 -> 19.3 us (the selection paid once per block on each of ~4 / 3 waves). Removed; the standalone kernel
+// stayed.
 constexpr int k_small_max_k = 8;
 constexpr int k_small_max_e = 256;   // the gate/up blocks' 4 warps x 2 per lane
 
@@ -72,7 +78,7 @@ struct route_small_smem {
     float w[k_small_max_k];
 };
 
-// Whether the small selection takes this route (also the planner's rule, through moe_select_small_supported).
+// Whether the small selection takes this route (the backend's rule, through moe_select_small_supported).
 __host__ __device__ inline bool route_small_supported(const droute & c) {
     return c.softmax == 0 && (c.n_group <= 1 || c.topk_group >= c.n_group) && c.n_expert >= 1 &&
            c.n_expert <= k_small_max_e && c.topk >= 1 && c.topk <= k_small_max_k && c.topk <= c.n_expert;

@@ -984,10 +984,8 @@ TEST(cuda_fuse, planner_rules) {
 //   latent      the experts read scale(h), the shared expert h (different inputs; must NOT fold)
 //   situ_mix    the shared GLU SiTU while the experts use SiLU (must NOT fold)
 //   swap_gu     plain with the shared gate and up weights exchanged (a CPU control graph)
-//   route_use   plain, plus a consumer of the route's weights besides the experts (the selection must stay a launch)
-//   route_softmax  plain with a softmax router (outside the pair's own selection)
 enum class msh_form { plain, early, early_use, add_other, shared_f32, shared_2f, latent, situ_mix, swap_gu, add_swapped, res_late,
-                      situ_betas, route_use, route_softmax };
+                      situ_betas };
 struct msh_graph {
     arena a;
     graph g;
@@ -1032,8 +1030,7 @@ void build_msh_graph(msh_graph & mg, msh_form form, int T, int D, int F, int E, 
         s = shared(h);
         if (form == msh_form::early_use) use = bd.name(bd.sigmoid(s[2]), "shared_act_other");
     }
-    auto [ids, w] = bd.moe_route(h, bd.weight(mg.a.bf16({E, D}, rw), "gate"), {},
-                                 {k, 1, 1, true, 2.446f, form == msh_form::route_softmax ? router_act::SOFTMAX : router_act::SIGMOID});
+    auto [ids, w] = bd.moe_route(h, bd.weight(mg.a.bf16({E, D}, rw), "gate"), {}, {k, 1, 1, true, 2.446f, router_act::SIGMOID});
     bd.name(ids, "moe_route");
     const node_ref xe = form == msh_form::latent ? bd.name(bd.scale(h, 0.5f), "moe_latent_in") : h;
     const node_ref y = bd.name(bd.moe_experts(xe, ids, w, {ea, 2.0f, 3.0f, D, ex}), "moe_experts");
@@ -1046,8 +1043,6 @@ void build_msh_graph(msh_graph & mg, msh_form form, int T, int D, int F, int E, 
     const node_ref res = form == msh_form::res_late ? bd.name(bd.scale(x, 1.0f), "late_residual") : x;
     node_ref lo = bd.name(bd.add(res, ffn), "l_out");
     if (use.valid()) lo = bd.add(lo, bd.cols(bd.linear(use, bd.weight(mg.a.bf16({D, Fs}, dv), "other_proj")), 0, D));
-    if (form == msh_form::route_use)   // the route's weights projected back onto the residual: a second reader of w
-        lo = bd.add(lo, bd.linear(w, bd.weight(mg.a.f32({D, k}, std::vector<float>(size_t(D) * size_t(k), 0.5f)), "w_proj")));
     mg.outs = {h, ids, y, s[0], s[1], s[2], s[3], ffn, lo};
     mg.g = bd.finish(lo);
 }
@@ -1093,10 +1088,6 @@ TEST(cuda_fuse, moe_shared_slot) {
         build_msh_graph(mg, c.form, 1, c.D, c.F, c.E, c.k, c.act, seed);
         const auto p = cuda_fuse::plan_fusions(mg.g, msh_opts(true));
         ASSERT_EQ(p.moe_shareds, 1) << nm << ": the planner did not fold";
-        // moe_select_in_experts (on in msh_opts): the route's selection inside the pair wherever top-k <= 8
-        const int want_sel = c.k <= 8 ? 1 : 0;
-        EXPECT_EQ(p.route_sels, want_sel) << nm << ": route selections in the pair";
-        tally(p.route_sels == want_sel);
         std::vector<std::vector<float>> ref;   // index 1 (the ids, I32) left empty: ref_ids
         std::vector<int32_t> ref_ids;
         {
@@ -1107,16 +1098,12 @@ TEST(cuda_fuse, moe_shared_slot) {
             ref_ids = read_i32(*cpu, mg.outs[1]);
         }
         // got[1] fused; got[0] unfused (the defaults: the norm folded into the shared gate/up GEMV group); got[2]
-        // unfused with fuse_norm_linear off (the norm launches alone, as in the fused run); got[3] fused with
-        // moe_select_in_experts off (the selection launch, then the pair reading its ids)
-        std::vector<std::vector<float>> got[4];
-        std::vector<int32_t> got_ids[4];
-        for (int on : {1, 0, 2, 3}) {
-            const std::string m = nm + (on == 1 ? "/fused" : on == 0 ? "/unfused" : on == 2 ? "/unfused-norm-alone"
-                                                                                       : "/fused-selection-launch");
-            cuda_options o = msh_opts(on == 1 || on == 3);
+        // unfused with fuse_norm_linear off (the norm launches alone, as in the fused run)
+        std::vector<std::vector<float>> got[3];
+        for (int on : {1, 0, 2}) {
+            const std::string m = nm + (on == 1 ? "/fused" : on == 0 ? "/unfused" : "/unfused-norm-alone");
+            cuda_options o = msh_opts(on == 1);
             if (on == 2) o.fuse_norm_linear = false;
-            if (on == 3) o.moe_select_in_experts = false;
             auto gpu = backend_cuda_init(0, o);
             gpu->check_supported(mg.g);
             std::vector<int> seen(mg.g.nodes.size(), 0);
@@ -1130,8 +1117,7 @@ TEST(cuda_fuse, moe_shared_slot) {
             for (size_t i = 0; i < mg.outs.size(); ++i) cb_ok &= seen[size_t(mg.outs[i].node)] == 1;
             EXPECT_TRUE(cb_ok) << m << ": a folded node was not reported exactly once by the node callback";
             tally(cb_ok);
-            got_ids[on] = read_i32(*gpu, mg.outs[1]);
-            const bool ids_ok = check_exact_i32(m + "/ids", ref_ids, got_ids[on]);
+            const bool ids_ok = check_exact_i32(m + "/ids", ref_ids, read_i32(*gpu, mg.outs[1]));
             tally(ids_ok);
             for (size_t i = 0; i < mg.outs.size(); ++i) {
                 if (i == 1) {
@@ -1143,7 +1129,7 @@ TEST(cuda_fuse, moe_shared_slot) {
                 EXPECT_TRUE(ok) << m;
                 tally(ok);
             }
-            const int want = on == 1 || on == 3 ? 1 : 0;
+            const int want = on == 1 ? 1 : 0;
             EXPECT_EQ(gpu->fused_moe_shared(), want) << m;
             tally(gpu->fused_moe_shared() == want);
             if (on == 2) {   // the third run is only meaningful if the norm did launch alone
@@ -1170,13 +1156,6 @@ TEST(cuda_fuse, moe_shared_slot) {
                         "is equal)\n", nm.c_str(), h_def ? "yes" : "no", y_def ? "yes" : "no");
             EXPECT_TRUE(!h_def || y_def) << nm << ": same h, different routed sum";
             tally(!h_def || y_def);
-            // moe_select_in_experts: every output and the ids bit for bit the run with the selection launch
-            bool sel_same = got_ids[1] == got_ids[3];
-            for (size_t i = 0; i < mg.outs.size(); ++i) sel_same &= bitwise(got[1][i], got[3][i]);
-            std::printf("[%s/selection in the pair (%d) vs its own launch: every output and the ids bitwise] %s\n", nm.c_str(),
-                        want_sel, sel_same ? "yes" : "NO");
-            EXPECT_TRUE(sel_same) << nm;
-            tally(sel_same);
             // control that must FAIL: the bitwise comparison must see one element one ulp away
             std::vector<float> bumped = got[2][2];
             bumped[bumped.size() / 2] = std::nextafter(bumped[bumped.size() / 2], INFINITY);
@@ -1217,8 +1196,7 @@ TEST(cuda_fuse, planner_moe_shared) {
         for (int i : {3, 4, 5, 6, 7, 8}) ok &= on.done_by[size_t(outs[size_t(i)].node)] == anchor;
         ok &= off.norms == 1 && on.norms == 0;   // the norm's only LINEARs were the shared gate/up
         ok &= off.adds == 2 && on.adds == 0;     // ffn_moe_out and l_out chained on the down GEMV before
-        ok &= on.route_sels == 1 && on.done_by[size_t(outs[1].node)] == anchor;   // moe_select_in_experts
-        ok &= on.launches_saved() == off.launches_saved() - 1 - 1 - 2 + 6 + 1;   // norm fold, gate/up grouping, 2 adds lost; the selection
+        ok &= on.launches_saved() == off.launches_saved() - 1 - 1 - 2 + 6;   // norm fold, gate/up grouping, 2 adds lost
         EXPECT_TRUE(ok) << "plain: moe_shareds " << on.moe_shareds << ", launches " << on.moe_shared_launches << ", norms "
                         << off.norms << " -> " << on.norms << ", adds " << off.adds << " -> " << on.adds << ", saved "
                         << off.launches_saved() << " -> " << on.launches_saved();
@@ -1273,26 +1251,6 @@ TEST(cuda_fuse, planner_moe_shared) {
         const auto [p, outs] = plan_of(msh_form::plain, 1, nb);
         EXPECT_EQ(p.moe_shareds, 0) << "moe_decode_bf16 off";
         tally(p.moe_shareds == 0);
-    }
-    {   // moe_select_in_experts: the switch off, a top-k above 8, the route's weights read by another node, the
-        // one-launch route on (not the GEMV-then-selection path), a softmax router: the shared slot folds, the route stays
-        cuda_options off = msh_opts(true);
-        off.moe_select_in_experts = false;
-        cuda_options fr = msh_opts(true);
-        fr.moe_route_fused_radix = true;
-        struct rr { const char * why; msh_form form; int E, k; cuda_options o; };
-        for (const rr & r : {rr{"switch off", msh_form::plain, 8, 4, off}, rr{"top-12 of 20", msh_form::plain, 20, 12, msh_opts(true)},
-                             rr{"route weights read by another node", msh_form::route_use, 8, 4, msh_opts(true)},
-                             rr{"one-launch route", msh_form::plain, 8, 4, fr},
-                             rr{"softmax router", msh_form::route_softmax, 8, 4, msh_opts(true)}}) {
-            msh_graph mg;
-            build_msh_graph(mg, r.form, 1, 1024, 1024, r.E, r.k, 0, 9991);
-            const auto p = cuda_fuse::plan_fusions(mg.g, r.o);
-            const bool ok = p.moe_shareds == 1 && p.route_sels == 0 && p.done_by[size_t(mg.outs[1].node)] < 0;
-            EXPECT_TRUE(ok) << r.why << ": moe_shareds " << p.moe_shareds << ", route_sels " << p.route_sels;
-            std::printf("[planner_moe_shared/route kept: %s] %s\n", r.why, ok ? "slot folded, selection launched: PASS" : "FAIL");
-            tally(ok);
-        }
     }
 }
 

@@ -12,13 +12,13 @@
 //  4. fused_t1: the one-launch T == 1 route (GEMV + last block selects): logits vs the host in double, ids and weights bit
 //     for bit the block selection over its own logits, the counter back at 0 and a second launch identical; control: a
 //     counter that never yields the last ticket leaves the sentinels, which the comparison must report.
-//  5. small_equals_radix: the small selection the BF16 decode pair runs inside its own blocks (route-small.cuh,
-//     cuda_options::moe_select_in_experts), launched alone with 4 warps (the gate/up blocks' form) and 8 (the down
-//     blocks'), bit for bit the threshold form on every case in its domain (sigmoid, no group pruning, E <= 256, top-k
+//  5. small_equals_radix: the small selection (route-small.cuh, cuda_options::moe_select_small) with 4 warps (two
+//     experts per lane) and 8, bit for bit the threshold form on every case in its domain (sigmoid, no group pruning, E <= 256, top-k
 //     <= 8) plus extra E / k / tie / NaN cases; every case outside the domain refused; controls: a swapped pick, a
 //     weight one ulp off, and the small form's output with its candidate merge cut to one warp (a wrong selection on
 //     these logits) must each be reported.
-//  6. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection; the fused route at T = 1) at
+//  6. timing: [timing] lines for the decode route (router GEMV v1 / v2, then each selection, the small form where it
+//     applies; the fused route at T = 1) at
 //     the Kimi-Linear-48B and K3 geometries: CUDA graphs of back-to-back launches with PDL on, router weights rotated
 //     past the L2.
 // The cases skip (saying why) on a machine without a CUDA device.
@@ -300,7 +300,7 @@ TEST(route_select, controls_fail) {
         << "control: ties to the higher id must pick 255..248 on all-equal scores";
 }
 
-// The small selection's domain (route-small.cuh route_small_supported; moe_select_small_supported is the planner's copy).
+// The small selection's domain (route-small.cuh route_small_supported; moe_select_small_supported is the backend's rule).
 bool small_domain(const rcase & c) {
     return !c.softmax && (c.n_group <= 1 || c.topk_group >= c.n_group) && c.E <= 256 && c.k <= 8 && c.k <= c.E;
 }
@@ -329,8 +329,8 @@ TEST(route_select, small_equals_radix) {
         ++n;
     }
     std::printf("[route_select] small (4 and 8 warps) == radix bit for bit on %d cases\n", n);
-    // outside the domain: refused by the launcher (nothing launched) and by the planner's rule (the warp count is the
-    // launcher's alone: 4 and 8 are the forms the pair runs)
+    // outside the domain: refused by the launcher (nothing launched) and by the backend's rule (the warp count is the
+    // launcher's alone: 4 and 8)
     const dweight nb{};
     int bad = 0, n_out = 0;
     for (const auto & [E, k, ng, tg, sm, warps] : std::vector<std::tuple<int, int, int, int, int, int>>{
@@ -343,7 +343,7 @@ TEST(route_select, small_equals_radix) {
     }
     EXPECT_EQ(bad, 0) << "the small selection accepted a route outside its domain";
     const bool in_ok = moe_select_small_supported(256, 8, 1, 1, false) && moe_select_small_supported(256, 8, 8, 8, false);
-    EXPECT_TRUE(in_ok) << "the planner's rule refused the 48B route";
+    EXPECT_TRUE(in_ok) << "the backend's rule refused the 48B route";
     std::printf("[route_select] small: %d out-of-domain routes, %d accepted\n", n_out, bad);
 }
 
@@ -493,6 +493,13 @@ struct gpu_timer {
     }
 };
 
+cudaError_t select_small4(const float * l, int64_t T, dweight b, const droute & c, int32_t * ids, float * w, cudaStream_t st) {
+    return launch_moe_select_small(l, T, b, c, ids, w, 4, st);
+}
+cudaError_t select_small8(const float * l, int64_t T, dweight b, const droute & c, int32_t * ids, float * w, cudaStream_t st) {
+    return launch_moe_select_small(l, T, b, c, ids, w, 8, st);
+}
+
 TEST(route_select, timing) {
     NEED_GPU();
     pdl_scope pdl(true);   // as the backend's decode step runs
@@ -528,8 +535,12 @@ TEST(route_select, timing) {
         const droute r{g.E, g.k, 1, 1, true, 2.5f, 0};
         const dweight bw{db, wtype::F32};
         using sel_fn = cudaError_t (*)(const float *, int64_t, dweight, const droute &, int32_t *, float *, cudaStream_t);
-        const std::pair<const char *, sel_fn> sels[] = {
+        std::vector<std::pair<const char *, sel_fn>> sels = {
             {"block", launch_moe_select}, {"sort", launch_moe_select_sort}, {"radix", launch_moe_select_radix}};
+        if (moe_select_small_supported(g.E, g.k, 1, 1, false)) {   // the small form where it applies (the 48B)
+            sels.emplace_back("small4", select_small4);
+            sels.emplace_back("small8", select_small8);
+        }
         const std::pair<const char *, gemv_cfg> gemvs[] = {{"gemv-v1", gemv_cfg{0, 0}}, {"gemv-v2", gemv_cfg{4, 0}}};
         for (int T : {1, 8}) {
             auto gemv = [&](int i, const gemv_cfg & cfg) {
