@@ -443,26 +443,45 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     }
 }
 
+int device_sms() {
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return std::max(1, sms);
+}
+
+// Resident blocks per SM of kernel K at th threads and smem bytes of dynamic shared memory (>= 1). With shared memory
+// (a staged prologue) the largest carve-out is asked for first (a hint: once per kernel, never inside a stream capture)
+// and the occupancy is queried on every call (smem follows the row width); without, once per kernel. Shared by the
+// launchers of the staged, v2 and tensor-core GEMVs.
+template <auto K>
+int gemv_occupancy(int th, size_t smem, cudaStream_t st) {
+    int occ = 0;
+    if (smem > 0) {
+        static bool carveout_set = false;
+        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        cudaStreamIsCapturing(st, &cap);
+        if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
+            cudaFuncSetAttribute(K, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+            carveout_set = true;
+        }
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, K, th, smem);
+    } else {
+        static int occ_plain = 0;
+        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, K, th, 0);
+        occ = occ_plain;
+    }
+    return std::max(1, occ);
+}
+
 template <wtype WT, int TT>
 void staged_launch(const float * x, int64_t in, const fused_segs & g, const float * nw, float eps, float * yn,
                    cudaStream_t st) {
-    const auto kern = k_linear_gemv_norm_staged<WT, TT>;
+    constexpr auto kern = k_linear_gemv_norm_staged<WT, TT>;
     const size_t smem = size_t(TT) * size_t(in) * 4;
     const int th = k_gemv_warps * 32;
-    // prefer the largest shared-memory carve-out (a hint; once per instantiation, never inside a stream capture)
-    static bool carveout_set = false;
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    cudaStreamIsCapturing(st, &cap);
-    if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
-        cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-        carveout_set = true;
-    }
-    int dev = 0, sms = 0, occ = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
     const unsigned total = g.start[g.n];
-    const unsigned resident = unsigned(std::max(1, sms) * std::max(1, occ));
+    const unsigned resident = unsigned(device_sms() * gemv_occupancy<kern>(th, smem, st));
     launch_k(kern, std::min(total, resident), th, smem, st, x, in, g, nw, eps, yn);
 }
 
@@ -706,13 +725,6 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
     }
 }
 
-int device_sms() {
-    int dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return std::max(1, sms);
-}
-
 // Warps per row: the smallest S in 1, 2, 4, 8 whose tiles spread evenly (>= 90%) over the machine, each warp keeping at
 // least one chunk of the row; else the S with the best balance. Balance: when every tile is resident at once (tiles <=
 // `slots`, the resident blocks of the kernel), tiles per SM over its ceiling; else (several waves of the plain grid, or
@@ -740,26 +752,11 @@ template <wtype WT, int TT, int U, bool STAGED>
 cudaError_t v2_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg & cfg, const float * nw, float eps,
                       float * yn, cudaStream_t st) {
     constexpr int R = gemv2_rows_per_warp(TT, STAGED);
-    const auto kern = k_linear_gemv_v2<WT, TT, U, STAGED>;
+    constexpr auto kern = k_linear_gemv_v2<WT, TT, U, STAGED>;
     const int th = k_gemv_warps * 32;
     const int sms = device_sms();
     const size_t smem = STAGED ? size_t(TT) * size_t(in) * 4 : 0;
-    int occ = 0;
-    if constexpr (STAGED) {
-        static bool carveout_set = false;   // a hint; once per instantiation, never inside a stream capture
-        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-        cudaStreamIsCapturing(st, &cap);
-        if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
-            cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-            carveout_set = true;
-        }
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
-    } else {
-        static int occ_plain = 0;   // no dynamic shared memory: one query per instantiation
-        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, kern, th, 0);
-        occ = occ_plain;
-    }
-    const int64_t slots = int64_t(sms) * std::max(1, occ);
+    const int64_t slots = int64_t(sms) * gemv_occupancy<kern>(th, smem, st);
     const int S = cfg.split > 0 ? cfg.split : gemv2_split(g.out, g.n, in, R, wvec<WT>::n, sms, slots);
     const int64_t rows_tile = int64_t(k_gemv_warps / S) * R;
     g.start[0] = 0;
@@ -946,21 +943,8 @@ bool v3_u_valid(int u) {
 template <wtype WT, int U, bool STAGED, bool EARLY>
 struct v3_kern {
     static constexpr auto fn = k_linear_gemv_v3<WT, U, STAGED, EARLY>;
-    // resident blocks per SM (the carve-out hint set once per instantiation, outside any stream capture)
-    static int occupancy(size_t smem, cudaStream_t st) {
-        if constexpr (STAGED) {
-            static bool carveout_set = false;
-            cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-            cudaStreamIsCapturing(st, &cap);
-            if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
-                cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-                carveout_set = true;
-            }
-        }
-        int occ = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, k_gemv_warps * 32, smem);
-        return std::max(1, occ);
-    }
+    // resident blocks per SM (gemv_occupancy: the carve-out hint for the staged forms)
+    static int occupancy(size_t smem, cudaStream_t st) { return gemv_occupancy<fn>(k_gemv_warps * 32, smem, st); }
 };
 
 template <wtype WT, bool STAGED, bool EARLY>
@@ -1206,26 +1190,11 @@ __global__ void __launch_bounds__(k_gemv_warps * 32)
 template <int TT, bool STAGED>
 cudaError_t mma_launch(const float * x, int64_t in, fused_segs g, const gemv_cfg & cfg, const float * nw, float eps,
                        float * yn, cudaStream_t st) {
-    const auto kern = k_linear_gemv_mma<TT, STAGED>;
+    constexpr auto kern = k_linear_gemv_mma<TT, STAGED>;
     const int th = k_gemv_warps * 32;
     const int sms = device_sms();
     const size_t smem = STAGED ? size_t(TT) * size_t(in) * 4 : 0;
-    int occ = 0;
-    if constexpr (STAGED) {
-        static bool carveout_set = false;   // a hint; once per instantiation, never inside a stream capture
-        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-        cudaStreamIsCapturing(st, &cap);
-        if (!carveout_set && cap == cudaStreamCaptureStatusNone) {
-            cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-            carveout_set = true;
-        }
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, th, smem);
-    } else {
-        static int occ_plain = 0;   // no dynamic shared memory: one query per instantiation
-        if (occ_plain == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_plain, kern, th, 0);
-        occ = occ_plain;
-    }
-    const int64_t slots = int64_t(sms) * std::max(1, occ);
+    const int64_t slots = int64_t(sms) * gemv_occupancy<kern>(th, smem, st);
     g.start[0] = 0;
     for (int s = 0; s < g.n; ++s) g.start[s + 1] = g.start[s] + unsigned((g.out[s] + k_mma_rows - 1) / k_mma_rows);
     const int64_t groups = g.start[g.n];
