@@ -29,9 +29,13 @@ struct cuda_options {
     // though it gives up the GEMV fusions. Measured (session 17 calls A/B, same binary, ms/step; "all" = every 3-8-token
     // LINEAR on cuBLASLt): k3-layers-4 (K 7168) B=3 3.57-3.61 GEMV vs 3.36-3.40 all, B=4 4.41-4.94 vs 3.64-3.68, B=8
     // 7.23-7.26 vs 4.85-4.89; Kimi-Linear-48B (K 2304) B=3 4.73-4.75 vs 5.76-5.81, B=4 6.19-6.21 vs 6.30-6.32, B=6
-    // 8.21-8.24 vs 7.77-7.82, B=8 10.75-10.79 vs 9.34-9.38. 16384 sends K3's 7168-wide rows there from 3 tokens and the
-    // 48B's 2304-wide ones from 8 (T x K = 18432).
-    int64_t gemv_max_elems = 16384;
+    // 8.21-8.24 vs 7.77-7.82, B=8 10.75-10.79 vs 9.34-9.38. Session 17's 16384 sent K3's 7168-wide rows there from 3
+    // tokens and the 48B's 2304-wide ones from 8 (T x K = 18432). Session 18 call C (same binary, two rounds): 13824
+    // against 16384, 48B B=7 9.340 / 9.339 -> 8.468 / 8.465 ms (its 2304-wide rows to cuBLASLt at 7 tokens), k3 B=4
+    // 3.721 -> 3.688 (4096-wide rows at 4 tokens), 48B B=6 unchanged (8.18: 6 x 2304 = 13824 stays). 12288 (this
+    // default) also moves the 48B's 6-token 2304-wide rows (B=6 all-cuBLASLt 7.77-7.82 above) and keeps 3 x 4096 and
+    // 5 x 2304 (B=5: 7.02 GEMV vs 7.09-7.12) on the GEMV path; predicted 48B B=6 8.18 -> ~7.8 ms, pending call D.
+    int64_t gemv_max_elems = 12288;
     // GEMV kernels of the LINEARs on that path (plain, grouped, fused epilogues, staged norm; linear.cu): 0 = the first
     // kernels (one 16-byte weight load in flight per lane, one warp per row); 1, 2, 4 or 8 = the v2 kernels with that
     // many 16-byte weight loads in flight per lane, 1-4 rows per warp by token count and the row split over the warps of

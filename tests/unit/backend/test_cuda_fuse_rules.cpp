@@ -12,17 +12,18 @@ namespace {
 
 TEST(cuda_fuse_rules, gemv_takes_defaults) {
     const cuda_options o;   // the shipped defaults
-    ASSERT_EQ(o.gemv_max_elems, 16384) << "the default this test's boundaries are written for";
-    // K3's 7168-wide rows: GEMV at 1-2 tokens, cuBLASLt from 3 (3 x 7168 > 16384)
+    ASSERT_EQ(o.gemv_max_elems, 12288) << "the default this test's boundaries are written for";
+    // K3's 7168-wide rows: GEMV at 1-2 tokens, cuBLASLt from 3 (3 x 7168 > 12288)
     EXPECT_TRUE(cuda_fuse::gemv_takes(o, 1, 7168, false));
     EXPECT_TRUE(cuda_fuse::gemv_takes(o, 2, 7168, false));
     EXPECT_FALSE(cuda_fuse::gemv_takes(o, 3, 7168, false));
-    // the 48B's 2304-wide rows: GEMV to 7 tokens (7 x 2304 = 16128), cuBLASLt at 8 (18432)
-    EXPECT_TRUE(cuda_fuse::gemv_takes(o, 7, 2304, false));
-    EXPECT_FALSE(cuda_fuse::gemv_takes(o, 8, 2304, false));
-    // the bound itself: T x K == 16384 stays on the GEMV path, one more element does not
-    EXPECT_TRUE(cuda_fuse::gemv_takes(o, 4, 4096, false));
-    EXPECT_FALSE(cuda_fuse::gemv_takes(o, 4, 4097, false));
+    // the 48B's 2304-wide rows: GEMV to 5 tokens (5 x 2304 = 11520), cuBLASLt from 6 (13824)
+    EXPECT_TRUE(cuda_fuse::gemv_takes(o, 5, 2304, false));
+    EXPECT_FALSE(cuda_fuse::gemv_takes(o, 6, 2304, false));
+    // 4096-wide rows: GEMV at 3 tokens (12288, the bound itself), cuBLASLt from 4; one more element at 3 tokens does not stay
+    EXPECT_TRUE(cuda_fuse::gemv_takes(o, 3, 4096, false));
+    EXPECT_FALSE(cuda_fuse::gemv_takes(o, 4, 4096, false));
+    EXPECT_FALSE(cuda_fuse::gemv_takes(o, 3, 4097, false));
     // F16 weights: the GEMV path at any T (no F16 cuBLASLt LINEAR)
     EXPECT_TRUE(cuda_fuse::gemv_takes(o, 64, 7168, true));
 }
@@ -41,7 +42,7 @@ TEST(cuda_fuse_rules, gemv_takes_options) {
         return T <= 2 || p.gemv_max_elems <= 0 || T * K < p.gemv_max_elems;   // strict: a plausible off-by-one
     };
     const cuda_options d;
-    EXPECT_NE(reversed(d, 4, 4096), cuda_fuse::gemv_takes(d, 4, 4096, false))
+    EXPECT_NE(reversed(d, 3, 4096), cuda_fuse::gemv_takes(d, 3, 4096, false))
         << "control: a strict bound must disagree with the rule at T x K == gemv_max_elems";
 }
 
