@@ -34,7 +34,10 @@ struct cuda_options {
     // against 16384, 48B B=7 9.340 / 9.339 -> 8.468 / 8.465 ms (its 2304-wide rows to cuBLASLt at 7 tokens), k3 B=4
     // 3.721 -> 3.688 (4096-wide rows at 4 tokens), 48B B=6 unchanged (8.18: 6 x 2304 = 13824 stays). 12288 (this
     // default) also moves the 48B's 6-token 2304-wide rows (B=6 all-cuBLASLt 7.77-7.82 above) and keeps 3 x 4096 and
-    // 5 x 2304 (B=5: 7.02 GEMV vs 7.09-7.12) on the GEMV path; predicted 48B B=6 8.18 -> ~7.8 ms, pending call D.
+    // 5 x 2304 (B=5: 7.02 GEMV vs 7.09-7.12) on the GEMV path; predicted 48B B=6 8.18 -> ~7.8 ms. Measured (call D,
+    // same binary, two rounds, 16384 / 13824 / 12288): 48B B=4 6.14 / 5.89 / 5.89 (its 4096-wide o_proj to cuBLASLt),
+    // B=6 8.14 / 8.14 / 7.63, B=7 9.28 / 8.40 / 8.40 ms; B=3, 5, 8 and k3 B=3, 5-8 unchanged within 0.01 ms; k3 B=4
+    // 3.67 / 3.64 / 3.64.
     int64_t gemv_max_elems = 12288;
     // GEMV kernels of the LINEARs on that path (plain, grouped, fused epilogues, staged norm; linear.cu): 0 = the first
     // kernels (one 16-byte weight load in flight per lane, one warp per row); 1, 2, 4 or 8 = the v2 kernels with that
@@ -119,7 +122,11 @@ struct cuda_options {
     // per lane, or 8) per token: k rounds of two warp reductions per warp, then one ranking pass over the W k candidates;
     // a token with a NaN score takes the serial scan. Takes precedence over the forms above inside its domain. Bit for
     // bit the threshold form (test-route-cuda small_equals_radix). 0 = off. Predicted (session 18, before its run): the
-    // 48B selection launch ~4.5 -> ~3 us exposed per MoE layer, step -0.03..-0.04 ms.
+    // 48B selection launch ~4.5 -> ~3 us exposed per MoE layer, step -0.03..-0.04 ms. Measured (call B, same binary, two
+    // rounds): 48B B=1 2.290 / 2.288 (off) -> 2.278 / 2.275 (4 warps), 2.287 / 2.282 (8 warps); the selection 118 -> 101
+    // us of exposed time per step (timelines); test-route-cuda [timing] radix 3.46 -> small4 2.46 / small8 2.98 us per
+    // launch. 4. (Session 18 call A first ran this selection inside the BF16 decode pair's own blocks instead of a launch:
+    // correct, 48B 2.29 -> 2.59 ms, removed; route-small.cuh says why.)
     int moe_select_small = 4;
     // (Tried and removed, session 11 call A: a one-warp form with each lane's 8 experts' keys in registers, each pick a
     // lane max and two warp reductions, for E <= 256 sigmoid ungrouped routes, bit for bit the block selection over 118
