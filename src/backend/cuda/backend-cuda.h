@@ -117,7 +117,7 @@ struct cuda_options {
     // selection (test-route-cuda). On by prediction pending its H200 run (session 4: ncu k_moe_select_sort 19.8 us K3,
     // 8.9 us 48B; predicted ~4 us both, isolated).
     bool moe_select_radix = true;
-    // ... by the small form (route-small.cuh k_moe_select_small) where the route is in its domain (one token's row at a
+    // ... by the small form (route-select.cu k_moe_select_small) where the route is in its domain (one token's row at a
     // time; sigmoid, no group pruning, E <= 256, top-k <= 8: the 48B router), a block of this many warps (4: two experts
     // per lane, or 8) per token: k rounds of two warp reductions per warp, then one ranking pass over the W k candidates;
     // a token with a NaN score takes the serial scan. Takes precedence over the forms above inside its domain. Bit for
@@ -126,7 +126,7 @@ struct cuda_options {
     // rounds): 48B B=1 2.290 / 2.288 (off) -> 2.278 / 2.275 (4 warps), 2.287 / 2.282 (8 warps); the selection 118 -> 101
     // us of exposed time per step (timelines); test-route-cuda [timing] radix 3.46 -> small4 2.46 / small8 2.98 us per
     // launch. 4. (Session 18 call A first ran this selection inside the BF16 decode pair's own blocks instead of a launch:
-    // correct, 48B 2.29 -> 2.59 ms, removed; route-small.cuh says why.)
+    // correct, 48B 2.29 -> 2.59 ms, removed; route-select.cu says why.)
     int moe_select_small = 4;
     // (Tried and removed, session 11 call A: a one-warp form with each lane's 8 experts' keys in registers, each pick a
     // lane max and two warp reductions, for E <= 256 sigmoid ungrouped routes, bit for bit the block selection over 118

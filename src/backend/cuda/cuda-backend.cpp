@@ -37,15 +37,6 @@ using cuda::wtype;
 
 constexpr size_t k_guard_bytes = 256;
 
-// The small selection's two block forms (cuda_options::moe_select_small) as the backend's selection launcher signature.
-cudaError_t launch_select_small4(const float * l, int64_t T, dweight b, const cuda::droute & c, int32_t * ids, float * w,
-                                 cudaStream_t st) {
-    return cuda::launch_moe_select_small(l, T, b, c, ids, w, 4, st);
-}
-cudaError_t launch_select_small8(const float * l, int64_t T, dweight b, const cuda::droute & c, int32_t * ids, float * w,
-                                 cudaStream_t st) {
-    return cuda::launch_moe_select_small(l, T, b, c, ids, w, 8, st);
-}
 constexpr uint32_t k_guard_word = 0xA5C3A5C3u;
 constexpr uint32_t k_poison_word = 0x7fc00000u;   // quiet NaN (also an impossible id in I32 outputs)
 
@@ -1367,7 +1358,7 @@ private:
                                             cudaStream_t);
     select_launcher select_fn(const cuda::droute & c) const {
         if (opt_.moe_select_small && cuda::moe_select_small_supported(c.n_expert, c.topk, c.n_group, c.topk_group, c.softmax != 0))
-            return opt_.moe_select_small == 4 ? launch_select_small4 : launch_select_small8;
+            return opt_.moe_select_small == 4 ? cuda::launch_moe_select_small4 : cuda::launch_moe_select_small8;
         if (opt_.moe_select_radix) return cuda::launch_moe_select_radix;
         return opt_.moe_select_sort ? cuda::launch_moe_select_sort
                                     : opt_.moe_select_warp ? cuda::launch_moe_select_warp : cuda::launch_moe_select;

@@ -28,13 +28,15 @@ cudaError_t launch_moe_select_sort(const float * logits, int64_t T, dweight bias
 // takes the serial scan. 1 <= topk <= 64, E <= 1024, n_group <= 64.
 cudaError_t launch_moe_select_radix(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
                                     cudaStream_t st);
-// The same selection by the small form (route-small.cuh, cuda_options::moe_select_small): one block of `warps` (4: two
-// experts per lane, or 8) warps per token, k reduction rounds per warp, then the W k candidates ranked; a token with a
-// NaN score takes the serial scan. One token's route in its domain: sigmoid, no group pruning, E <= 256, top-k <= 8
-// (moe_select_small_supported); cudaErrorInvalidValue outside it or for other warp counts.
+// The same selection by the small form (cuda_options::moe_select_small): one block of 4 warps (two experts per lane) or 8
+// per token, k reduction rounds per warp, then the W k candidates ranked; a token with a NaN score takes the serial
+// scan. Routes in its domain only: sigmoid, no group pruning, E <= 256, top-k <= 8 (moe_select_small_supported);
+// cudaErrorInvalidValue outside it.
 bool moe_select_small_supported(int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool softmax);
-cudaError_t launch_moe_select_small(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
-                                    int warps, cudaStream_t st);
+cudaError_t launch_moe_select_small4(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                     cudaStream_t st);
+cudaError_t launch_moe_select_small8(const float * logits, int64_t T, dweight bias, const droute & c, int32_t * ids, float * w,
+                                     cudaStream_t st);
 // T == 1 in one launch (cuda_options::moe_route_fused_radix): logits [E] = gate [E, D] x (BF16 gate, D a multiple of 32;
 // written to `logits`, scratch) by blocks of E rounded up to a warp, then the last block to finish runs the threshold
 // selection. counter: one device word that is 0 before the first launch; each complete launch leaves it 0 again (atomicInc

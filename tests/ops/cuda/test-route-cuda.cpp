@@ -12,7 +12,7 @@
 //  4. fused_t1: the one-launch T == 1 route (GEMV + last block selects): logits vs the host in double, ids and weights bit
 //     for bit the block selection over its own logits, the counter back at 0 and a second launch identical; control: a
 //     counter that never yields the last ticket leaves the sentinels, which the comparison must report.
-//  5. small_equals_radix: the small selection (route-small.cuh, cuda_options::moe_select_small) with 4 warps (two
+//  5. small_equals_radix: the small selection (route-select.cu, cuda_options::moe_select_small) with 4 warps (two
 //     experts per lane) and 8, bit for bit the threshold form on every case in its domain (sigmoid, no group pruning, E <= 256, top-k
 //     <= 8) plus extra E / k / tie / NaN cases; every case outside the domain refused; controls: a swapped pick, a
 //     weight one ulp off, and the small form's output with its candidate merge cut to one warp (a wrong selection on
@@ -90,8 +90,8 @@ result run_select(kind kk, const rcase & c, const std::vector<float> & logits, c
     const cudaError_t e = kk == kind::warp    ? launch_moe_select_warp(dl.p, c.T, bw, r, di.p, dw.p, st)
                           : kk == kind::sort  ? launch_moe_select_sort(dl.p, c.T, bw, r, di.p, dw.p, st)
                           : kk == kind::radix ? launch_moe_select_radix(dl.p, c.T, bw, r, di.p, dw.p, st)
-                          : kk == kind::small4 ? launch_moe_select_small(dl.p, c.T, bw, r, di.p, dw.p, 4, st)
-                          : kk == kind::small8 ? launch_moe_select_small(dl.p, c.T, bw, r, di.p, dw.p, 8, st)
+                          : kk == kind::small4 ? launch_moe_select_small4(dl.p, c.T, bw, r, di.p, dw.p, st)
+                          : kk == kind::small8 ? launch_moe_select_small8(dl.p, c.T, bw, r, di.p, dw.p, st)
                                               : launch_moe_select(dl.p, c.T, bw, r, di.p, dw.p, st);
     EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
@@ -300,7 +300,7 @@ TEST(route_select, controls_fail) {
         << "control: ties to the higher id must pick 255..248 on all-equal scores";
 }
 
-// The small selection's domain (route-small.cuh route_small_supported; moe_select_small_supported is the backend's rule).
+// The small selection's domain (route-select.cu route_small_supported; moe_select_small_supported is the backend's rule).
 bool small_domain(const rcase & c) {
     return !c.softmax && (c.n_group <= 1 || c.topk_group >= c.n_group) && c.E <= 256 && c.k <= 8 && c.k <= c.E;
 }
@@ -329,17 +329,16 @@ TEST(route_select, small_equals_radix) {
         ++n;
     }
     std::printf("[route_select] small (4 and 8 warps) == radix bit for bit on %d cases\n", n);
-    // outside the domain: refused by the launcher (nothing launched) and by the backend's rule (the warp count is the
-    // launcher's alone: 4 and 8)
+    // outside the domain: refused by both launchers (nothing launched) and by the backend's rule
     const dweight nb{};
     int bad = 0, n_out = 0;
-    for (const auto & [E, k, ng, tg, sm, warps] : std::vector<std::tuple<int, int, int, int, int, int>>{
-             {257, 8, 1, 1, 0, 4}, {256, 9, 1, 1, 0, 4}, {256, 8, 1, 1, 1, 4}, {256, 8, 8, 4, 0, 4}, {4, 8, 1, 1, 0, 4},
-             {0, 1, 1, 1, 0, 4}, {256, 8, 1, 1, 0, 5}, {256, 8, 1, 1, 0, 2}}) {
+    for (const auto & [E, k, ng, tg, sm] : std::vector<std::tuple<int, int, int, int, int>>{
+             {257, 8, 1, 1, 0}, {256, 9, 1, 1, 0}, {256, 8, 1, 1, 1}, {256, 8, 8, 4, 0}, {4, 8, 1, 1, 0}, {0, 1, 1, 1, 0}}) {
         const droute r{E, k, ng, tg, true, 1.0f, sm};
         ++n_out;
-        bad += launch_moe_select_small(nullptr, 1, nb, r, nullptr, nullptr, warps, nullptr) != cudaErrorInvalidValue;
-        bad += (warps == 4) == moe_select_small_supported(E, k, ng, tg, sm != 0);   // the shape itself out of the domain
+        bad += launch_moe_select_small4(nullptr, 1, nb, r, nullptr, nullptr, nullptr) != cudaErrorInvalidValue;
+        bad += launch_moe_select_small8(nullptr, 1, nb, r, nullptr, nullptr, nullptr) != cudaErrorInvalidValue;
+        bad += moe_select_small_supported(E, k, ng, tg, sm != 0);
     }
     EXPECT_EQ(bad, 0) << "the small selection accepted a route outside its domain";
     const bool in_ok = moe_select_small_supported(256, 8, 1, 1, false) && moe_select_small_supported(256, 8, 8, 8, false);
@@ -493,13 +492,6 @@ struct gpu_timer {
     }
 };
 
-cudaError_t select_small4(const float * l, int64_t T, dweight b, const droute & c, int32_t * ids, float * w, cudaStream_t st) {
-    return launch_moe_select_small(l, T, b, c, ids, w, 4, st);
-}
-cudaError_t select_small8(const float * l, int64_t T, dweight b, const droute & c, int32_t * ids, float * w, cudaStream_t st) {
-    return launch_moe_select_small(l, T, b, c, ids, w, 8, st);
-}
-
 TEST(route_select, timing) {
     NEED_GPU();
     pdl_scope pdl(true);   // as the backend's decode step runs
@@ -538,8 +530,8 @@ TEST(route_select, timing) {
         std::vector<std::pair<const char *, sel_fn>> sels = {
             {"block", launch_moe_select}, {"sort", launch_moe_select_sort}, {"radix", launch_moe_select_radix}};
         if (moe_select_small_supported(g.E, g.k, 1, 1, false)) {   // the small form where it applies (the 48B)
-            sels.emplace_back("small4", select_small4);
-            sels.emplace_back("small8", select_small8);
+            sels.emplace_back("small4", launch_moe_select_small4);
+            sels.emplace_back("small8", launch_moe_select_small8);
         }
         const std::pair<const char *, gemv_cfg> gemvs[] = {{"gemv-v1", gemv_cfg{0, 0}}, {"gemv-v2", gemv_cfg{4, 0}}};
         for (int T : {1, 8}) {

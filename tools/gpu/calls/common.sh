@@ -36,3 +36,15 @@ decode_rounds() { local n=$1; shift; for round in $(seq 1 $n); do $D --batch 1,8
 # share and the GEMM-class roofline lines into the summary, the whole log kept under $OUT.
 prefill() { local p=$1 sizes=$2 tag=$3; shift 3; timeout 300 $B/bench-cuda-decode --preset $p --prefill $sizes "$@" > $OUT/prefill-$p-$tag.log 2>&1; local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] prefill $p $tag rc=$rc | $(grep -E 'default +T|GEMM share|roofline' $OUT/prefill-$p-$tag.log | tr '\n' ' ')" >> $S; }
+# full_suite: every CUDA test binary (three lanes in parallel), compare-backends on the 9 models (compare_models) and the
+# serve smoke CPU vs CUDA, each one summary line; the logs under $L, the serve smoke's into $OUT/smoke.
+full_suite() {
+  ( run test-moe-cuda 420 "" ) &
+  ( run test-fuse-cuda 300 ""; run test-runtime-cuda 300 ""; run test-sample-cuda 120 ""
+    run test-pdl-cuda 120 ""; run test-kda-cuda 120 ""; run test-kda-decode-cuda 120 "" ) &
+  ( run test-ops-cuda 300 ""; run test-mla-cuda 200 ""; run test-prefill-cuda 200 "" ) &
+  wait
+  compare_models
+  mkdir -p .gpu-carry/bin .gpu-carry/lib && cp $B/perigee .gpu-carry/bin/ && cp .gpu-carry-r1/lib/* .gpu-carry/lib/
+  OUT=$OUT/smoke timeout 300 bash tools/gpu/serve-smoke.sh > $L/serve-smoke.log 2>&1; local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] serve-smoke rc=$rc | $(grep -E '^(PASS|FAIL)|serve-smoke:' $L/serve-smoke.log | tr '\n' ' ')" >> $S; }

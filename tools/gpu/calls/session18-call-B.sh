@@ -17,15 +17,7 @@ for round in 1 2; do
 done
 $D --preset kimi-linear-48b --timeline 10 > $OUT/tl-48b-small4.log 2>&1; rc=$?
 echo "[$(( $(date +%s) - T0 ))s] timeline 48B rc=$rc | $(grep -E "^kimi-linear-48b +new" $OUT/tl-48b-small4.log | awk '{print $3, $5, $9}' | tr '\n' ' ')" >> $S
-( run test-moe-cuda 420 "" ) &
-( run test-fuse-cuda 300 ""; run test-runtime-cuda 300 ""; run test-sample-cuda 120 ""
-  run test-pdl-cuda 120 ""; run test-kda-cuda 120 ""; run test-kda-decode-cuda 120 "" ) &
-( run test-ops-cuda 300 ""; run test-mla-cuda 200 ""; run test-prefill-cuda 200 "" ) &
-wait
-compare_models
-mkdir -p .gpu-carry/bin .gpu-carry/lib && cp $B/perigee .gpu-carry/bin/ && cp .gpu-carry-r1/lib/* .gpu-carry/lib/
-OUT=$OUT/smoke timeout 300 bash tools/gpu/serve-smoke.sh > $L/serve-smoke.log 2>&1; rc=$?
-echo "[$(( $(date +%s) - T0 ))s] serve-smoke rc=$rc | $(grep -E '^(PASS|FAIL)|serve-smoke:' $L/serve-smoke.log | tr '\n' ' ')" >> $S
+full_suite
 D="timeout 200 $B/bench-cuda-decode --steps 20 --no-compare --no-profile"
 decode_rounds 2
 nvidia-smi --query-gpu=name,driver_version --format=csv >> $S 2>&1
