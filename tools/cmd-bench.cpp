@@ -92,7 +92,7 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
     [](CLI::App & sub) {
         struct opts {
             std::string model, synthetic, batches = "1,8,32", backend = "cpu";
-            int prompt_len = 64, decode = 32, budget = 0;
+            int prompt_len = 64, decode = 32, budget = 0, bf16_inputs = 0;
         };
         auto o = std::make_shared<opts>();
         sub.add_option("--model", o->model, "model directory");
@@ -103,6 +103,8 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
         sub.add_option("--max-batched-tokens", o->budget, "per-step token budget (0: the backend's default, cpu 512, cuda 2048)")
             ->capture_default_str()->check(CLI::Range(0, 1 << 20));
         sub.add_option("--backend", o->backend, "backend: cpu or cuda (the runner errors on a name this build lacks)")->capture_default_str();
+        sub.add_option("--bf16-inputs-tokens", o->bf16_inputs, "steps of at least this many tokens feed their Linears and experts bf16-rounded inputs (0: never, else >= 2)")
+            ->capture_default_str()->check(CLI::Range(0, 1 << 20));
         return std::function<int()>([o] {
             PG_CHECK(o->model.empty() != o->synthetic.empty(), "bench: give exactly one of --model DIR or --synthetic PRESET");
             const auto batches = parse_batches(o->batches);
@@ -125,6 +127,7 @@ command_registrar reg{{"bench", "continuous-batching throughput per batch size (
             ro.n_slots = *std::max_element(batches.begin(), batches.end());
             ro.max_tokens = o->prompt_len + o->decode;
             ro.backend = o->backend;
+            ro.forward.bf16_inputs_min_tokens = o->bf16_inputs;
             model_runner r(dir, ro);
             if (o->budget == 0) o->budget = r.be().step_tokens_default();
             std::printf("bench: %s, backend %s, prompt %d, decode %d, budget %d tokens/step\n",

@@ -44,6 +44,7 @@ struct opts {
     int moe_mma_v2 = -1;     // cuda_options::moe_mma_v2: -1 the default, 0 off, 1 on
     int moe_v4 = -1;         // cuda_options::moe_decode_v4 + moe_small_v4: -1 the defaults, 0 both off, 1 both on
     int moe_shared_slot = -1;   // cuda_options::moe_shared_slot: -1 the default, 0 off, 1 on
+    int bf16_inputs = 0;     // forward_options::bf16_inputs_min_tokens (both backends' graphs): 0 off, N >= 2
 };
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -351,6 +352,7 @@ int run_compare(const opts & o) {
         b->block_table = {pages};
         forward_options fo;
         fo.kda_chunk_size = o.chunk;
+        fo.bf16_inputs_min_tokens = o.bf16_inputs;
         graph gc = forward_build(cfg, *w, st_cpu, b, fo);
         graph gg = forward_build(cfg, *w, st_gpu, b, fo);
         PG_CHECK(gc.nodes.size() == gg.nodes.size(), "the two graphs differ in size: {} vs {}", gc.nodes.size(), gg.nodes.size());
@@ -572,6 +574,9 @@ command_registrar reg{{"compare-backends", "run a model on the CPU and CUDA back
                        " the next GEMV, residual ADD and SIGMOID into its epilogue, L2_NORM into its SHORT_CONV, the KDA decode"
                        " tail in one launch):"
                        " 1 on, 0 off, -1 the backend's defaults")->capture_default_str();
+        sub.add_option("--bf16-inputs-tokens", o->bf16_inputs,
+                       "forward_options::bf16_inputs_min_tokens for both graphs: steps of at least N tokens round their LINEAR"
+                       " and expert inputs to bf16 (ARCHITECTURE 3.0); 0 off")->capture_default_str()->check(CLI::Range(0, 1 << 20));
         sub.add_option("--kda-chunk", o->kda_chunk,
                        "cuda_options::kda_chunk_min_tokens: N > 0 the chunked KDA prefill kernel from N tokens, 0 off,"
                        " -1 the default")->capture_default_str();

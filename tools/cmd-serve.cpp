@@ -26,6 +26,7 @@ struct serve_args {
     double mock_decode_s = 0.0, mock_prefill_s = 0.0;
     // 0: the backend's default (backend::step_tokens_default: cpu 512, cuda 2048; the reasons are there).
     int max_num_batched_tokens = 0;
+    int bf16_inputs_tokens = 0;   // forward_options::bf16_inputs_min_tokens
     double drain_timeout_s = 30.0;
     // TEST-ONLY fault drill (server/fault_drill.h): NaN logits for prompts containing this id.
     int test_nan_token = -1, test_nan_after = 2;
@@ -82,6 +83,7 @@ int run_serve(serve_args & a) {
         ro.backend = a.backend;
         ro.n_slots = a.so.max_num_seqs;
         ro.max_tokens = a.so.max_model_len;
+        ro.forward.bf16_inputs_min_tokens = a.bf16_inputs_tokens;
         runner = std::make_unique<model_runner>(a.model, ro);
         engine_options eo;
         eo.max_num_seqs = a.so.max_num_seqs;
@@ -161,6 +163,7 @@ command_registrar reg{{"serve", "OpenAI-compatible HTTP server (chat, completion
         sub.add_option("--max-model-len,-c", a->so.max_model_len, "prompt + generated tokens per sequence")->capture_default_str()->check(CLI::Range(2, 1 << 24));
         sub.add_option("--max-queue", a->so.max_queue, "waiting requests before 503")->capture_default_str()->check(CLI::Range(1, 1 << 16));
         sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "per-step token budget (0: the backend's default, cpu 512, cuda 2048)")->capture_default_str()->check(CLI::Range(0, 1 << 20));
+        sub.add_option("--bf16-inputs-tokens", a->bf16_inputs_tokens, "steps of at least this many tokens feed their Linears and experts bf16-rounded inputs (ARCHITECTURE 3.0's precision; faster prefill on cuda); 0: never, else >= 2")->capture_default_str()->check(CLI::Range(0, 1 << 20));
         sub.add_option("--served-model-name,--alias", a->so.served_model_name, "model id in the API (default: the directory name)");
         sub.add_option("--sse-ping-interval", a->so.ping_interval_s, "seconds between ': ping' comments on an idle stream")->capture_default_str();
         sub.add_option("--max-body-size", a->so.max_body_bytes, "largest request body in bytes (413 beyond)")->capture_default_str();

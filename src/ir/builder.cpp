@@ -114,6 +114,7 @@ node_ref builder::linear(node_ref x, node_ref w) {
     node n;
     n.op = op_type::LINEAR;
     n.src = {x, w};
+    n.p.bf16_inputs = bf16_inputs_;
     n.outs = {f32_out({xs[0], ws[0]})};
     return push(std::move(n));
 }
@@ -349,6 +350,7 @@ node_ref builder::moe_experts(node_ref x, node_ref ids, node_ref w, const expert
     n.p.situ_beta = p.situ_beta;
     n.p.situ_linear_beta = p.situ_linear_beta;
     n.p.experts = p.experts;
+    n.p.bf16_inputs = bf16_inputs_;
     n.outs = {f32_out({xs[0], p.d_out})};
     return push(std::move(n));
 }

@@ -54,6 +54,9 @@ public:
     node_ref moe_experts(node_ref x, node_ref ids, node_ref w, const experts_params & p);
     node_ref attn_res_mix(const std::vector<node_ref> & cands, node_ref norm_w, node_ref proj_w, float eps);
 
+    // From now on, LINEAR and MOE_EXPERTS nodes round their inputs to bf16 (op_params::bf16_inputs) or not.
+    void bf16_inputs(bool on) { bf16_inputs_ = on; }
+
     const node_output & out(node_ref r) const { return g_.out(r); }
     graph finish(node_ref logits);
 
@@ -61,6 +64,7 @@ private:
     node_ref push(node n);
     const std::string & at_name(node_ref r) const { return g_.at(r).name; }
     graph g_;
+    bool bf16_inputs_ = false;
 };
 
 } // namespace perigee

@@ -52,6 +52,8 @@ struct op_params {
     router_act router = router_act::SIGMOID;
     // MOE_EXPERTS
     std::shared_ptr<const std::vector<expert_weights>> experts;
+    // LINEAR / MOE_EXPERTS: the matrices read bf16-rounded inputs (op.h; forward_options::bf16_inputs_min_tokens)
+    bool bf16_inputs = false;
 };
 
 struct node_ref {

@@ -22,7 +22,9 @@ enum class op_type : uint8_t {
                     //  The last dim is N = p.n (x may be viewed as [R*N/p.n, p.n], e.g. per head)
     LAYER_NORM,     // (x [R, N], w [N], b [N]) -> y = (x - mean) * rsqrt(var + eps) * w + b; biased var
     L2_NORM,        // (x [R, N]) -> x / sqrt(sum(x^2) + eps) over groups of p.n values (per head)
-    LINEAR,         // (x [T, in], W [out, in]) -> [T, out] = x W^T; W is F32/BF16/F16; f32 accumulation
+    LINEAR,         // (x [T, in], W [out, in]) -> [T, out] = x W^T; W is F32/BF16/F16; f32 accumulation.
+                    //  p.bf16_inputs: x is first rounded to bf16 (nearest even), as ARCHITECTURE §3.0's
+                    //  reference feeds every Linear; the result stays fp32
     ADD,            // (a, b) same shape -> a + b
     MUL,            // (a, b) same shape -> a * b
     SCALE,          // (x) -> x * p.scale
@@ -73,6 +75,8 @@ enum class op_type : uint8_t {
     MOE_EXPERTS,    // (x [T, Din], ids I32 [T, k], w F32 [T, k]) + p.experts -> [T, Dout]
                     //  out_t = sum_j w[t,j] * down_e( act(gate_e x_t, up_e x_t) ), e = ids[t,j], summed
                     //  in fp32. Expert matrices are BF16/F32 or MXFP4 (decoded by quant/mxfp4 _ref).
+                    //  p.bf16_inputs: x and each act(...) row are rounded to bf16 (nearest even) before the
+                    //  matrices read them (ARCHITECTURE §3.0: bf16 Linear inputs, the SiTU-GLU output bf16)
     ATTN_RES_MIX,   // (cand_0 .. cand_{n-1} [T, D], norm_w [D], proj_w [1, D]) -> [T, D]
                     //  Block Attention Residuals: w = norm_w * proj_w; s_i = sum_c v_i[c] rsqrt(mean(v_i^2)+eps) w[c];
                     //  alpha = softmax_i(s); out = sum_i alpha_i v_i (the RAW candidates). Only the

@@ -148,6 +148,9 @@ graph forward_build(const kimi_config & c, const model_weights & w, model_state 
     bool prefill = false;
     for (int s = 0; s < bt->n_seq(); ++s) prefill |= bt->seq_len(s) > 1;
     builder b(bt);
+    PG_CHECK(opt.bf16_inputs_min_tokens == 0 || opt.bf16_inputs_min_tokens >= 2,
+             "bf16_inputs_min_tokens {}: 0 (off) or at least 2 (a one-token step keeps fp32 inputs)", opt.bf16_inputs_min_tokens);
+    b.bf16_inputs(opt.bf16_inputs_min_tokens > 0 && bt->n_tokens() >= opt.bf16_inputs_min_tokens);
     ctx x{b, c, st, prefill ? opt.kda_chunk_size : 0};
 
     node_ref cur = b.name(b.get_rows(x.W(w.embed_tokens, "embed_tokens"), b.ids()), "token_embd");

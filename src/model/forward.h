@@ -10,6 +10,11 @@ namespace perigee {
 
 struct forward_options {
     int kda_chunk_size = 64;   // KDA_SCAN form for steps that prefill (>1 token in a sequence); decode uses 0
+    // Steps of at least this many tokens feed their LINEARs and routed experts bf16-rounded inputs (op_params::
+    // bf16_inputs): ARCHITECTURE §3.0's precision, one bf16 tensor-core pass per GEMM on the CUDA backend instead of
+    // the hi + lo split that keeps fp32 inputs to ~16 bits. 0: never (every step keeps fp32 inputs). A per-step
+    // rule: the decode rows of a step that also carries a long prefill chunk are rounded with it. 0 or >= 2.
+    int bf16_inputs_min_tokens = 0;
 };
 
 graph forward_build(const kimi_config & c, const model_weights & w, model_state & st, std::shared_ptr<const batch> b,

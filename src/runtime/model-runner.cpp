@@ -25,6 +25,9 @@ model_runner::model_runner(const std::string & dir, const runner_options & opt) 
     PG_CHECK(!cuda, "backend 'cuda' is not available in this build (it has: {}; configure with -DPERIGEE_CUDA=ON)",
              runner_backends());
 #endif
+    PG_CHECK(opt.forward.bf16_inputs_min_tokens == 0 || opt.forward.bf16_inputs_min_tokens >= 2,
+             "bf16 inputs from {} tokens: 0 (off) or at least 2", opt.forward.bf16_inputs_min_tokens);
+    fwd_ = opt.forward;
     cfg_ = config_load(dir);
     w_ = weights_load(cfg_, checkpoint::open(dir));
     int pages = opt.n_pages > 0 ? opt.n_pages : opt.n_slots * ((opt.max_tokens + opt.page_size - 1) / opt.page_size);
@@ -48,7 +51,7 @@ model_runner::model_runner(const std::string & dir, const runner_options & opt) 
 }
 
 tensor model_runner::step(std::shared_ptr<const batch> b, const backend::node_callback & cb) {
-    graph g = forward_build(cfg_, *w_, st_, b);
+    graph g = forward_build(cfg_, *w_, st_, b, fwd_);
     be_->check_supported(g);
     be_->run(g, cb);
     return be_->read(g.logits);
@@ -69,7 +72,7 @@ std::vector<int32_t> model_runner::step_sample(std::shared_ptr<const batch> b, c
     PG_CHECK(!b->logits_rows.empty(), "step_sample: batch.logits_rows is empty");
     PG_CHECK(rows.size() == b->logits_rows.size(), "step_sample: {} sampling entries for {} logits rows", rows.size(),
              b->logits_rows.size());
-    graph g = forward_build(cfg_, *w_, st_, b);
+    graph g = forward_build(cfg_, *w_, st_, b, fwd_);
     be_->check_supported(g);
     be_->run(g);
     std::vector<int32_t> ids = be_->sample_rows(g.logits, rows);
@@ -81,7 +84,7 @@ void model_runner::advance(std::shared_ptr<const batch> b) {
     PG_CHECK(b->n_tokens() > 0, "advance: empty batch");
     auto one = std::make_shared<batch>(*b);
     one->logits_rows = {int32_t(b->n_tokens() - 1)};
-    graph g = forward_build(cfg_, *w_, st_, one);
+    graph g = forward_build(cfg_, *w_, st_, one, fwd_);
     be_->check_supported(g);
     be_->run(g);
 }

@@ -23,6 +23,7 @@ struct runner_options {
     std::string backend = "cpu";   // "cpu", or "cuda" in a build with the CUDA backend (PERIGEE_HAVE_CUDA)
     int device = 0;                 // cuda: the device index
     bool graph_decode = true;       // cuda: decode steps as replayed CUDA graphs (cuda_options::graph_decode)
+    forward_options forward;        // how each step's graph is built (model/forward.h: e.g. bf16_inputs_min_tokens)
 };
 
 // The backends this build can run ("cpu" or "cpu, cuda"), for option help and errors.
@@ -85,6 +86,7 @@ public:
 private:
     int budget_snapshots_ = -1;
     kimi_config cfg_;
+    forward_options fwd_;
     std::unique_ptr<model_weights> w_;
     model_state st_;
     std::vector<tensor *> slot_pools_;

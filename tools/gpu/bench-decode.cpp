@@ -324,6 +324,7 @@ struct opts {
     bool compare_moe = true, profile = true;
     int moe_mma = -1;   // -1: the backend's default; --moe-mma N: cuda_options::moe_mma_tokens for the timed passes (prefill: off vs N side by side)
     std::vector<int> prefill;   // --prefill N,M: time one sequence of N prompt tokens instead of the decode steps
+    int bf16_inputs = 0;   // --bf16-inputs N (prefill): forward_options::bf16_inputs_min_tokens = N for every prefill pass and the profile
     int kda_chunk = -1;   // -1: the backend's default; --kda-chunk N (prefill): an extra pass with cuda_options::kda_chunk_min_tokens = N; the profile too
     int moe_mma_v2 = -1;   // --moe-mma-v2 0|1: cuda_options::moe_mma_v2 for the decode passes and the prefill profile; prefill: + passes "v2-N", "v2-1"
     int fuse = -1;   // --fuse 0|1: cuda_options::fuse_norm_linear + fuse_add + fuse_conv_l2 + fuse_sigmoid + fuse_kda_decode for every pass (-1: the defaults)
@@ -677,7 +678,10 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
     // --moe-mma-v2 B: two more passes with the tensor-core experts v2 (cuda_options::moe_mma_v2), at the threshold of
     // --moe-mma (or the default) and at 1 (every expert on mma); passes 0-3 keep v2 at its default.
     const std::string v2_label = "v2-" + std::to_string(o.moe_mma > 0 ? o.moe_mma : cuda_options{}.moe_mma_tokens);
-    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : "default", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
+    forward_options fo;   // --bf16-inputs N: ARCHITECTURE 3.0's bf16 GEMM inputs for steps of N tokens or more
+    fo.bf16_inputs_min_tokens = o.bf16_inputs;
+    const auto policy = [&](int T) { return o.bf16_inputs > 0 && T >= o.bf16_inputs ? "bf16 inputs" : "split-bf16"; };
+    const char * labels[] = {o.moe_mma > 0 ? "mma-off" : o.bf16_inputs > 0 ? "bf16-in" : "default", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
                              hi_label.c_str(), kda_label.c_str(), v2_label.c_str(), "v2-1"};
     for (int pass = 0; pass < 6; ++pass) {
         if (pass == 2 && o.moe_mma <= 0) continue;
@@ -701,7 +705,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
         generate(*be, c, *w);
         for (int T : o.prefill) {
           try {   // one size failing (a launch limit, say) leaves the others and the profile to run
-            graph g = forward_build(c, *w, st, make_batch(T));
+            graph g = forward_build(c, *w, st, make_batch(T), fo);
             be->check_supported(g);
             cudaMemPool_t pool = nullptr;   // the stream-ordered allocator's pool: its high-water mark over one step
             CK(cudaDeviceGetDefaultMemPool(&pool, 0));
@@ -744,7 +748,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
     auto pb = backend_cuda_init(0, cp);
     generate(*pb, c, *w);
     for (int T : o.prefill) {
-        graph g = forward_build(c, *w, st, make_batch(T));
+        graph g = forward_build(c, *w, st, make_batch(T), fo);
         try {
             pb->run(g);
             pb->run(g);
@@ -764,9 +768,9 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
             if (n.op == op_type::LINEAR || n.op == op_type::MOE_EXPERTS) gemm_ms += ms[i];
         }
         const double fl = gemm_flops(g);
-        std::printf("  prefill per-op GPU time, %s T=%d (split-bf16; sum %.3f ms): GEMM share (LINEAR + MOE_EXPERTS) %.3f ms"
+        std::printf("  prefill per-op GPU time, %s T=%d (%s; sum %.3f ms): GEMM share (LINEAR + MOE_EXPERTS) %.3f ms"
                     " = %.1f%%; %.1f GFLOP over it = %.1f TFLOP/s = %.1f%% of the GEMM ceiling\n",
-                    preset.c_str(), T, tot, gemm_ms, 100 * gemm_ms / tot, fl / 1e9, fl / (gemm_ms * 1e-3) / 1e12,
+                    preset.c_str(), T, policy(T), tot, gemm_ms, 100 * gemm_ms / tot, fl / 1e9, fl / (gemm_ms * 1e-3) / 1e12,
                     100.0 * fl / (gemm_ms * 1e-3) / 1e12 / gemm_tf);
         std::vector<std::pair<double, std::string>> rows;
         for (auto & [k, v] : by_op) rows.push_back({v.first, fmt::format("{} x{}", k, v.second)});
@@ -908,6 +912,7 @@ int main(int argc, char ** argv) {
         else if (a == "--moe-v4") o.moe_v4 = std::stoi(val());
         else if (a == "--moe-v5") o.moe_v5 = std::stoi(val());
         else if (a == "--kda-chunk") o.kda_chunk = std::stoi(val());
+        else if (a == "--bf16-inputs") o.bf16_inputs = std::stoi(val());
         else if (a == "--prefill-fast") o.prefill_fast = std::stoi(val());
         else if (a == "--pdl") o.pdl = std::stoi(val());
         else if (a == "--timeline") o.timeline = std::stoi(val());
@@ -923,7 +928,7 @@ int main(int argc, char ** argv) {
         else {
             std::fprintf(stderr, "usage: bench-cuda-decode [--preset k3-layers-4|kimi-linear-48b] [--batch 1,8,64] [--ctx N] "
                                  "[--steps N] [--set name=value,...] [--no-compare] [--no-profile] [--layers N (kimi-linear-48b cut to N layers)] "
-                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--moe-v5 0|1] [--pdl 0|1] [--timeline N (CUPTI kernel records of N graph replays)] [--dry]\n");
+                                 "[--prefill T1,T2 (prefill of one sequence instead of decode)] [--moe-mma N] [--moe-mma-v2 0|1] [--kda-chunk N] [--bf16-inputs N (prefill: steps of >= N tokens with bf16 GEMM inputs)] [--prefill-fast N] [--fuse 0|1] [--moe-v4 0|1] [--moe-v5 0|1] [--pdl 0|1] [--timeline N (CUPTI kernel records of N graph replays)] [--dry]\n");
             return 2;
         }
     }

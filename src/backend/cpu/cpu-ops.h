@@ -76,6 +76,8 @@ void gated_rms_norm_ref(const float * o, const float * z, int64_t R, int64_t N, 
 // ---- linear.cpp ----
 // x [T, in], W [out, in] -> y [T, out] = x W^T
 void linear_ref(const float * x, int64_t T, int64_t in, wview W, int64_t out, float * y);
+// x [n] rounded to bf16, nearest even (op_params::bf16_inputs), as fp32 values.
+std::vector<float> bf16_rounded(const float * x, int64_t n);
 // table [V, D], ids [T] -> y [T, D]; an id outside 0..V-1 is an error naming `what`
 void get_rows_ref(wview table, int64_t V, int64_t D, const int32_t * ids, int64_t T, float * y, const std::string & what);
 
@@ -126,7 +128,8 @@ void moe_route_ref(const float * x, int64_t T, int64_t D, wview gate, wview bias
                    float * w);
 // One row r of an expert matrix ([out, in]) decoded to f32 (dense F32/BF16/F16, MXFP4 or NVFP4).
 void expert_row_ref(const expert_matrix & m, int64_t r, float * out);
-struct experts_cfg { glu_act act; float situ_beta, situ_linear_beta; int64_t d_out; };
+// bf16_inputs: each act(gate x, up x) row is rounded to bf16 before down reads it (the caller rounds x).
+struct experts_cfg { glu_act act; float situ_beta, situ_linear_beta; int64_t d_out; bool bf16_inputs = false; };
 // x [T, Din], ids I32 [T, k], w F32 [T, k] -> y [T, Dout]; only the selected experts are read.
 void moe_experts_ref(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                      const std::vector<expert_weights> & experts, const experts_cfg & c, float * y);

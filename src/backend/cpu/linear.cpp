@@ -38,10 +38,19 @@ void get_rows_ref(wview table, int64_t V, int64_t D, const int32_t * ids, int64_
     for (int64_t t = 0; t < T; ++t) table.row(int64_t(ids[t]) * D, D, y + t * D);
 }
 
+std::vector<float> bf16_rounded(const float * x, int64_t n) {
+    std::vector<float> r(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) r[size_t(i)] = bf16_round(x[i]);
+    return r;
+}
+
 void run_linear(const cpu_node_io & io) {
     const tensor & x = *io.in.at(0);
     const tensor & w = *io.in.at(1);
-    linear_ref(io.f32_in(0), x.dim(0), x.dim(1), io.weight_in(1), w.dim(0), (*io.out)[0].f32());
+    const float * xin = io.f32_in(0);
+    std::vector<float> xr;   // op_params::bf16_inputs: x rounded to bf16 first (ARCHITECTURE §3.0)
+    if (io.n().p.bf16_inputs) xin = (xr = bf16_rounded(xin, x.numel())).data();
+    linear_ref(xin, x.dim(0), x.dim(1), io.weight_in(1), w.dim(0), (*io.out)[0].f32());
 }
 
 void run_get_rows(const cpu_node_io & io) {

@@ -179,8 +179,9 @@ void moe_experts_ref(const float * x, int64_t T, int64_t Din, const int32_t * id
                 for (int64_t i = 0; i < n; ++i) {
                     const float * xt = x + rt[size_t(i)].first * Din;
                     const float ga = dot_f32(grow.data(), xt, Din), ua = dot_f32(urow.data(), xt, Din);
-                    m[size_t(i * F + r)] = c.act == glu_act::SITU ? situ_f(ga, ua, c.situ_beta, c.situ_linear_beta)
-                                                                  : silu_f(ga) * ua;
+                    const float a = c.act == glu_act::SITU ? situ_f(ga, ua, c.situ_beta, c.situ_linear_beta)
+                                                           : silu_f(ga) * ua;
+                    m[size_t(i * F + r)] = c.bf16_inputs ? bf16_round(a) : a;
                 }
             }
 #pragma omp for schedule(static)
@@ -223,9 +224,11 @@ void run_moe_experts(const cpu_node_io & io) {
     const tensor & ids = *io.in.at(1);
     PG_CHECK(io.in.at(2)->shape == ids.shape && ids.shape.size() == 2 && ids.dim(0) == x.dim(0),
              "{}: ids {} / weights {} for {} tokens", n.name, shape_str(ids.shape), shape_str(io.in.at(2)->shape), x.dim(0));
-    const experts_cfg c{n.p.act, n.p.situ_beta, n.p.situ_linear_beta, n.outs.at(0).shape.at(1)};
-    moe_experts_ref(io.f32_in(0), x.dim(0), x.dim(1), io.i32_in(1), io.f32_in(2), ids.dim(1), *n.p.experts, c,
-                    (*io.out)[0].f32());
+    const experts_cfg c{n.p.act, n.p.situ_beta, n.p.situ_linear_beta, n.outs.at(0).shape.at(1), n.p.bf16_inputs};
+    const float * xin = io.f32_in(0);
+    std::vector<float> xr;   // op_params::bf16_inputs: x rounded to bf16 first (the GLU rows in moe_experts_ref)
+    if (n.p.bf16_inputs) xin = (xr = bf16_rounded(xin, x.numel())).data();
+    moe_experts_ref(xin, x.dim(0), x.dim(1), io.i32_in(1), io.f32_in(2), ids.dim(1), *n.p.experts, c, (*io.out)[0].f32());
 }
 
 } // namespace perigee

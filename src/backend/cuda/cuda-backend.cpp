@@ -1305,10 +1305,20 @@ private:
                     mo.dec_pairs_bf16 = opt_.moe_decode_pairs_bf16;
                     mo.pairs_sorted = opt_.moe_decode_pairs_sorted;
                     mo.bf16_cfg = 100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0);
+                    if (n.p.bf16_inputs) {   // every expert on the tensor-core stages, activations hi only: x and h rounded
+                        PG_CHECK(T >= 2, "{}: bf16 inputs for {} token: the tensor-core experts need a step of 2 or more",
+                                 n.name, T);
+                        mo.mma_tokens = mo.mma_large_tokens = 1;
+                        mo.mma_split = false;
+                        mo.dec_v5 = mo.dec_bf16 = mo.dec_v4 = false;
+                        mo.dec_pairs_fp4 = mo.dec_pairs_bf16 = 0;
+                    }
                     PG_CUDA_CHECK(cuda::launch_moe_experts_grouped(vfmt, f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k,
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));
                     break;
                 }
+                PG_CHECK(!n.p.bf16_inputs, "{}: bf16 inputs run on the grouped tensor-core experts only (moe_grouped {}, {} "
+                         "experts, at most 1024)", n.name, opt_.moe_grouped, ex.size());
                 PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,
                                                        int64_t(ex.size()), c, scratch, y, err, st_));
                 break;
@@ -1761,17 +1771,28 @@ private:
         const int64_t T = x.shape.at(0), K = x.shape.at(1), O = w.shape.at(0);
         PG_CHECK(w.shape.size() == 2 && w.shape[1] == K, "weight {} for input {}", shape_str(w.shape), shape_str(x.shape));
         const dweight W = w_in(n, 1);
-        if (cuda_fuse::gemv_takes(opt_, T, K, W.type == wtype::F16)) {
-            PG_CUDA_CHECK(cuda::launch_linear_gemv(f32_in(n, 0), T, K, W, O, y, st_, gemv_cfg_for(K)));
+        const bool gemv = cuda_fuse::gemv_takes(opt_, T, K, W.type == wtype::F16);
+        const float * xin = f32_in(n, 0);
+        // op_params::bf16_inputs: x rounded to bf16 first. BF16 weights off the GEMV path take it as the one-pass GEMM's
+        // operand below (the same rounding); every other path reads a rounded fp32 copy.
+        if (n.p.bf16_inputs && (gemv || W.type != wtype::BF16)) {
+            auto * xr = static_cast<float *>(node_scratch(size_t(T * K) * 4));
+            PG_CUDA_CHECK(cuda::launch_f32_round_bf16(xin, T * K, xr, st_));
+            xin = xr;
+        }
+        if (gemv) {
+            PG_CUDA_CHECK(cuda::launch_linear_gemv(xin, T, K, W, O, y, st_, gemv_cfg_for(K)));
             return;
         }
         if (W.type != wtype::BF16) {   // F32 weights: fp32 GEMM
-            lt_matmul(W.data, x.p, CUDA_R_32F, y, O, T, K, 0.0f);
+            lt_matmul(W.data, xin, CUDA_R_32F, y, O, T, K, 0.0f);
             return;
         }
-        // BF16 weights: activations to bf16 for the tensor cores, fp32 accumulation; optionally hi + lo split.
-        auto * xb = static_cast<uint16_t *>(node_scratch(size_t(T * K) * 2 * (opt_.linear_split_bf16 ? 2 : 1)));
-        if (!opt_.linear_split_bf16) {
+        // BF16 weights: activations to bf16 for the tensor cores, fp32 accumulation; optionally hi + lo split (never for
+        // bf16 inputs: their lo part is 0).
+        const bool split = opt_.linear_split_bf16 && !n.p.bf16_inputs;
+        auto * xb = static_cast<uint16_t *>(node_scratch(size_t(T * K) * 2 * (split ? 2 : 1)));
+        if (!split) {
             PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), T * K, xb, st_));
             lt_matmul(W.data, xb, CUDA_R_16BF, y, O, T, K, 0.0f);
             return;

@@ -119,6 +119,8 @@ cudaError_t launch_linear_gemv_group(const float * x, int64_t T, int64_t in, wty
                                      float * const * y, const int64_t * out, int n, cudaStream_t st, gemv_cfg cfg = {});
 // x F32 [n] -> bf16 [n] (round to nearest even), for the cuBLASLt path.
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st);
+// x F32 [n] -> y F32 [n] = x rounded to bf16 (nearest even): op_params::bf16_inputs ahead of a GEMV or an fp32 GEMM.
+cudaError_t launch_f32_round_bf16(const float * x, int64_t n, float * y, cudaStream_t st);
 // x F32 [n] -> hi = bf16(x), lo = bf16(x - hi): x is hi + lo to ~16 mantissa bits (the split-bf16 GEMM path).
 cudaError_t launch_f32_to_bf16_split(const float * x, int64_t n, uint16_t * hi, uint16_t * lo, cudaStream_t st);
 // table [V, D], ids [T] -> y [T, D]; an id outside 0..V-1 sets err[ERR_ID_RANGE] and writes zeros.

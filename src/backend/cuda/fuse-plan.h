@@ -3,6 +3,7 @@
 // bench-cuda-decode --dry counts what it folds on a machine without a GPU.
 //
 // Rules (each behind a cuda_options switch):
+// None applies to a step with bf16 GEMM inputs (op_params::bf16_inputs: forward_options::bf16_inputs_min_tokens).
 //   linear_group      LINEARs on the GEMV path over the same input, same weight dtype and width: one launch of up to
 //                     k_group_max weight pointers, at the first of them (the others are "done by" it).
 //   fuse_norm_linear  RMS_NORM over whole rows [T, N] whose output feeds LINEAR(s) on the GEMV path (K == N): the norm
@@ -286,6 +287,11 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.kda.assign(N, {});
     p.moe_shared.assign(N, {});
     p.route_by.assign(N, -1);
+
+    // A step whose GEMM inputs are rounded to bf16 (op_params::bf16_inputs) runs unfused: the fused launches read the
+    // LINEARs' and experts' fp32 inputs.
+    for (const node & n : g.nodes)
+        if (n.p.bf16_inputs) return p;
 
     // consumers of output 0 of each node, in graph order
     std::vector<std::vector<int>> cons(N);

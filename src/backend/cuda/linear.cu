@@ -1265,6 +1265,12 @@ __global__ void k_f32_to_bf16(const float * __restrict__ x, int64_t n, uint16_t 
     }
 }
 
+__global__ void k_f32_round_bf16(const float * __restrict__ x, int64_t n, float * __restrict__ y) {
+    pdl_enter();
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+}
+
 __global__ void k_f32_to_bf16_split(const float * __restrict__ x, int64_t n, uint16_t * __restrict__ hi,
                                     uint16_t * __restrict__ lo) {
     pdl_enter();
@@ -1445,6 +1451,11 @@ cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t s
 
 cudaError_t launch_f32_to_bf16(const float * x, int64_t n, uint16_t * y, cudaStream_t st) {
     if (n > 0) launch_k(k_f32_to_bf16, grid_for(n, 256), 256, 0, st, x, n, y);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_f32_round_bf16(const float * x, int64_t n, float * y, cudaStream_t st) {
+    if (n > 0) launch_k(k_f32_round_bf16, grid_for(n, 256), 256, 0, st, x, n, y);
     return cudaGetLastError();
 }
 

@@ -142,6 +142,47 @@ TEST(cpu_ops, linear_f32_bf16_f16) {
     }
 }
 
+// op_params::bf16_inputs (ARCHITECTURE 3.0): x rounded to bf16 (nearest even) before the product, the result fp32. The
+// fp64 reference rounds x the same way; bit for bit the unflagged LINEAR over a pre-rounded x. Controls that must FAIL:
+// the fp64 reference on the unrounded x, and the unflagged LINEAR's bits.
+TEST(cpu_ops, linear_bf16_inputs_round_x_first) {
+    rng r(106);
+    const int T = 5, IN = 200, OUT = 24;
+    auto xv = r.vec(T * IN);
+    std::vector<float> xr(xv.size());
+    for (size_t i = 0; i < xv.size(); ++i) xr[i] = bf16_round(xv[i]);
+    for (dtype dt : {dtype::F32, dtype::BF16}) {
+        arena a;
+        auto wv = r.vec(OUT * IN);
+        tensor & w = a.typed(dt, {OUT, IN}, wv);
+        auto run = [&](const std::vector<float> & xin, bool flag) {
+            builder bd(batch_simple(T));
+            bd.bf16_inputs(flag);
+            node_ref y = bd.linear(bd.weight(a.f32({T, IN}, xin), "x"), bd.weight(w, "w"));
+            graph g = bd.finish(y);
+            EXPECT_EQ(g.at(y).p.bf16_inputs, flag);
+            return run_f32(g, y);
+        };
+        const auto out = run(xv, true);
+        auto naive = [&](const std::vector<float> & xin) {
+            std::vector<double> ref(size_t(T * OUT));
+            for (int t = 0; t < T; ++t)
+                for (int o = 0; o < OUT; ++o) {
+                    double acc = 0;
+                    for (int i = 0; i < IN; ++i) acc += double(xin[size_t(t * IN + i)]) * double(wv[size_t(o * IN + i)]);
+                    ref[size_t(t * OUT + o)] = acc;
+                }
+            return ref;
+        };
+        const std::string tag = fmt::format("linear bf16 inputs {}", dtype_name(dt));
+        EXPECT_TRUE(check(tag, naive(xr), out, metric::NMSE, k_nmse_f32));
+        EXPECT_FALSE(check(tag + "/control(unrounded x)", naive(xv), out, metric::NMSE, k_nmse_f32));
+        const auto pre = run(xr, false), plain = run(xv, false);
+        EXPECT_EQ(std::memcmp(pre.data(), out.data(), out.size() * 4), 0) << tag << ": not the LINEAR over a pre-rounded x";
+        EXPECT_NE(std::memcmp(plain.data(), out.data(), out.size() * 4), 0) << tag << ": the flag changed nothing";
+    }
+}
+
 TEST(cpu_ops, linear_unsupported_weight_dtype_names_node) {
     arena a;
     std::vector<float> xv(8, 1.0f);

@@ -185,7 +185,8 @@ expert_case make_experts(rng & r, arena & a, int E, int Din, int F, int Dout, fp
 }
 
 std::vector<double> naive_experts(const expert_case & ec, const std::vector<float> & x, int T, int Din, const std::vector<int32_t> & ids,
-                                  const std::vector<float> & w, int k, int Dout, bool situ, bool swap_gate_up = false) {
+                                  const std::vector<float> & w, int k, int Dout, bool situ, bool swap_gate_up = false,
+                                  bool round_x = false, bool round_h = false) {
     std::vector<double> y(size_t(T * Dout), 0.0);
     for (int t = 0; t < T; ++t)
         for (int j = 0; j < k; ++j) {
@@ -196,11 +197,13 @@ std::vector<double> naive_experts(const expert_case & ec, const std::vector<floa
             for (int f = 0; f < F; ++f) {
                 double ga = 0, ua = 0;
                 for (int i = 0; i < Din; ++i) {
-                    ga += G.dense[size_t(f * Din + i)] * x[size_t(t * Din + i)];
-                    ua += U.dense[size_t(f * Din + i)] * x[size_t(t * Din + i)];
+                    const double xi = round_x ? bf16_round(x[size_t(t * Din + i)]) : x[size_t(t * Din + i)];
+                    ga += G.dense[size_t(f * Din + i)] * xi;
+                    ua += U.dense[size_t(f * Din + i)] * xi;
                 }
                 if (swap_gate_up) std::swap(ga, ua);
                 m[size_t(f)] = situ ? 4.0 * std::tanh(ga / 4.0) * sigmoid_d(ga) * 25.0 * std::tanh(ua / 25.0) : silu_d(ga) * ua;
+                if (round_h) m[size_t(f)] = bf16_round(float(m[size_t(f)]));
             }
             for (int o = 0; o < Dout; ++o) {
                 double acc = 0;
@@ -255,6 +258,43 @@ TEST(cpu_moe, experts_dense_and_fp4_silu_situ_selected_only) {
                                    metric::NMSE, k_nmse_f32));
             }
             if (fc.f == fp4_format::MXFP4 && !situ) expect_control_fails("moe_experts", ref, out, metric::NMSE, k_nmse_f32);
+        }
+}
+
+// op_params::bf16_inputs (ARCHITECTURE 3.0: bf16 Linear inputs, the SiTU-GLU output bf16): x and each act(gate x, up x)
+// row rounded to bf16 before the matrices read them. Dense BF16 and MXFP4, SiLU and SiTU, vs the fp64 reference with both
+// roundings. Controls that must FAIL: the reference without the roundings, with x rounded only, with h rounded only.
+TEST(cpu_moe, experts_bf16_inputs_round_x_and_glu) {
+    const int T = 6, Din = 64, F = 32, Dout = 48, E = 8, k = 3;
+    uint32_t seed = 630;
+    for (const fmt_case & fc : {fmt_case{fp4_format::NONE, dtype::BF16, "dense BF16"}, fmt_case{fp4_format::MXFP4, dtype::U8, "MXFP4"}})
+        for (bool situ : {false, true}) {
+            rng r(seed++);
+            arena a;
+            auto x = r.vec(size_t(T * Din), -1, 1);
+            std::vector<int32_t> ids;
+            std::vector<float> w;
+            for (int t = 0; t < T; ++t)
+                for (int j = 0; j < k; ++j) {
+                    ids.push_back((t + 2 * j) % E);
+                    w.push_back(r.uniform(0.05f, 0.6f));
+                }
+            auto ec = make_experts(r, a, E, Din, F, Dout, fc.f, fc.dt, std::vector<bool>(size_t(E), true));
+            builder bd(batch_simple(T));
+            bd.bf16_inputs(true);
+            tensor & idt = a.raw(dtype::I32, {T, k});
+            std::memcpy(idt.data, ids.data(), ids.size() * 4);
+            node_ref y = bd.moe_experts(bd.weight(a.f32({T, Din}, x), "x"), bd.weight(idt, "ids"), bd.weight(a.f32({T, k}, w), "w"),
+                                        {situ ? glu_act::SITU : glu_act::SILU, 4.0f, 25.0f, Dout, ec.ew});
+            graph g = bd.finish(y);
+            EXPECT_TRUE(g.at(y).p.bf16_inputs);
+            auto out = run_f32(g, y);
+            const std::string tag = fmt::format("moe_experts bf16 inputs {} {}", fc.name, situ ? "SiTU" : "SiLU");
+            auto ref = [&](bool rx, bool rh) { return naive_experts(ec, x, T, Din, ids, w, k, Dout, situ, false, rx, rh); };
+            EXPECT_TRUE(check(tag, ref(true, true), out, metric::NMSE, k_nmse_f32));
+            EXPECT_FALSE(check(tag + "/control(no rounding)", ref(false, false), out, metric::NMSE, k_nmse_f32));
+            EXPECT_FALSE(check(tag + "/control(x rounded only)", ref(true, false), out, metric::NMSE, k_nmse_f32));
+            EXPECT_FALSE(check(tag + "/control(h rounded only)", ref(false, true), out, metric::NMSE, k_nmse_f32));
         }
 }
 

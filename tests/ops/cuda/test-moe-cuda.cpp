@@ -412,6 +412,54 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
     return mc;
 }
 
+// ---- 1f. bf16 GEMM inputs (op_params::bf16_inputs: forward_options::bf16_inputs_min_tokens, ARCHITECTURE 3.0) ----
+// A flagged MOE_EXPERTS rounds x and each GLU row h to bf16; the backend then runs every expert on the tensor-core stages
+// with the activations hi only (exactly those roundings), whatever the step size: T 2 and 64 (v1 / v2 forms, where the
+// defaults would take the pair or GEMV kernels) and T 300 (v4, >= moe_mma_large_step). MXFP4 and BF16 experts, SiLU and
+// SiTU, the default options. Checks: ids exact, y within the f32 tolerance of the CPU's flagged experts; at T 300 the v4
+// launch counter advances. Controls that must FAIL: the CUDA result against the CPU's unflagged experts (the roundings
+// really happen) and the comparator family.
+void set_bf16_inputs(graph & g) {
+    for (node & n : g.nodes)
+        if (n.op == op_type::MOE_EXPERTS) n.p.bf16_inputs = true;
+}
+
+TEST(cuda_moe, bf16_inputs_experts) {
+    NEED_GPU();
+    struct shape { int fmt, T, D, F, E, k, act; };
+    const shape shapes[] = {{1, 2, 512, 512, 16, 4, 0},  {1, 64, 512, 512, 16, 4, 1}, {1, 300, 1024, 512, 8, 4, 1},
+                            {0, 2, 512, 512, 16, 4, 1},  {0, 64, 512, 512, 16, 4, 0}, {0, 300, 1024, 512, 8, 4, 0}};
+    for (const shape & sh : shapes) {
+        const uint32_t seed = 19300 + uint32_t(sh.T) + uint32_t(sh.fmt) * 7;
+        auto mc = moe_graph(sh.fmt, sh.T, sh.D, sh.F, sh.E, sh.k, sh.act, sh.fmt ? 118 : 0, sh.fmt ? 124 : 0, seed);
+        auto cpu0 = backend_cpu_init();
+        cpu0->run(mc->g);
+        const auto y_f32 = read_f32(*cpu0, mc->y);   // unflagged reference, for the control
+        set_bf16_inputs(mc->g);
+        const std::string nm = fmt::format("bf16-inputs/{}/{}/T{}/D{}/F{}", fmt_name(sh.fmt), sh.act ? "situ" : "silu", sh.T, sh.D, sh.F);
+        const cuda_options o{true, 8};
+        const int64_t b4 = cuda::moe_mma_launches(4);
+        const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+        EXPECT_TRUE(parity(nm, mc->g, oc, o)) << nm;
+        if (sh.T >= o.moe_mma_large_step) {
+            const bool ran4 = cuda::moe_mma_launches(4) > b4;
+            std::printf("[%s/v4 launches > 0] %s\n", nm.c_str(), ran4 ? "PASS" : "FAIL");
+            EXPECT_TRUE(ran4) << nm;
+            tally(ran4);
+        }
+        const auto y = run_cuda(mc->g, mc->y, o);
+        const bool f32_ok = check(nm + "/control(vs the unflagged CPU experts)", to_f64(y_f32), y, metric::NMSE, k_tol_f32);
+        std::printf("[%s/control] flagged CUDA vs unflagged CPU %s (must FAIL)\n", nm.c_str(), f32_ok ? "PASSED" : "FAILED");
+        EXPECT_FALSE(f32_ok) << nm;
+        tally(!f32_ok);
+        if (sh.T == 64) {
+            auto cpu = backend_cpu_init();
+            cpu->run(mc->g);
+            controls(nm, read_f32(*cpu, mc->y), y, metric::NMSE, k_tol_f32);
+        }
+    }
+}
+
 // ---- 1c. Tensor-core experts v3 (cuda_options::moe_mma_v3: k_moe_mma3, MXFP4 with Din, d_ff multiples of 512) ----
 // v3 passes v2's operands to the same mmas in the same order (the split into bf16 hi + lo moved out of the kernel), so y
 // must be v2's BIT FOR BIT, and within the f32 tolerance of the CPU. Shapes: T 64 D 512 F 512 E 16 top-4 (~16 tokens

@@ -10,6 +10,7 @@
 #include "backend/cpu/cpu-ops.h"
 #include "backend/cuda/backend-cuda.h"
 #include "backend/cuda/fuse-ops.h"
+#include "backend/cuda/fuse-plan.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -295,6 +296,57 @@ TEST(cuda_ops, linear_split_stacked) {
                             hi_only ? "PASSED" : "FAILED");
                 EXPECT_FALSE(hi_only) << nm;
                 tally(!hi_only);
+            }
+        }
+    }
+}
+
+// op_params::bf16_inputs (forward_options::bf16_inputs_min_tokens, ARCHITECTURE 3.0): the LINEAR's x rounded to bf16
+// first, on every path: the GEMV (T 1 / 3 / 8 on 2304-wide rows and T 1..64 on 256-wide ones, BF16 / F32 / F16 weights),
+// the one-pass cuBLASLt GEMM (BF16 weights past the GEMV bound: T 9, 64, 300 on 2304-wide rows) and the fp32 GEMM (F32
+// weights). Checks: CUDA vs the CPU's flagged LINEAR at the f32 tolerance (both compute bf16(x) W^T in fp32), so the
+// one-pass GEMM matches the reference as closely as the split one does on fp32 x. Controls that must FAIL: the CUDA
+// result against the CPU's unflagged LINEAR (the rounding really happened: NMSE ~4e-6 on uniform x) and the
+// comparator family; a flagged node runs unfused (the planner's plan is empty for the step).
+TEST(cuda_ops, linear_bf16_inputs) {
+    NEED_GPU();
+    for (dtype wt : {dtype::BF16, dtype::F32, dtype::F16}) {
+        for (auto [in, out] : std::vector<std::pair<int, int>>{{2304, 640}, {256, 300}}) {
+            for (int T : {1, 3, 8, 9, 64, 300}) {
+                if (wt != dtype::BF16 && T > 64) continue;
+                rng r(9100 + uint32_t(T) * 13 + uint32_t(in) + uint32_t(wt) * 1000);
+                arena a;
+                auto xv = r.vec(size_t(T) * size_t(in));
+                auto wv = r.vec(size_t(out) * size_t(in), -0.05f, 0.05f);
+                auto mk = [&](bool flag) {
+                    builder bd(batch_simple(T));
+                    bd.bf16_inputs(flag);
+                    const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, in}, xv), "x"), 1.0f), "x_scaled");
+                    const node_ref y = bd.name(bd.linear(x, bd.weight(a.typed(wt, {out, in}, wv), "W")), "linear");
+                    return std::make_pair(bd.finish(y), y);
+                };
+                auto [g, y] = mk(true);
+                const std::string nm = fmt::format("linear_bf16_inputs/{}/T{}/{}x{}", dtype_name(wt), T, out, in);
+                EXPECT_TRUE(g.nodes[size_t(y.node)].p.bf16_inputs) << nm;
+                const auto plan = cuda_fuse::plan_fusions(g, cuda_options{true, 8});
+                EXPECT_EQ(plan.launches_saved(), 0) << nm;
+                EXPECT_TRUE(parity(nm, g, {{y, metric::NMSE, k_tol_f32}}, {})) << nm;
+                auto gpu = backend_cuda_init(0, {true, 8});
+                gpu->run(g);
+                const auto yc = read_f32(*gpu, y);
+                auto [g0, y0] = mk(false);
+                auto cpu0 = backend_cpu_init();
+                cpu0->run(g0);
+                const bool f32_ok = check(nm + "/control(vs the unflagged CPU LINEAR)", to_f64(read_f32(*cpu0, y0)), yc,
+                                          metric::NMSE, k_tol_f32);
+                std::printf("[%s/control] flagged CUDA vs unflagged CPU %s (must FAIL)\n", nm.c_str(), f32_ok ? "PASSED" : "FAILED");
+                EXPECT_FALSE(f32_ok) << nm;
+                tally(!f32_ok);
+                if (T == 64 && in == 2304) {
+                    auto cpu = backend_cpu_init();
+                    cpu->run(g);
+                    controls(nm, read_f32(*cpu, y), yc, metric::NMSE, k_tol_f32);
+                }
             }
         }
     }

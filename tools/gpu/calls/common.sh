@@ -13,16 +13,18 @@ run() { local t=$1 to=$2 suf=$3; shift 3; local s=$(date +%s); timeout $to $B/$t
 san() { local tool=$1 t=$2 f=$3 to=$4; local s=$(date +%s); timeout $to /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 $B/$t --gtest_filter="$f" > $L/$tool-$t.log 2>&1
   local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $tool $t ($f) rc=$rc $(( $(date +%s) - s ))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' $L/$tool-$t.log | tail -1)" >> $S; }
-# compare_models [N DECODE TIMEOUT]: perigee compare-backends (an N-token prompt, DECODE decode steps; default 70, 6,
-# 60 s) on the Kimi-Linear goldens, the tiny synth models and the shipped models, one summary line each; the log is
-# $L/compare.log for 70 tokens, $L/compare$N.log otherwise (300: prefill-sized steps).
+# compare_models [N DECODE TIMEOUT TAG ARGS...]: perigee compare-backends (an N-token prompt, DECODE decode steps; default
+# 70, 6, 60 s; ARGS added to each run) on the Kimi-Linear goldens, the tiny synth models and the shipped models, one
+# summary line each; the log is $L/compare.log for 70 tokens, $L/compare$N.log otherwise (300: prefill-sized steps),
+# $L/compare$N-TAG.log with a TAG.
 compare_models() {
-  local n=${1:-70} dec=${2:-6} to=${3:-60}; local log=$L/compare$([ "$n" = 70 ] || echo $n).log
+  local n=${1:-70} dec=${2:-6} to=${3:-60} tag=${4:-}; shift $(( $# < 4 ? $# : 4 ))
+  local log=$L/compare$([ "$n" = 70 ] && [ -z "$tag" ] || echo $n)${tag:+-$tag}.log
   local IDS=$(python3 -c "print(','.join(str((i*37+11)%250) for i in range($n)))")
   mkdir -p /tmp/pg-models; for p in k3-tiny kimi-linear-tiny k31-tiny; do [ -d /tmp/pg-models/$p ] || $B/perigee synth --preset $p --out /tmp/pg-models/$p > /dev/null 2>&1; done
   for m in tests/golden/kimi_linear/*/ /tmp/pg-models/*/ models/default models/k31-default; do
-    timeout $to $B/perigee compare-backends --model "$m" --ids "$IDS" --decode $dec >> $log 2>&1; local rc=$?
-    echo "[$(( $(date +%s) - T0 ))s] compare $m ($n ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $log | tail -1)" >> $S
+    timeout $to $B/perigee compare-backends --model "$m" --ids "$IDS" --decode $dec "$@" >> $log 2>&1; local rc=$?
+    echo "[$(( $(date +%s) - T0 ))s] compare${tag:+ $tag} $m ($n ids) rc=$rc: $(grep -E '^compare-backends: (PASS|FAIL)|^error' $log | tail -1)" >> $S
   done; }
 # b PRESET TAG [SETS]: one bench-cuda-decode run ($D: its command line, set by the calling script) with --set SETS,
 # the preset's "new" rows (batch, ms, tok/s, floor share) into the summary.
@@ -35,7 +37,7 @@ decode_rounds() { local n=$1; shift; for round in $(seq 1 $n); do $D --batch 1,8
 # prefill PRESET SIZES TAG: bench-cuda-decode --prefill on one preset with the per-op profile; the step times, the GEMM
 # share and the GEMM-class roofline lines into the summary, the whole log kept under $OUT.
 prefill() { local p=$1 sizes=$2 tag=$3; shift 3; timeout 300 $B/bench-cuda-decode --preset $p --prefill $sizes "$@" > $OUT/prefill-$p-$tag.log 2>&1; local rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] prefill $p $tag rc=$rc | $(grep -E 'default +T|GEMM share|roofline' $OUT/prefill-$p-$tag.log | tr '\n' ' ')" >> $S; }
+  echo "[$(( $(date +%s) - T0 ))s] prefill $p $tag rc=$rc | $(grep -E '(default|bf16-in) +T|GEMM share|roofline' $OUT/prefill-$p-$tag.log | tr '\n' ' ')" >> $S; }
 # full_suite: every CUDA test binary (three lanes in parallel), compare-backends on the 9 models (compare_models) and the
 # serve smoke CPU vs CUDA, each one summary line; the logs under $L, the serve smoke's into $OUT/smoke.
 full_suite() {
