@@ -1317,10 +1317,16 @@ private:
                                                                    table, int64_t(ex.size()), c, scratch, gw, y, err, st_, mo));
                     break;
                 }
-                PG_CHECK(!n.p.bf16_inputs, "{}: bf16 inputs run on the grouped tensor-core experts only (moe_grouped {}, {} "
-                         "experts, at most 1024)", n.name, opt_.moe_grouped, ex.size());
-                PG_CUDA_CHECK(cuda::launch_moe_experts(f32_in(n, 0), T, Din, i32_in(n, 1), f32_in(n, 2), k, table,
-                                                       int64_t(ex.size()), c, scratch, y, err, st_));
+                // The per-pick kernels (F32 experts, or grouping off): bf16 inputs as a rounded copy of x and the GLU
+                // rows rounded in place before the down projection.
+                const float * xin = f32_in(n, 0);
+                if (n.p.bf16_inputs) {
+                    auto * xr = static_cast<float *>(node_scratch(size_t(T * Din) * 4));
+                    PG_CUDA_CHECK(cuda::launch_f32_round_bf16(xin, T * Din, xr, st_));
+                    xin = xr;
+                }
+                PG_CUDA_CHECK(cuda::launch_moe_experts(xin, T, Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()), c,
+                                                       scratch, y, err, st_, n.p.bf16_inputs));
                 break;
             }
             case op_type::ATTN_RES_MIX: {

@@ -211,10 +211,11 @@ struct dexpert_matrix {
 };
 struct dexpert { dexpert_matrix gate, up, down; };
 struct dexperts_cfg { int act; float situ_beta, situ_linear_beta; int64_t d_ff, d_out; };   // act 0 SiLU, 1 SiTU
-// experts: device array [E]. scratch: T*k*(d_ff + d_out) floats.
+// experts: device array [E]. scratch: T*k*(d_ff + d_out) floats. round_h: the GLU rows rounded to bf16 before the down
+// projection (op_params::bf16_inputs; the caller rounds x).
 cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                const dexpert * experts, int64_t E, const dexperts_cfg & c, float * scratch, float * y,
-                               int * err, cudaStream_t st);
+                               int * err, cudaStream_t st, bool round_h = false);
 // The grouped decode path (cuda_options::moe_grouped): slots grouped by expert on the device, one block per (expert,
 // 8 output rows) over all selected experts, each selected expert's rows read once with 16-byte loads. vfmt: 1 = dense
 // BF16 (Din, d_ff multiples of 8), 2 = MXFP4, 3 = NVFP4 (multiples of 32); every expert in that format; E <= 1024.

@@ -195,12 +195,16 @@ cudaError_t launch_moe_route(const float * x, int64_t T, int64_t D, dweight gate
 
 cudaError_t launch_moe_experts(const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                const dexpert * experts, int64_t E, const dexperts_cfg & c, float * scratch, float * y,
-                               int * err, cudaStream_t st) {
+                               int * err, cudaStream_t st, bool round_h) {
     if (T * k == 0) return cudaGetLastError();
     float * hbuf = scratch;
     float * ybuf = scratch + T * k * c.d_ff;
     launch_k(k_moe_gate_up, dim3(grid_for(c.d_ff, k_ex_warps), unsigned(T * k)), k_ex_warps * 32, 0, st, x, Din, ids, k, experts,
                                                                                                    E, c, hbuf, err);
+    if (round_h) {   // op_params::bf16_inputs: the down projection's input (the GLU rows) rounded to bf16, in place
+        const cudaError_t e = launch_f32_round_bf16(hbuf, T * k * c.d_ff, hbuf, st);
+        if (e != cudaSuccess) return e;
+    }
     launch_k(k_moe_down, dim3(grid_for(c.d_out, k_ex_warps), unsigned(T * k)), k_ex_warps * 32, 0, st, hbuf, ids, experts, E, c,
                                                                                                  ybuf);
     const int64_t n = T * c.d_out;

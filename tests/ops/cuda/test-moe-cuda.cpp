@@ -416,8 +416,9 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
 // A flagged MOE_EXPERTS rounds x and each GLU row h to bf16; the backend then runs every expert on the tensor-core stages
 // with the activations hi only (exactly those roundings), whatever the step size: T 2 and 64 (v1 / v2 forms, where the
 // defaults would take the pair or GEMV kernels) and T 300 (v4, >= moe_mma_large_step). MXFP4 and BF16 experts, SiLU and
-// SiTU, the default options. Checks: ids exact, y within the f32 tolerance of the CPU's flagged experts; at T 300 the v4
-// launch counter advances. Controls that must FAIL: the CUDA result against the CPU's unflagged experts (the roundings
+// SiTU, the default options; the BF16 shapes of T 2 / 64 also with grouping off (the per-pick kernels, which F32 experts
+// always take: x rounded into a copy, h rounded in place). Checks: ids exact, y within the f32 tolerance of the CPU's
+// flagged experts; at T 300 the v4 launch counter advances. Controls that must FAIL: the CUDA result against the CPU's unflagged experts (the roundings
 // really happen) and the comparator family.
 void set_bf16_inputs(graph & g) {
     for (node & n : g.nodes)
@@ -456,6 +457,16 @@ TEST(cuda_moe, bf16_inputs_experts) {
             auto cpu = backend_cpu_init();
             cpu->run(mc->g);
             controls(nm, read_f32(*cpu, mc->y), y, metric::NMSE, k_tol_f32);
+        }
+        if (sh.fmt == 0 && sh.T <= 64) {   // the per-pick kernels (grouping off; F32 experts always take them)
+            cuda_options pp = o;
+            pp.moe_grouped = false;
+            EXPECT_TRUE(parity(nm + "/per-pick", mc->g, oc, pp)) << nm;
+            const auto yp = run_cuda(mc->g, mc->y, pp);
+            const bool ok = check(nm + "/per-pick/control(vs the unflagged CPU experts)", to_f64(y_f32), yp, metric::NMSE, k_tol_f32);
+            std::printf("[%s/per-pick/control] flagged CUDA vs unflagged CPU %s (must FAIL)\n", nm.c_str(), ok ? "PASSED" : "FAILED");
+            EXPECT_FALSE(ok) << nm;
+            tally(!ok);
         }
     }
 }
