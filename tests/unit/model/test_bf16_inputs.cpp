@@ -131,6 +131,19 @@ TEST_P(bf16_inputs, prefill_differs_within_bf16_distance) {
     EXPECT_GT(rc, k_bf16_rtol);
 }
 
+// The CLI's --bf16-inputs-tokens reaches runner_options::forward: `perigee bench` refuses 1 with the runner's message and
+// runs a small K3-tiny bench with 8 (prompts of 16 tokens: flagged prefill steps, unflagged decode steps).
+TEST(bf16_inputs_cli, bench_option_reaches_the_runner) {
+    const std::string base = "'" + std::string(PERIGEE_BIN) + "' bench --synthetic k3-tiny --batch 1 --prompt-len 16 --decode 2";
+    const proc_result bad = run_cmd(base + " --bf16-inputs-tokens 1");
+    std::printf("[bf16_inputs_cli] --bf16-inputs-tokens 1: exit %d: %s\n", bad.exit_code, bad.output.c_str());
+    EXPECT_NE(bad.exit_code, 0);
+    EXPECT_NE(bad.output.find("bf16 inputs from 1 tokens"), std::string::npos) << bad.output;
+    const proc_result ok = run_cmd(base + " --bf16-inputs-tokens 8");
+    std::printf("[bf16_inputs_cli] --bf16-inputs-tokens 8: exit %d\n", ok.exit_code);
+    EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
 INSTANTIATE_TEST_SUITE_P(tiny, bf16_inputs, ::testing::Values("k3-tiny", "kimi-linear-tiny"),
                          [](const auto & info) { return std::string(info.param == std::string("k3-tiny") ? "k3" : "kimi_linear"); });
 
