@@ -507,6 +507,7 @@ private:
         mix_v(g.logits.node);
         for (const node & n : g.nodes) {
             mix_v(int(n.op));
+            mix_v(n.p.bf16_inputs);   // (the forward sets it from the step's size; mixed in so no other rule can alias)
             mix(n.name.data(), n.name.size());
             for (const node_ref & r : n.src) {
                 mix_v(r.node);
