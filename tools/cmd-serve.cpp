@@ -93,6 +93,9 @@ int run_serve(serve_args & a) {
         if (a.max_num_batched_tokens == 0)
             std::fprintf(stderr, "perigee serve: --max-num-batched-tokens %d (the %s backend's default)\n",
                          eo.max_num_batched_tokens, a.backend.c_str());
+        if (a.bf16_inputs_tokens > 0)   // the precision differs from the default fp32-input reference: say so
+            std::fprintf(stderr, "perigee serve: steps of >= %d tokens feed their Linears and experts bf16-rounded inputs"
+                                 " (--bf16-inputs-tokens; ARCHITECTURE 3.0)\n", a.bf16_inputs_tokens);
         if (a.test_nan_token >= 0) {
             server::install_nan_drill(*runner, a.test_nan_token, a.test_nan_after);
             std::fprintf(stderr, "perigee serve: TEST FAULT DRILL: NaN logits for prompts containing token %d after %d tokens\n",
