@@ -141,6 +141,12 @@ node_ref moe_block(ctx & x, const moe_weights & w, node_ref h, int il) {
 
 } // namespace
 
+void forward_options_check(const forward_options & opt) {
+    PG_CHECK(opt.bf16_inputs_min_tokens == 0 || opt.bf16_inputs_min_tokens >= 2,
+             "bf16_inputs_min_tokens {} (--bf16-inputs-tokens): 0 (off) or at least 2 (a one-token step keeps fp32 inputs)",
+             opt.bf16_inputs_min_tokens);
+}
+
 graph forward_build(const kimi_config & c, const model_weights & w, model_state & st, std::shared_ptr<const batch> bt,
                     const forward_options & opt) {
     batch_validate(*bt, st.n_slots, st.n_pages);
@@ -148,8 +154,7 @@ graph forward_build(const kimi_config & c, const model_weights & w, model_state 
     bool prefill = false;
     for (int s = 0; s < bt->n_seq(); ++s) prefill |= bt->seq_len(s) > 1;
     builder b(bt);
-    PG_CHECK(opt.bf16_inputs_min_tokens == 0 || opt.bf16_inputs_min_tokens >= 2,
-             "bf16_inputs_min_tokens {}: 0 (off) or at least 2 (a one-token step keeps fp32 inputs)", opt.bf16_inputs_min_tokens);
+    forward_options_check(opt);
     b.bf16_inputs(opt.bf16_inputs_min_tokens > 0 && bt->n_tokens() >= opt.bf16_inputs_min_tokens);
     ctx x{b, c, st, prefill ? opt.kda_chunk_size : 0};
 

@@ -17,6 +17,9 @@ struct forward_options {
     int bf16_inputs_min_tokens = 0;
 };
 
+// Refuses options no step could use, naming the option (forward_build checks them; model_runner at start-up).
+void forward_options_check(const forward_options & opt);
+
 graph forward_build(const kimi_config & c, const model_weights & w, model_state & st, std::shared_ptr<const batch> b,
                     const forward_options & opt = {});
 

@@ -25,8 +25,7 @@ model_runner::model_runner(const std::string & dir, const runner_options & opt) 
     PG_CHECK(!cuda, "backend 'cuda' is not available in this build (it has: {}; configure with -DPERIGEE_CUDA=ON)",
              runner_backends());
 #endif
-    PG_CHECK(opt.forward.bf16_inputs_min_tokens == 0 || opt.forward.bf16_inputs_min_tokens >= 2,
-             "bf16 inputs from {} tokens: 0 (off) or at least 2", opt.forward.bf16_inputs_min_tokens);
+    forward_options_check(opt.forward);
     fwd_ = opt.forward;
     cfg_ = config_load(dir);
     w_ = weights_load(cfg_, checkpoint::open(dir));

@@ -184,6 +184,16 @@ expert_case make_experts(rng & r, arena & a, int E, int Din, int F, int Dout, fp
     return ec;
 }
 
+// One MOE_EXPERTS node over x [T, Din] with the given picks ids / w [T, k] (GLU SiLU or SiTU with beta 4, 25), the
+// builder's bf16_inputs setting applied; returns the graph's output.
+node_ref experts_node(builder & bd, arena & a, const expert_case & ec, const std::vector<float> & x, int T, int Din,
+                      const std::vector<int32_t> & ids, const std::vector<float> & w, int k, int Dout, bool situ) {
+    tensor & idt = a.raw(dtype::I32, {T, k});
+    std::memcpy(idt.data, ids.data(), ids.size() * 4);
+    return bd.moe_experts(bd.weight(a.f32({T, Din}, x), "x"), bd.weight(idt, "ids"), bd.weight(a.f32({T, k}, w), "w"),
+                          {situ ? glu_act::SITU : glu_act::SILU, 4.0f, 25.0f, Dout, ec.ew});
+}
+
 std::vector<double> naive_experts(const expert_case & ec, const std::vector<float> & x, int T, int Din, const std::vector<int32_t> & ids,
                                   const std::vector<float> & w, int k, int Dout, bool situ, bool swap_gate_up = false,
                                   bool round_x = false, bool round_h = false) {
@@ -244,10 +254,7 @@ TEST(cpu_moe, experts_dense_and_fp4_silu_situ_selected_only) {
             for (int32_t e : ids) used[size_t(e)] = true;
             auto ec = make_experts(r, a, E, Din, F, Dout, fc.f, fc.dt, used);
             builder bd(batch_simple(T));
-            tensor & idt = a.raw(dtype::I32, {T, k});
-            std::memcpy(idt.data, ids.data(), ids.size() * 4);
-            node_ref y = bd.moe_experts(bd.weight(a.f32({T, Din}, x), "x"), bd.weight(idt, "ids"), bd.weight(a.f32({T, k}, w), "w"),
-                                        {situ ? glu_act::SITU : glu_act::SILU, 4.0f, 25.0f, Dout, ec.ew});
+            node_ref y = experts_node(bd, a, ec, x, T, Din, ids, w, k, Dout, situ);
             graph g = bd.finish(y);
             auto out = run_f32(g, y);
             auto ref = naive_experts(ec, x, T, Din, ids, w, k, Dout, situ);
@@ -282,10 +289,7 @@ TEST(cpu_moe, experts_bf16_inputs_round_x_and_glu) {
             auto ec = make_experts(r, a, E, Din, F, Dout, fc.f, fc.dt, std::vector<bool>(size_t(E), true));
             builder bd(batch_simple(T));
             bd.bf16_inputs(true);
-            tensor & idt = a.raw(dtype::I32, {T, k});
-            std::memcpy(idt.data, ids.data(), ids.size() * 4);
-            node_ref y = bd.moe_experts(bd.weight(a.f32({T, Din}, x), "x"), bd.weight(idt, "ids"), bd.weight(a.f32({T, k}, w), "w"),
-                                        {situ ? glu_act::SITU : glu_act::SILU, 4.0f, 25.0f, Dout, ec.ew});
+            node_ref y = experts_node(bd, a, ec, x, T, Din, ids, w, k, Dout, situ);
             graph g = bd.finish(y);
             EXPECT_TRUE(g.at(y).p.bf16_inputs);
             auto out = run_f32(g, y);

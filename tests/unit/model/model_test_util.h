@@ -7,6 +7,7 @@
 #include "ir/batch.h"
 #include "loader/checkpoint.h"
 #include "loader/safetensors.h"
+#include "model/synth.h"
 #include "runtime/model-runner.h"
 
 #include <gtest/gtest.h>
@@ -221,6 +222,20 @@ inline tensor prefill(const std::string & model_dir, const std::vector<int32_t> 
 }
 
 // The message of the perigee::error thrown by f (empty when it does not throw).
+// A parameterized test over synthetic presets (GetParam() names one): SetUp writes that preset's tree into a fresh
+// temp dir (dir_) with seed k_synth_seed.
+inline constexpr uint64_t k_synth_seed = 7;
+class synth_tree_test : public ::testing::TestWithParam<std::string> {
+protected:
+    void SetUp() override {
+        tmp_ = std::make_unique<temp_dir>("synth");
+        dir_ = tmp_->sub(GetParam());
+        synth_write(GetParam(), dir_, k_synth_seed);
+    }
+    std::unique_ptr<temp_dir> tmp_;
+    std::string dir_;
+};
+
 inline std::string error_of(const std::function<void()> & f) {
     try {
         f();

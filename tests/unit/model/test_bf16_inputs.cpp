@@ -34,16 +34,7 @@ std::shared_ptr<batch> one_seq(int T) {
     return b;
 }
 
-class bf16_inputs : public ::testing::TestWithParam<std::string> {
-protected:
-    void SetUp() override {
-        tmp_ = std::make_unique<temp_dir>("bf16in");
-        dir_ = tmp_->sub(GetParam());
-        synth_write(GetParam(), dir_, 7);
-    }
-    std::unique_ptr<temp_dir> tmp_;
-    std::string dir_;
-};
+class bf16_inputs : public synth_tree_test {};
 
 TEST_P(bf16_inputs, flags_every_gemm_node_from_the_threshold) {
     runner_options ro;
@@ -76,7 +67,7 @@ TEST_P(bf16_inputs, flags_every_gemm_node_from_the_threshold) {
     bad.forward.bf16_inputs_min_tokens = 1;
     const std::string e2 = error_of([&] { model_runner rb(dir_, bad); });
     std::printf("[bf16_inputs] runner min 1: %s\n", e2.c_str());
-    EXPECT_NE(e2.find("bf16 inputs from 1 tokens"), std::string::npos) << e2;
+    EXPECT_NE(e2.find("bf16_inputs_min_tokens 1"), std::string::npos) << e2;
 }
 
 // The 40-token prefill with and without the policy, the MOE_ROUTE ids of both read through the node callback: the
@@ -131,14 +122,14 @@ TEST_P(bf16_inputs, prefill_differs_within_bf16_distance) {
     EXPECT_GT(rc, k_bf16_rtol);
 }
 
-// The CLI's --bf16-inputs-tokens reaches runner_options::forward: `perigee bench` refuses 1 with the runner's message and
+// The CLI's --bf16-inputs-tokens reaches runner_options::forward: `perigee bench` refuses 1 with the options check's message and
 // runs a small K3-tiny bench with 8 (prompts of 16 tokens: flagged prefill steps, unflagged decode steps).
 TEST(bf16_inputs_cli, bench_option_reaches_the_runner) {
     const std::string base = "'" + std::string(PERIGEE_BIN) + "' bench --synthetic k3-tiny --batch 1 --prompt-len 16 --decode 2";
     const proc_result bad = run_cmd(base + " --bf16-inputs-tokens 1");
     std::printf("[bf16_inputs_cli] --bf16-inputs-tokens 1: exit %d: %s\n", bad.exit_code, bad.output.c_str());
     EXPECT_NE(bad.exit_code, 0);
-    EXPECT_NE(bad.output.find("bf16 inputs from 1 tokens"), std::string::npos) << bad.output;
+    EXPECT_NE(bad.output.find("bf16_inputs_min_tokens 1 (--bf16-inputs-tokens)"), std::string::npos) << bad.output;
     const proc_result ok = run_cmd(base + " --bf16-inputs-tokens 8");
     std::printf("[bf16_inputs_cli] --bf16-inputs-tokens 8: exit %d\n", ok.exit_code);
     EXPECT_EQ(ok.exit_code, 0) << ok.output;

@@ -20,7 +20,7 @@ namespace perigee::test {
 namespace {
 
 using json = nlohmann::json;
-constexpr uint64_t k_seed = 7;
+constexpr uint64_t k_seed = k_synth_seed;
 constexpr int k_vocab = 256;   // the tiny presets' vocabulary
 
 struct seq_step {
@@ -64,16 +64,7 @@ std::vector<int32_t> pages(int first, int n) {
     return v;
 }
 
-class model_traps : public ::testing::TestWithParam<std::string> {
-protected:
-    void SetUp() override {
-        tmp_ = std::make_unique<temp_dir>("traps");
-        dir_ = tmp_->sub(GetParam());
-        synth_write(GetParam(), dir_, k_seed);
-    }
-    std::unique_ptr<temp_dir> tmp_;
-    std::string dir_;
-};
+class model_traps : public synth_tree_test {};
 
 TEST_P(model_traps, trap_43_45_prefill_then_decode_equals_longer_prefill) {
     runner_options opt;
