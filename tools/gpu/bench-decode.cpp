@@ -680,7 +680,10 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
     const std::string v2_label = "v2-" + std::to_string(o.moe_mma > 0 ? o.moe_mma : cuda_options{}.moe_mma_tokens);
     forward_options fo;   // --bf16-inputs N: ARCHITECTURE 3.0's bf16 GEMM inputs for steps of N tokens or more
     fo.bf16_inputs_min_tokens = o.bf16_inputs;
-    const auto policy = [&](int T) { return o.bf16_inputs > 0 && T >= o.bf16_inputs ? "bf16 inputs" : "split-bf16"; };
+    // the precision the forward chose for a step's graph (op_params::bf16_inputs on its GEMM-class nodes)
+    const auto policy = [](const graph & g) {
+        return std::any_of(g.nodes.begin(), g.nodes.end(), [](const node & n) { return n.p.bf16_inputs; }) ? "bf16 inputs" : "split-bf16";
+    };
     const char * labels[] = {o.moe_mma > 0 ? "mma-off" : o.bf16_inputs > 0 ? "bf16-in" : "default", o.moe_mma > 0 ? mma_label.c_str() : "one-bf16",
                              hi_label.c_str(), kda_label.c_str(), v2_label.c_str(), "v2-1"};
     for (int pass = 0; pass < 6; ++pass) {
@@ -770,7 +773,7 @@ void bench_prefill(const std::string & preset, const opts & o, double gemm_tf, d
         const double fl = gemm_flops(g);
         std::printf("  prefill per-op GPU time, %s T=%d (%s; sum %.3f ms): GEMM share (LINEAR + MOE_EXPERTS) %.3f ms"
                     " = %.1f%%; %.1f GFLOP over it = %.1f TFLOP/s = %.1f%% of the GEMM ceiling\n",
-                    preset.c_str(), T, policy(T), tot, gemm_ms, 100 * gemm_ms / tot, fl / 1e9, fl / (gemm_ms * 1e-3) / 1e12,
+                    preset.c_str(), T, policy(g), tot, gemm_ms, 100 * gemm_ms / tot, fl / 1e9, fl / (gemm_ms * 1e-3) / 1e12,
                     100.0 * fl / (gemm_ms * 1e-3) / 1e12 / gemm_tf);
         std::vector<std::pair<double, std::string>> rows;
         for (auto & [k, v] : by_op) rows.push_back({v.first, fmt::format("{} x{}", k, v.second)});
