@@ -86,6 +86,14 @@ struct cuda_options {
     // 21.3 ms; 48B B=16 16.44 -> 15.15 ms, B=64 37.04 -> 35.77 ms; B=1 unchanged (GEMV path). The output is bit for bit
     // the two GEMMs' in every case of test-ops-cuda linear_split_stacked (T 9 / 64 / 256, two shapes).
     int linear_split_stacked = 256;
+    // op_params::bf16_inputs (ARCHITECTURE 3.0): a flagged BF16 LINEAR on cuBLASLt converts x to bf16 first; the LINEARs
+    // that read the same node output one after another (a KDA layer's q / k / v / g / beta projections of one normed x,
+    // MLA's q_a / kv_a) take the copy the first one made, so x is converted once, not once per LINEAR. The copy is the
+    // same bytes: y bit for bit (test-ops-cuda linear_bf16_inputs). One copy is kept at a time (the last input
+    // converted); a step's other nodes never write a node output after it is made, so the copy cannot go stale.
+    // Why: k3-layers-4 T=2048 under the policy converted ~48 inputs of 2048 x 7168 (~30 us each) where ~12 are distinct.
+    // Prediction (session 21, before its first run): LINEAR x48 at T=2048 24.6 -> 24.0-24.3 ms.
+    bool linear_bf16_share_x = true;
     // MOE_EXPERTS: the grouped kernels (slots grouped by expert on the device, each selected expert's rows read once
     // with 16-byte loads, FP4 dequantized in registers). false: the first per-slot kernels (compare mode).
     bool moe_grouped = true;
@@ -320,6 +328,16 @@ struct cuda_options {
     // through a bf16 tile in shared memory), which took 55.6 of the 48B's 89.2 ms prefill step at T=512 (session 12
     // call B; 89.3 of 152.6 ms at T=1024). Prediction before its first run: 48B MOE_EXPERTS T=512 55.6 -> 20-30 ms.
     bool moe_mma_v4_bf16 = true;
+    // v4 with hi-only activations (ARCHITECTURE 3.0's bf16 inputs, or moe_mma_split off) in a stage layout without the
+    // lo planes (moe-wgmma.cu m4_fmt HI): the MXFP4 form spends the freed 8 KB per stage on two more stages, 5 instead
+    // of 3 (four K-tiles of weights in flight per block instead of two) in the same shared memory, so two blocks still
+    // share an SM. The sums are the same: y bit for bit the 3-stage form's (test-moe-cuda bf16_inputs_experts).
+    // Why: under the bf16 policy the K3 prefill experts ran at 23% of the GEMM rate with HBM ~43% busy, tensor pipe
+    // ~20% and issue slots ~half idle (k3-layers-4 T=2048, session 20 call A, H100: MOE_EXPERTS x3 36.1 ms); a block
+    // waits on its next K-tile's weights between its short rounds of dequant and wgmma.
+    // Prediction (session 21, before its first run): MOE_EXPERTS x3 at T=2048 36.1 -> 31-33 ms under the policy, the
+    // GEMM share 60.7 -> 56-58 ms (50-52% of the GEMM rate).
+    bool moe_mma_v4_deep = true;
     // Measured and removed (call C): two fragment sets per warp, the second scale block of a K-tile dequantized while
     // the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
     // Measured and removed (call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks = 24 warps
@@ -584,6 +602,8 @@ public:
     virtual int fused_routes() const = 0;
     // BF16 LINEARs the last run/capture ran as one stacked hi + lo GEMM (cuda_options::linear_split_stacked).
     virtual int linear_stacked() const = 0;
+    // Flagged BF16 LINEARs the last run/capture ran on another LINEAR's bf16 copy of x (cuda_options::linear_bf16_share_x).
+    virtual int linear_shared_x() const = 0;
     // Device name and bytes of device memory held for weights / states.
     virtual std::string device_name() const = 0;
     virtual size_t weight_bytes() const = 0;

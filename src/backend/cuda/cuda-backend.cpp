@@ -342,6 +342,7 @@ public:
     int fused_moe_shared() const override { return n_moe_shared_; }
     int fused_routes() const override { return n_fused_routes_; }
     int linear_stacked() const override { return n_linear_stacked_; }
+    int linear_shared_x() const override { return n_linear_shared_x_; }
 
     void capture(const graph & g) override {
         PG_CHECK(!opt_.guard, "capture: the guard mode (sentinel checks after every node) cannot be captured");
@@ -1295,6 +1296,7 @@ private:
                     mo.mma_v3 = opt_.moe_mma_v3;
                     mo.mma_v4 = opt_.moe_mma_v4;
                     mo.mma_v4_bf16 = opt_.moe_mma_v4_bf16;
+                    mo.mma_v4_deep = opt_.moe_mma_v4_deep;
                     mo.dec_v4 = opt_.moe_decode_v4;
                     mo.small_v4 = opt_.moe_small_v4;
                     mo.mma_large_step = opt_.moe_mma_large_step;
@@ -1409,7 +1411,8 @@ private:
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
         n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
-        n_fused_routes_ = n_linear_stacked_ = 0;
+        n_fused_routes_ = n_linear_stacked_ = n_linear_shared_x_ = 0;
+        shared_x_ = {};   // a new step: no bf16 copy of any input yet (linear_bf16_share_x)
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
         fnorm_w_.assign(g.nodes.size(), nullptr);
         for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -1798,6 +1801,10 @@ private:
         // BF16 weights: activations to bf16 for the tensor cores, fp32 accumulation; optionally hi + lo split (never for
         // bf16 inputs: their lo part is 0).
         const bool split = opt_.linear_split_bf16 && !n.p.bf16_inputs;
+        if (!split && n.p.bf16_inputs && opt_.linear_bf16_share_x) {
+            lt_matmul(W.data, shared_bf16_x(n, T * K), CUDA_R_16BF, y, O, T, K, 0.0f);
+            return;
+        }
         auto * xb = static_cast<uint16_t *>(node_scratch(size_t(T * K) * 2 * (split ? 2 : 1)));
         if (!split) {
             PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), T * K, xb, st_));
@@ -1814,6 +1821,25 @@ private:
         }
         lt_matmul(W.data, xb, CUDA_R_16BF, y, O, T, K, 0.0f);
         lt_matmul(W.data, xb + T * K, CUDA_R_16BF, y, O, T, K, 1.0f);
+    }
+
+    // linear_bf16_share_x: x of LINEAR n (count elements) as bf16, converted by the first flagged LINEAR that reads this
+    // node output and reused by the ones right after it. The copy lives until another input replaces it or the step
+    // ends (alloc, not node_scratch: the next LINEAR reads it); a replaced copy is freed in stream order when this eager
+    // run releases memory (a captured step's arena keeps it).
+    const void * shared_bf16_x(const node & n, int64_t count) {
+        const node_ref src = n.src.at(0);
+        if (shared_x_.p && shared_x_.src.node == src.node && shared_x_.src.out == src.out && shared_x_.n == count) {
+            ++n_linear_shared_x_;
+            return shared_x_.p;
+        }
+        if (shared_x_.p && release_on_ && !arena_on_) {
+            cudaFreeAsync(shared_x_.p, st_);
+            run_allocs_.erase(shared_x_.p);
+        }
+        shared_x_ = {src, count, alloc(size_t(count) * 2)};
+        PG_CUDA_CHECK(cuda::launch_f32_to_bf16(f32_in(n, 0), count, static_cast<uint16_t *>(shared_x_.p), st_));
+        return shared_x_.p;
     }
 
     // D [N cols of M] (col-major, ld M) = A^T B: A = W [M rows of K] row-major, B = x [N rows of K] row-major.
@@ -1967,6 +1993,13 @@ private:
     int n_grouped_ = 0, n_fused_norms_ = 0, n_fused_adds_ = 0, n_norm_staged_ = 0, n_conv_l2_ = 0, n_fused_sig_ = 0;
     int n_fused_routes_ = 0;
     int n_linear_stacked_ = 0;
+    int n_linear_shared_x_ = 0;
+    // linear_bf16_share_x: the bf16 copy of the last input a flagged BF16 LINEAR converted (its node output and size).
+    struct shared_x {
+        node_ref src;
+        int64_t n = 0;
+        void * p = nullptr;
+    } shared_x_;
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;

@@ -352,6 +352,71 @@ TEST(cuda_ops, linear_bf16_inputs) {
     }
 }
 
+// cuda_options::linear_bf16_share_x: flagged BF16 LINEARs on cuBLASLt (T 300) that read the same node output one after
+// another take the first one's bf16 copy of x. Graph: three LINEARs on x, one on z = 2 x, one on x again, summed. The
+// copy is kept for one input at a time, so exactly two LINEARs share (the 2nd and 3rd; the 4th converts z, the 5th x
+// again), counted by linear_shared_x; 0 with the switch off. Every LINEAR within the f32 tolerance of the CPU's flagged
+// LINEAR, with dead outputs freed and without; the sum bit for bit the unshared run's. Control that must FAIL: the
+// bitwise comparator on a copy with one ulp changed.
+TEST(cuda_ops, linear_bf16_shared_x) {
+    NEED_GPU();
+    const int T = 300, in = 2304, out = 640;
+    rng r(9700);
+    arena a;
+    builder bd(batch_simple(T));
+    bd.bf16_inputs(true);
+    const node_ref x = bd.name(bd.scale(bd.weight(a.f32({T, in}, r.vec(size_t(T) * in)), "x"), 1.0f), "x_scaled");
+    const node_ref z = bd.name(bd.scale(x, 2.0f), "z");
+    std::vector<node_ref> ys;
+    int i = 0;
+    for (node_ref src : {x, x, x, z, x}) {
+        auto wv = r.vec(size_t(out) * in, -0.05f, 0.05f);
+        const node_ref w = bd.weight(a.bf16({out, in}, wv), fmt::format("W{}", i));
+        ys.push_back(bd.name(bd.linear(src, w), fmt::format("linear{}", i++)));
+    }
+    const node_ref y = bd.name(bd.add(bd.add(bd.add(ys[0], ys[1]), bd.add(ys[2], ys[3])), ys[4]), "sum");
+    graph g = bd.finish(y);
+    std::vector<out_check> oc;
+    for (const node_ref & l : ys) oc.push_back({l, metric::NMSE, k_tol_f32});
+    for (bool free_dead : {false, true}) {
+        const std::string nm = fmt::format("linear_bf16_shared_x/T{}/{}x{}/free_dead{}", T, out, in, int(free_dead));
+        cuda_options on{true, 8};
+        on.free_dead_outputs = free_dead;
+        cuda_options off = on;
+        off.linear_bf16_share_x = false;
+        if (!free_dead) {
+            EXPECT_TRUE(parity(nm, g, oc, {}, on)) << nm;
+        }
+        auto g_on = backend_cuda_init(0, on);
+        g_on->run(g);
+        auto g_off = backend_cuda_init(0, off);
+        g_off->run(g);
+        const int s_on = g_on->linear_shared_x(), s_off = g_off->linear_shared_x();
+        std::printf("[%s/counter] shared %d == 2, switch off %d == 0\n", nm.c_str(), s_on, s_off);
+        EXPECT_TRUE(s_on == 2 && s_off == 0) << nm;
+        tally(s_on == 2 && s_off == 0);
+        const auto y_on = read_f32(*g_on, y), y_off = read_f32(*g_off, y);
+        const auto bitwise = [](const std::vector<float> & u, const std::vector<float> & v) {
+            return u.size() == v.size() && std::memcmp(u.data(), v.data(), u.size() * 4) == 0;
+        };
+        auto flipped = y_on;
+        flipped[7] = std::nextafter(flipped[7], 1e30f);
+        const bool same = bitwise(y_on, y_off), control_differs = !bitwise(flipped, y_off);
+        std::printf("[%s/bitwise] shared vs unshared %s; control (one ulp changed) %s (must differ)\n", nm.c_str(),
+                    same ? "EQUAL" : "DIFFERENT", control_differs ? "differs" : "EQUAL");
+        EXPECT_TRUE(same && control_differs) << nm;
+        tally(same);
+        tally(control_differs);
+        if (free_dead) {
+            auto cpu = backend_cpu_init();
+            cpu->run(g);
+            const bool ok = check(nm + "/sum", to_f64(read_f32(*cpu, y)), y_on, metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(ok) << nm;
+            tally(ok);
+        }
+    }
+}
+
 TEST(cuda_ops, get_rows_id_out_of_range_names_the_node) {
     NEED_GPU();
     arena a;
