@@ -8,6 +8,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "model/forward.h"
+#include "model/route-ties.h"
 #include "model/weights.h"
 
 #if defined(PERIGEE_HAVE_CUDA)
@@ -199,102 +200,30 @@ near_tie_verdict idx_check(const node & n, const tensor & sel_cpu, const tensor 
 // sides, which the sigmoid / softmax do not enlarge, plus the score and bias roundings). A different set is accepted
 // only when gap = min(biased of CPU-only ids) - max(biased of CUDA-only ids) is in [0, 2 (delta + r)] (and not an exact
 // tie on identical inputs); the same set in another order only when every pair in the other order is within the bound.
-// Grouped routing (groups dropped before the top-k) has no such rule: its differences always fail.
-
-double leaf_value(const tensor & t, int64_t i) {
-    switch (t.type) {
-        case dtype::F32: return t.as<float>()[i];
-        case dtype::BF16: return bf16_to_f32(t.as<uint16_t>()[i]);
-        default: PG_FAIL("MOE_ROUTE near-tie check: router weight of dtype {}", dtype_name(t.type));
-    }
-}
-
-// Biased scores of one token (h [D]) from the gate [E, D] and the bias [E] (or none); *abs_max = max_e sum_i |h_i g_ei|.
-std::vector<double> route_biased(const float * h, const tensor & gate, const tensor * bias, router_act act, double * abs_max) {
-    const int64_t E = gate.shape.at(0), D = gate.shape.at(1);
-    std::vector<double> s(static_cast<size_t>(E));
-    double am = 0.0;
-    for (int64_t e = 0; e < E; ++e) {
-        double acc = 0.0, ab = 0.0;
-        for (int64_t i = 0; i < D; ++i) {
-            const double v = double(h[i]) * leaf_value(gate, e * D + i);
-            acc += v;
-            ab += std::fabs(v);
-        }
-        s[size_t(e)] = acc;
-        am = std::max(am, ab);
-    }
-    if (act == router_act::SIGMOID) {
-        for (auto & v : s) v = 1.0 / (1.0 + std::exp(-v));
-    } else {
-        const double mx = *std::max_element(s.begin(), s.end());
-        double sum = 0.0;
-        for (auto & v : s) sum += (v = std::exp(v - mx));
-        for (auto & v : s) v /= sum;
-    }
-    if (bias)
-        for (int64_t e = 0; e < E; ++e) s[size_t(e)] += leaf_value(*bias, e);
-    *abs_max = am;
-    return s;
-}
+// Grouped routing (groups dropped before the top-k): the group choice under the same rule on the group scores (sums
+// of two biased scores: twice the bound), then the experts inside the CUDA's groups (model/route-ties.h). Until
+// session 21 grouped routing had no rule and every difference failed (the Kimi-Linear goldens under bf16 inputs).
 
 near_tie_verdict route_check(const node & n, const tensor & ids_c, const tensor & ids_g, const tensor & h_c,
                              const tensor & h_g, const tensor & gate, const tensor * bias, const std::string & name) {
     near_tie_verdict v;
-    const int64_t T = ids_c.shape.at(0), K = ids_c.shape.at(1), E = gate.shape.at(0), D = gate.shape.at(1);
-    const bool grouped = n.p.n_group > 1 && n.p.topk_group < n.p.n_group;
+    const int64_t T = ids_c.shape.at(0), K = ids_c.shape.at(1), D = gate.shape.at(1);
     for (int64_t t = 0; t < T; ++t) {
         const int32_t * rc = ids_c.as<int32_t>() + t * K;
         const int32_t * rg = ids_g.as<int32_t>() + t * K;
         if (std::equal(rc, rc + K, rg)) continue;
         ++v.tokens;
-        std::vector<int32_t> a(rc, rc + K), b(rg, rg + K), only_c, only_g;
-        const auto valid = [&](std::vector<int32_t> x) {
-            std::sort(x.begin(), x.end());
-            return x.front() >= 0 && x.back() < E && std::adjacent_find(x.begin(), x.end()) == x.end();
-        };
-        if (grouped || !valid(a) || !valid(b)) {
-            std::printf("    %s token %lld: %s: FAILED\n", name.c_str(), (long long)t,
-                        grouped ? "grouped routing (no near-tie rule)" : "CUDA ids invalid or repeated");
+        const route_tie rt = route_near_tie(rc, rg, K, h_c.as<float>() + t * D, h_g.as<float>() + t * D, gate, bias, n.p.router,
+                                            n.p.n_group, n.p.topk_group);
+        if (rt.refused) {
+            std::printf("    %s token %lld: CUDA %s: FAILED\n", name.c_str(), (long long)t, rt.what.c_str());
             ++v.decided;
             continue;
         }
-        double am_c = 0.0, am_g = 0.0;
-        const auto sc = route_biased(h_c.as<float>() + t * D, gate, bias, n.p.router, &am_c);
-        const auto sg = route_biased(h_g.as<float>() + t * D, gate, bias, n.p.router, &am_g);
-        double delta = 0.0;
-        for (int64_t e = 0; e < E; ++e) delta = std::max(delta, std::fabs(sc[size_t(e)] - sg[size_t(e)]));
-        const double r = 2.0 * double(D) * std::ldexp(1.0, -24) * std::max(am_c, am_g) + std::ldexp(1.0, -22);
-        const double bound = 2.0 * (delta + r);
-        std::vector<int32_t> sa = a, sb = b;
-        std::sort(sa.begin(), sa.end()), std::sort(sb.begin(), sb.end());
-        std::set_difference(sa.begin(), sa.end(), sb.begin(), sb.end(), std::back_inserter(only_c));
-        std::set_difference(sb.begin(), sb.end(), sa.begin(), sa.end(), std::back_inserter(only_g));
-        double gap = 0.0;
-        bool tie;
-        if (only_c.empty()) {   // the same experts in another order: every pair the CUDA ranks the other way
-            for (int64_t i = 0; i < K; ++i)
-                for (int64_t j = i + 1; j < K; ++j) {
-                    const auto pi = std::find(b.begin(), b.end(), a[size_t(i)]) - b.begin();
-                    const auto pj = std::find(b.begin(), b.end(), a[size_t(j)]) - b.begin();
-                    if (pi > pj) gap = std::max(gap, sc[size_t(a[size_t(i)])] - sc[size_t(a[size_t(j)])]);
-                }
-            tie = gap <= bound && !(gap == 0.0 && delta == 0.0);
-        } else {
-            double lo_c = INFINITY, hi_g = -INFINITY;
-            for (int32_t e : only_c) lo_c = std::min(lo_c, sc[size_t(e)]);
-            for (int32_t e : only_g) hi_g = std::max(hi_g, sc[size_t(e)]);
-            gap = lo_c - hi_g;
-            tie = gap >= 0.0 && gap <= bound && !(gap == 0.0 && delta == 0.0);
-        }
-        v.add(tie, gap, bound);
-        std::string xa, xb;
-        for (int32_t e : only_c) xa += fmt::format("{}{}({:.9g})", xa.empty() ? "" : ",", e, sc[size_t(e)]);
-        for (int32_t e : only_g) xb += fmt::format("{}{}({:.9g})", xb.empty() ? "" : ",", e, sc[size_t(e)]);
+        v.add(rt.tie, rt.gap, rt.bound);
         std::printf("    %s token %lld: %s gap %.3e %s bound %.3e (delta %.3e from the inputs, fp32 order %.3e): %s\n",
-                    name.c_str(), (long long)t,
-                    only_c.empty() ? "same experts, other order;" : fmt::format("cpu-only [{}] cuda-only [{}] (cpu biased scores);", xa, xb).c_str(),
-                    gap, tie ? "<=" : ">", bound, delta, r, tie ? "near tie, accepted" : "DECIDED: FAILED");
+                    name.c_str(), (long long)t, rt.what.c_str(), rt.gap, rt.tie ? "<=" : ">", rt.bound, rt.delta, rt.r,
+                    rt.tie ? "near tie, accepted" : "DECIDED: FAILED");
     }
     return v;
 }

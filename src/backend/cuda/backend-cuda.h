@@ -328,24 +328,19 @@ struct cuda_options {
     // through a bf16 tile in shared memory), which took 55.6 of the 48B's 89.2 ms prefill step at T=512 (session 12
     // call B; 89.3 of 152.6 ms at T=1024). Prediction before its first run: 48B MOE_EXPERTS T=512 55.6 -> 20-30 ms.
     bool moe_mma_v4_bf16 = true;
-    // v4 with hi-only activations (ARCHITECTURE 3.0's bf16 inputs, or moe_mma_split off) in a stage layout without the
-    // lo planes (moe-wgmma.cu m4_fmt HI): the MXFP4 form spends the freed 8 KB per stage on two more stages, 5 instead
-    // of 3 (four K-tiles of weights in flight per block instead of two) in the same shared memory, so two blocks still
-    // share an SM. The sums are the same: y bit for bit the 3-stage form's (test-moe-cuda bf16_inputs_experts).
-    // Why: under the bf16 policy the K3 prefill experts ran at 23% of the GEMM rate with HBM ~43% busy, tensor pipe
-    // ~20% and issue slots ~half idle (k3-layers-4 T=2048, session 20 call A, H100: MOE_EXPERTS x3 36.1 ms); a block
-    // waits on its next K-tile's weights between its short rounds of dequant and wgmma.
-    // Prediction (session 21, before its first run): MOE_EXPERTS x3 at T=2048 36.1 -> 31-33 ms under the policy, the
-    // GEMM share 60.7 -> 56-58 ms (50-52% of the GEMM rate).
-    bool moe_mma_v4_deep = true;
-    // Measured and removed (call C): two fragment sets per warp, the second scale block of a K-tile dequantized while
-    // the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
-    // Measured and removed (call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks = 24 warps
-    // per SM; predicted gate/up 8.6 -> ~7 ms): 8.47 ms, issue slots 64% busy, tensor pipe still 38%; the step no faster
+    // Measured and removed (session 7 call C): two fragment sets per warp, the second scale block of a K-tile dequantized
+    // while the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
+    // Measured and removed (session 7 call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks =
+    // 24 warps per SM; predicted gate/up 8.6 -> ~7 ms): 8.47 ms, issue slots 64% busy, tensor pipe still 38%; the step no faster
     // (T=2048 123.8 vs 121.4-122.1 ms). SASS of the 256-row form (call E): ~420 instructions per warp per K-tile for 16
     // HGMMA (the FP4 dequant ~190 of them); a round of one scale block on an SM's four warpgroups takes ~1 700 cycles
     // against ~840 of issue and ~640 of tensor work. Next: warp-specialized producers that dequantize into shared memory
     // for wgmma with both operands there (the consumers issue only wgmma), the X tiles by TMA.
+    // Measured and removed (session 21 call A, H100, k3-layers-4 T=2048 under the bf16 policy, same binary): for hi-only
+    // activations a stage layout without the lo planes, spending the freed 8 KB per stage on 5 MXFP4 stages instead of
+    // 3 (four K-tiles of weights in flight per block instead of two, still two blocks per SM; y bit for bit the 3-stage
+    // form's). Predicted MOE_EXPERTS x3 36.1 -> 31-33 ms (the blocks waiting on their weights); measured 35.7 -> 36.8 and
+    // 36.9 ms, slower: the wait is not for memory but the dequant / wgmma dependency chain above.
     // Steps of at least moe_mma_large_step tokens (prefill-sized) use moe_mma_large_tokens as the tensor-core threshold:
     // at T=512 ~30% of K3's experts get fewer than 8 tokens and the GEMV kernels are slow on them. Round 2 measured v2 at
     // threshold 1 vs 8: T=512 52.9 vs 81.6 ms, T=2048 162.0 vs 180.9 ms. Decode batches (T < 256) keep moe_mma_tokens

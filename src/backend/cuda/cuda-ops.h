@@ -244,7 +244,6 @@ struct dmoe_opts {
     bool mma_v3 = false;    // tensor-core experts, MXFP4 with Din, d_ff multiples of 512: k_moe_mma3 (precedes mma_v2)
     bool mma_v4 = false;    // ... the wgmma form (moe-wgmma.cu; precedes mma_v3)
     bool mma_v4_bf16 = false;   // ... and over BF16 experts with Din, d_ff multiples of 64 (else v1)
-    bool mma_v4_deep = false;   // ... hi-only activations (!mma_split): the stage layout without lo planes (moe-wgmma.cu)
 };
 // moe-bf16-decode.cu: the BF16 decode pair (T == 1; gate/up one warp per (slot, row); down + combine, y bit for bit v4's).
 // Shapes: Din and d_ff 256 NU with NU in {4, 8, 9} (gate/up) / {4, 8} (down), k <= 16, d_out a multiple of 2 (or of 3,
@@ -301,19 +300,14 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
 // Host-side count of the stage pairs of tensor-core version v (3 or 4) launch_moe_mma_stages has launched in this
 // process (tests: that the version asked for, not its predecessor, ran).
 int64_t moe_mma_launches(int v);
-// Host-side count of those v4 launches that ran the HI stage layout (dmoe_opts::mma_v4_deep).
-int64_t moe_mma4_deep_launches();
 // Host-side count of the MOE_EXPERTS launches at T > 1 that ran the pair form (fmt 2 MXFP4 v6 / v7, 1 BF16) in this
 // process (tests: that the pair form, not the grouped kernels, ran).
 int64_t moe_pair_launches(int fmt);
 // moe-wgmma.cu: the v4 stages (wgmma), MXFP4 (vfmt 2) and BF16 (vfmt 1); the shapes it takes.
-// deep (with !xsplit): the stage layout without lo planes, MXFP4 with 5 stages instead of 3, where its shared memory
-// fits both stages' K (moe_mma4_deep_applies says whether a launch takes it); the sums are the same, y bit for bit.
 bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c);
-bool moe_mma4_deep_applies(int vfmt, int64_t Din, const dexperts_cfg & c, bool xsplit, bool deep);
 cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,
                                    int64_t S, const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf,
-                                   cudaStream_t st, int n_min, bool xsplit, bool deep);
+                                   cudaStream_t st, int n_min, bool xsplit);
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;

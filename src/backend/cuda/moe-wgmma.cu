@@ -46,16 +46,12 @@ constexpr int64_t k_m4_max_smem = 113 * 1024;   // two blocks per SM
 
 // The weight format's stage geometry. FMT 2 (MXFP4): 32 bytes of raw FP4 per row and K-tile (8 KB a stage), 3 stages,
 // the E8M0 scales of the block's rows copied once. FMT 1 (BF16): 128 bytes per row and K-tile (32 KB), 2 stages.
-// HI (cuda_options::moe_mma_v4_deep, activations as bf16 hi only: ARCHITECTURE 3.0's bf16 inputs or moe_mma_split off):
-// a stage holds no lo plane, and MXFP4 spends the 8 KB per stage it frees on two more stages (5: four K-tiles in flight
-// instead of two, in the same 109 KB, still two blocks per SM); BF16 keeps 2 stages.
-template <int FMT, bool HI = false> struct m4_fmt {
+template <int FMT> struct m4_fmt {
     static_assert(FMT == 1 || FMT == 2, "v4: MXFP4 or BF16");
     static constexpr int row_bytes = FMT == 1 ? k_m4_kt * 2 : k_m4_kt / 2;   // one row's K-tile
-    static constexpr int stages = FMT == 1 ? 2 : HI ? 5 : 3;
-    static constexpr int planes = HI ? 1 : 2;                             // hi (+ lo)
+    static constexpr int stages = FMT == 1 ? 2 : 3;
     static constexpr int wbytes = k_m4_rows * row_bytes;
-    static constexpr int stage_bytes = planes * k_m4_xbytes + wbytes;     // planes first, 1024-byte aligned
+    static constexpr int stage_bytes = 2 * k_m4_xbytes + wbytes;          // planes first, 1024-byte aligned
     static constexpr int pipe_bytes = stages * stage_bytes;
     static constexpr int wcopies = wbytes / 16 / k_m4_threads;            // 16-byte weight copies per thread per stage
     static_assert(k_m4_tok * k_m4_cld * 4 <= pipe_bytes, "v4: the epilogue tile lives in the pipeline's memory");
@@ -64,8 +60,8 @@ template <int FMT, bool HI = false> struct m4_fmt {
 };
 
 // + 1024: the dynamic window is aligned up to the swizzle atom at run time.
-template <int FMT, bool HI = false>
-constexpr int64_t m4_smem(int64_t K) { return 1024 + m4_fmt<FMT, HI>::pipe_bytes + (FMT == 2 ? k_m4_rows * mma_scale_ld(K) : 0); }
+template <int FMT>
+constexpr int64_t m4_smem(int64_t K) { return 1024 + m4_fmt<FMT>::pipe_bytes + (FMT == 2 ? k_m4_rows * mma_scale_ld(K) : 0); }
 
 // Plane position of column c inside its 32-column block (the k order of the A fragments; see the top of the file):
 // c = 8 q + 4 s + j -> 16 s + 2 q + j (j < 2) or 16 s + 8 + 2 q + j - 2.
@@ -223,26 +219,24 @@ __device__ __forceinline__ uint32_t m4_desc_lo(uint32_t saddr) { return ((saddr 
 __device__ __forceinline__ uint64_t m4_desc(uint32_t lo) { return (uint64_t(k_m4_desc_hi) << 32) | lo; }
 
 // What a pass of v4 needs from its block (the pass's tokens' offsets are in xoff).
-template <int FMT, bool HI>
+template <int FMT>
 struct m4_block {
     const __nv_bfloat16 * xh;
     const __nv_bfloat16 * xl;
     unsigned char * sm;           // the aligned window: stages, then the scales (MXFP4)
     const unsigned char * ssm;    // [256][sld] scales (MXFP4)
     int64_t sld;
-    const uint8_t * wsrc[m4_fmt<FMT, HI>::wcopies];   // this thread's 16-byte weight copies per stage (at K-tile 0)
-    int wdst[m4_fmt<FMT, HI>::wcopies];
+    const uint8_t * wsrc[m4_fmt<FMT>::wcopies];   // this thread's 16-byte weight copies per stage (at K-tile 0)
+    int wdst[m4_fmt<FMT>::wcopies];
     const int64_t * xoff;         // [64]: plane row offsets of the pass's tokens
     int nk, nt;
 };
 
 // One pass over K for the pass's nt <= 8 NJ tokens (acc[mi] = the warpgroup's row tile mi, 64 rows, x 8 NJ tokens),
-// then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too (not in the
-// HI layout, which has none).
-template <int FMT, bool HI, int NJ, bool XS>
-__device__ __forceinline__ void m4_pass(const m4_block<FMT, HI> & b, float * Cs) {
-    static_assert(!(HI && XS), "v4: the HI layout has no lo plane");
-    using F = m4_fmt<FMT, HI>;
+// then the products into the epilogue tile Cs [token][row] (the pipeline's memory). XS: the lo plane too.
+template <int FMT, int NJ, bool XS>
+__device__ __forceinline__ void m4_pass(const m4_block<FMT> & b, float * Cs) {
+    using F = m4_fmt<FMT>;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     float acc[2][4 * NJ];
@@ -254,7 +248,7 @@ __device__ __forceinline__ void m4_pass(const m4_block<FMT, HI> & b, float * Cs)
     // tokens tid / 8 and tid / 8 + 32, hi and lo)
     auto issue = [&](int kt, int st) {
         unsigned char * X = b.sm + st * F::stage_bytes;
-        unsigned char * W = X + F::planes * k_m4_xbytes;
+        unsigned char * W = X + 2 * k_m4_xbytes;
         const int64_t k0 = int64_t(kt) * k_m4_kt;
 #pragma unroll
         for (int i = 0; i < F::wcopies; ++i)
@@ -282,8 +276,8 @@ __device__ __forceinline__ void m4_pass(const m4_block<FMT, HI> & b, float * Cs)
         if (kt + F::stages - 1 < b.nk) issue(kt + F::stages - 1, (kt + F::stages - 1) % F::stages);
         cp_async_commit();
         const unsigned char * X = b.sm + (kt % F::stages) * F::stage_bytes;
-        const unsigned char * W = X + F::planes * k_m4_xbytes;
-        const uint32_t dh = m4_desc_lo(smem_u32(X)), dl = XS ? m4_desc_lo(smem_u32(X + k_m4_xbytes)) : 0u;
+        const unsigned char * W = X + 2 * k_m4_xbytes;
+        const uint32_t dh = m4_desc_lo(smem_u32(X)), dl = m4_desc_lo(smem_u32(X + k_m4_xbytes));
         // A fragments of scale block kb (columns 32 kb .. 32 kb + 31 of the K-tile) of this warp's 16 rows of the
         // warpgroup's two m64 tiles, both k16 steps (v3's dequant; BF16: the row's 16 bytes): af[mi][step][reg]
         auto dequant = [&](int kb, uint32_t (&af)[2][2][4]) {
@@ -356,10 +350,9 @@ __device__ __forceinline__ void m4_pass(const m4_block<FMT, HI> & b, float * Cs)
 }
 
 // NM == 2: gate/up; xh / xl = x's planes [T, ldx] (v4 order), token row = slot / k_div; writes h's planes oh / ol
-// [S, d_ff] in v4 order (GLU applied; ol only when xsplit). NM == 1: down; xh / xl = h's planes [S, ldx], token row =
-// slot; writes of32 = ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m4_smem<FMT, HI>(K). HI: the
-// stage layout without lo planes (xsplit must be false).
-template <int NM, int FMT, bool HI>
+// [S, d_ff] in v4 order (GLU applied; ol only when xsplit). NM == 1: down; xh / xl = h's planes [S, ldx], token row = slot; writes of32 =
+// ybuf [S, d_out]. grid (ceil(rows / (256 / NM)), A); dynamic smem m4_smem(K).
+template <int NM, int FMT>
 __global__ void __launch_bounds__(k_m4_threads, 2)
     k_moe_mma4(const __nv_bfloat16 * __restrict__ xh, const __nv_bfloat16 * __restrict__ xl, int64_t ldx, int64_t k_div,
                const dexpert * __restrict__ ex, int64_t A, int64_t S, const int32_t * __restrict__ gw, dexperts_cfg c,
@@ -381,11 +374,11 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     const dexpert_matrix m1 = NM == 2 ? ex[e].up : m0;
     const int64_t K = m0.in, ksc = K / 32;
     unsigned char * sm = sm4_raw + ((1024u - (smem_u32(sm4_raw) & 1023u)) & 1023u);
-    unsigned char * Ssm = sm + m4_fmt<FMT, HI>::pipe_bytes;
+    unsigned char * Ssm = sm + m4_fmt<FMT>::pipe_bytes;
     float * Cs = reinterpret_cast<float *>(sm);   // [64][k_m4_cld]: the epilogue tile, after the K loop
     __shared__ int64_t xoff[k_m4_tok];
 
-    m4_block<FMT, HI> b;
+    m4_block<FMT> b;
     b.xh = xh;
     b.xl = xl;
     b.sm = sm;
@@ -395,7 +388,7 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     b.nk = int(K / k_m4_kt);
     if constexpr (FMT == 1) {
 #pragma unroll
-        for (int i = 0; i < m4_fmt<1, HI>::wcopies; ++i) {   // row ch / 8, 16-byte chunk ch % 8 (chunk ^ 4 on odd rows)
+        for (int i = 0; i < m4_fmt<1>::wcopies; ++i) {   // row ch / 8, 16-byte chunk ch % 8 (chunk ^ 4 on odd rows)
             const int ch = tid + i * k_m4_threads, row = ch >> 3, chunk = ch & 7;
             const int64_t wr = r0 + (NM == 2 ? row % BN : row);
             const auto * w = static_cast<const uint8_t *>((NM == 2 && row >= BN) ? m1.w : m0.w);
@@ -404,7 +397,7 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < m4_fmt<2, HI>::wcopies; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
+        for (int i = 0; i < m4_fmt<2>::wcopies; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
             const int ch = tid + i * k_m4_threads, row = ch >> 1, half = ch & 1;
             const int64_t wr = r0 + (NM == 2 ? row % BN : row);
             const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
@@ -433,10 +426,10 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
         if (tid < nt) xoff[tid] = int64_t(slots[t0 + tid] / k_div) * ldx;
         __syncthreads();
         b.nt = nt;
-        switch (nj * 2 + (xsplit && !HI ? 1 : 0)) {
-#define PG_M4_PASS(J)                                           \
-        case 2 * J: m4_pass<FMT, HI, J, false>(b, Cs); break;    \
-        case 2 * J + 1: if constexpr (!HI) m4_pass<FMT, HI, J, true>(b, Cs); break;
+        switch (nj * 2 + (xsplit ? 1 : 0)) {
+#define PG_M4_PASS(J)                                       \
+        case 2 * J: m4_pass<FMT, J, false>(b, Cs); break;    \
+        case 2 * J + 1: m4_pass<FMT, J, true>(b, Cs); break;
             PG_M4_PASS(1) PG_M4_PASS(2) PG_M4_PASS(3) PG_M4_PASS(4) PG_M4_PASS(5) PG_M4_PASS(6) PG_M4_PASS(7) PG_M4_PASS(8)
 #undef PG_M4_PASS
             default: break;
@@ -461,21 +454,15 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     }
 }
 
-// v4's traits for mma_stages (moe-mma-blocks.cuh), per weight format and stage layout.
-template <int FMT, bool HI>
+// v4's traits for mma_stages (moe-mma-blocks.cuh), per weight format.
+template <int FMT>
 struct mma4_traits {
-    template <int NM> static constexpr auto kern = k_moe_mma4<NM, FMT, HI>;
+    template <int NM> static constexpr auto kern = k_moe_mma4<NM, FMT>;
     static constexpr auto split = k_split_planes4;
     static constexpr int rows = k_m4_rows, threads = k_m4_threads;
     static constexpr int64_t max_smem = k_m4_max_smem;
-    static constexpr int64_t smem(int64_t K) { return m4_smem<FMT, HI>(K); }
+    static constexpr int64_t smem(int64_t K) { return m4_smem<FMT>(K); }
 };
-
-// The HI layout for a hi-only launch when deep is asked for and both stages' K fit it.
-template <int FMT>
-bool m4_deep_fits(int64_t Din, const dexperts_cfg & c) {
-    return m4_smem<FMT, true>(Din) <= k_m4_max_smem && m4_smem<FMT, true>(c.d_ff) <= k_m4_max_smem;
-}
 
 } // namespace
 
@@ -489,21 +476,11 @@ bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c
     return false;
 }
 
-bool moe_mma4_deep_applies(int vfmt, int64_t Din, const dexperts_cfg & c, bool xsplit, bool deep) {
-    if (xsplit || !deep) return false;
-    return vfmt == 1 ? m4_deep_fits<1>(Din, c) : vfmt == 2 && m4_deep_fits<2>(Din, c);
-}
-
 cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,
                                    int64_t S, const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf,
-                                   cudaStream_t st, int n_min, bool xsplit, bool deep) {
-    const bool hi = moe_mma4_deep_applies(vfmt, Din, c, xsplit, deep);
-    if (vfmt == 1)
-        return hi ? mma_stages<mma4_traits<1, true>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, false)
-                  : mma_stages<mma4_traits<1, false>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
-    if (vfmt == 2)
-        return hi ? mma_stages<mma4_traits<2, true>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, false)
-                  : mma_stages<mma4_traits<2, false>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
+                                   cudaStream_t st, int n_min, bool xsplit) {
+    if (vfmt == 1) return mma_stages<mma4_traits<1>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
+    if (vfmt == 2) return mma_stages<mma4_traits<2>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
     return cudaErrorInvalidValue;
 }
 

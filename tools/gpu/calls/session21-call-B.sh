@@ -1,0 +1,33 @@
+#!/bin/bash
+# session 21, call B: after call A (H100), the deep v4 layout measured slower and removed (the 3-stage form restored;
+# the lo plane still skipped when hi-only), the flagged LINEARs' shared bf16 x kept; compare-backends now has a
+# near-tie rule for grouped routing (model/route-ties.h). The tensor-core expert and bf16 tests again, the k3 prefill
+# under the bf16 policy (the final form, twice, and with the shared x off), a kernel-level profile of that step (nsys,
+# where installed: what MOE_EXPERTS spends its time on), compare-backends under the policy at 1e-5 and 1e-4 on the 9
+# models, memcheck on the shared-x LINEARs, then every suite; the 48B prefill only on a card that holds it.
+set -u
+source tools/gpu/calls/common.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
+run test-moe-cuda 300 "-mma" --gtest_filter='*bf16_inputs*:*mma_v4*:*mma_v3*:*mma_split*'
+run test-ops-cuda 200 "-bf16" --gtest_filter='*linear_bf16*'
+prefill k3-layers-4 2048 bf16-final --bf16-inputs 256
+prefill k3-layers-4 2048 bf16-noshare --bf16-inputs 256 --set linear_bf16_share_x=0
+prefill k3-layers-4 2048 bf16-final2 --bf16-inputs 256
+compare_models 300 4 120 bf16 --bf16-inputs-tokens 2 --tol 1e-5
+compare_models 300 4 120 bf16e4 --bf16-inputs-tokens 2 --tol 1e-4
+san memcheck test-ops-cuda '*linear_bf16_shared_x*' 200
+NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+if [ -n "$NSYS" ]; then
+  timeout 200 $NSYS profile -o $OUT/k3-bf16 --force-overwrite true -t cuda $B/bench-cuda-decode --preset k3-layers-4 --prefill 2048 --bf16-inputs 256 --no-profile > $L/nsys.log 2>&1
+  timeout 100 $NSYS stats --report cuda_gpu_kern_sum --format csv -o $OUT/k3-bf16 $OUT/k3-bf16.nsys-rep >> $L/nsys.log 2>&1
+  rm -f $OUT/k3-bf16.nsys-rep $OUT/k3-bf16.sqlite
+  echo "[$(( $(date +%s) - T0 ))s] nsys $NSYS: $(ls $OUT/k3-bf16* 2>/dev/null | tr '\n' ' ')" >> $S
+else echo "[$(( $(date +%s) - T0 ))s] nsys: not installed" >> $S; fi
+full_suite
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "${mem:-0}" -gt 100000 ]; then
+  prefill kimi-linear-48b 512,2048 bf16 --bf16-inputs 256 --no-profile
+  prefill kimi-linear-48b 512,2048 split --no-profile
+fi
+rm -rf $L/compare*.log.big
+cat $S
