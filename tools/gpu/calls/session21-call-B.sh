@@ -4,7 +4,8 @@
 # near-tie rule for grouped routing (model/route-ties.h). The tensor-core expert and bf16 tests again, the k3 prefill
 # under the bf16 policy (the final form, twice, and with the shared x off), a kernel-level profile of that step (nsys,
 # where installed: what MOE_EXPERTS spends its time on), compare-backends under the policy at 1e-5 and 1e-4 on the 9
-# models, memcheck on the shared-x LINEARs, then every suite; the 48B prefill only on a card that holds it.
+# models, memcheck on the shared-x LINEARs, the SASS of the MXFP4 gate/up kernel; the 48B prefill only on a card that
+# holds it.
 set -u
 source tools/gpu/calls/common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
@@ -23,7 +24,12 @@ if [ -n "$NSYS" ]; then
   rm -f $OUT/k3-bf16.nsys-rep $OUT/k3-bf16.sqlite
   echo "[$(( $(date +%s) - T0 ))s] nsys $NSYS: $(ls $OUT/k3-bf16* 2>/dev/null | tr '\n' ' ')" >> $S
 else echo "[$(( $(date +%s) - T0 ))s] nsys: not installed" >> $S; fi
-full_suite
+CUOBJ=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null | head -1)
+if [ -n "$CUOBJ" ]; then   # the SASS of v4's MXFP4 gate/up kernel: where its instructions per K-tile go
+  $CUOBJ -sass $B/bench-cuda-decode 2>/dev/null | awk '/Function : .*k_moe_mma4ILi2ELi2E/{p=1} p&&/Function : /&&!/k_moe_mma4ILi2ELi2E/{p=0} p' | gzip > $OUT/sass-mma4-gu.txt.gz
+  echo "[$(( $(date +%s) - T0 ))s] sass: $(zcat $OUT/sass-mma4-gu.txt.gz | wc -l) lines" >> $S
+fi
+# (every suite: call C, with the final binary)
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "${mem:-0}" -gt 100000 ]; then
   prefill kimi-linear-48b 512,2048 bf16 --bf16-inputs 256 --no-profile
