@@ -371,6 +371,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_mma_v3") co.moe_mma_v3 = v != 0;
         else if (k == "moe_mma_v4") co.moe_mma_v4 = v != 0;
         else if (k == "moe_mma_v4_bf16") co.moe_mma_v4_bf16 = v != 0;
+        else if (k == "moe_mma_v4_shift") co.moe_mma_v4_shift = v != 0;
         else if (k == "linear_bf16_share_x") co.linear_bf16_share_x = v != 0;
         else if (k == "mla_prefill_mma") co.mla_prefill_mma = v != 0;
         else if (k == "free_dead_outputs") co.free_dead_outputs = v != 0;

@@ -328,6 +328,15 @@ struct cuda_options {
     // through a bf16 tile in shared memory), which took 55.6 of the 48B's 89.2 ms prefill step at T=512 (session 12
     // call B; 89.3 of 152.6 ms at T=1024). Prediction before its first run: 48B MOE_EXPERTS T=512 55.6 -> 20-30 ms.
     bool moe_mma_v4_bf16 = true;
+    // v4 over MXFP4 in the shift form (moe-wgmma.cu FMT 3, fp4.cuh fp4_a_pairs_shift): each nibble's bits shifted into
+    // place as a bf16 of value x 2^-126 (e = 0 a subnormal), the pairs of columns 4 apart, the 2^126 folded into the
+    // scale's multiply; the activation planes in the matching order (m4s_pos). The products are the same exact values
+    // in another k order: y within the f32 tolerance of the table form (fp4x8_pairs2), not bit for bit.
+    // Why: the dequant is most of v4's instructions (session 7 SASS: ~190 of ~420 per warp and K-tile) and issue is
+    // what bounds it (the deeper pipeline of session 21 call A did not help): ~15 integer ops per 8 nibbles instead of
+    // ~19, and the scale's bf16 pair in 2 instead of 3.
+    // Prediction (session 21, before its first run): MOE_EXPERTS x3 at T=2048 under the bf16 policy 35.7 -> 34-35 ms.
+    bool moe_mma_v4_shift = false;
     // Measured and removed (session 7 call C): two fragment sets per warp, the second scale block of a K-tile dequantized
     // while the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
     // Measured and removed (session 7 call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks =

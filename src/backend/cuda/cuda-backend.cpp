@@ -1296,6 +1296,7 @@ private:
                     mo.mma_v3 = opt_.moe_mma_v3;
                     mo.mma_v4 = opt_.moe_mma_v4;
                     mo.mma_v4_bf16 = opt_.moe_mma_v4_bf16;
+                    mo.mma_v4_shift = opt_.moe_mma_v4_shift;
                     mo.dec_v4 = opt_.moe_decode_v4;
                     mo.small_v4 = opt_.moe_small_v4;
                     mo.mma_large_step = opt_.moe_mma_large_step;

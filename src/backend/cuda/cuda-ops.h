@@ -244,6 +244,7 @@ struct dmoe_opts {
     bool mma_v3 = false;    // tensor-core experts, MXFP4 with Din, d_ff multiples of 512: k_moe_mma3 (precedes mma_v2)
     bool mma_v4 = false;    // ... the wgmma form (moe-wgmma.cu; precedes mma_v3)
     bool mma_v4_bf16 = false;   // ... and over BF16 experts with Din, d_ff multiples of 64 (else v1)
+    bool mma_v4_shift = false;  // ... MXFP4 in the shift form (moe-wgmma.cu FMT 3)
 };
 // moe-bf16-decode.cu: the BF16 decode pair (T == 1; gate/up one warp per (slot, row); down + combine, y bit for bit v4's).
 // Shapes: Din and d_ff 256 NU with NU in {4, 8, 9} (gate/up) / {4, 8} (down), k <= 16, d_out a multiple of 2 (or of 3,
@@ -300,14 +301,21 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
 // Host-side count of the stage pairs of tensor-core version v (3 or 4) launch_moe_mma_stages has launched in this
 // process (tests: that the version asked for, not its predecessor, ran).
 int64_t moe_mma_launches(int v);
+// Host-side count of the MXFP4 v4 launches in the shift form (dmoe_opts::mma_v4_shift).
+int64_t moe_mma4_shift_launches();
+// Tests: n MXFP4 words q (8 E2M1 nibbles, low first) with their E8M0 scale bytes -> each word's 8 values in column order
+// as the v4 A fragments carry them, by the table form (fp4_a_pairs) and by the shift form (fp4_a_pairs_shift): table
+// and shift [n * 8] on the device. The two must agree bit for bit (both exact).
+cudaError_t fp4_dequant_forms(const uint32_t * q, const uint8_t * scale, int64_t n, float * table, float * shift, cudaStream_t st);
 // Host-side count of the MOE_EXPERTS launches at T > 1 that ran the pair form (fmt 2 MXFP4 v6 / v7, 1 BF16) in this
 // process (tests: that the pair form, not the grouped kernels, ran).
 int64_t moe_pair_launches(int fmt);
-// moe-wgmma.cu: the v4 stages (wgmma), MXFP4 (vfmt 2) and BF16 (vfmt 1); the shapes it takes.
+// moe-wgmma.cu: the v4 stages (wgmma), MXFP4 (vfmt 2; shift: the dequant of fp4.cuh fp4_a_pairs_shift, the activation
+// planes in its order) and BF16 (vfmt 1); the shapes it takes.
 bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c);
 cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,
                                    int64_t S, const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf,
-                                   cudaStream_t st, int n_min, bool xsplit);
+                                   cudaStream_t st, int n_min, bool xsplit, bool shift);
 
 // ---- attn-res.cu ----
 inline constexpr int k_attn_res_max = 32;

@@ -62,6 +62,45 @@ __device__ __forceinline__ void fp4_a_pairs(uint32_t wv, __nv_bfloat162 sc, uint
     }
 }
 
+// The shift form (cuda_options::moe_mma_v4_shift): 8 E2M1 nibbles of q (nibble i = column i) -> the pairs (i, i + 4),
+// i = 0..3, as bf16x2 bits whose values are the E2M1 values times 2^-126, exact: each nibble's magnitude bits (e1 e0 m)
+// go to bf16 bits 8..6 (the exponent's two low bits and the mantissa's top bit) and its sign to bit 15, so e >= 1
+// reads 2^(e - 127) (1 + m / 2) and e = 0 the subnormal m 2^-127 (an E2M1 value is 2^(e - 1) (1 + m / 2), or m / 2).
+// Two shifts and two logic ops a pair, against fp4x8_pairs2's table lookups; the pairs hold columns 4 apart, so the
+// activations are laid out to match (moe-wgmma.cu m4s_pos).
+__device__ __forceinline__ void fp4x8_shift_pairs(uint32_t q, uint32_t (&p)[4]) {
+    constexpr uint32_t mag = 0x01C001C0u, sgn = 0x80008000u;
+    p[0] = ((q << 6) & mag) | ((q << 12) & sgn);
+    p[1] = ((q << 2) & mag) | ((q << 8) & sgn);
+    p[2] = ((q >> 2) & mag) | ((q << 4) & sgn);
+    p[3] = ((q >> 6) & mag) | (q & sgn);
+}
+
+// fp4x8_shift_pairs times the E8M0 scale 2^(b - 127), i.e. times 2^(b - 1) in all (exact, or the same overflow as the
+// scale applied to the E2M1 values): one bf16x2 multiply a pair while 2^(b - 1) is a bf16 (b <= 128: biased exponent
+// b + 126; b = 0 gives 2^-1 with no subnormal case), else 2^(b - 127) then 2^126 (b = 255, the E8M0 NaN, multiplies by
+// inf as e8m0_bf16x2 does).
+__device__ __forceinline__ void fp4_a_pairs_shift(uint32_t q, uint32_t b, uint32_t (&p)[4]) {
+    fp4x8_shift_pairs(q, p);
+    const bool one = b <= 128u;
+    const uint32_t f = ((one ? b + 126u : b) << 7) * 0x10001u;
+    const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
+        p[i] = *reinterpret_cast<const uint32_t *>(&v);
+    }
+    if (!one) {
+        const uint32_t f126 = (253u << 7) * 0x10001u;
+        const __nv_bfloat162 s126 = *reinterpret_cast<const __nv_bfloat162 *>(&f126);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), s126);
+            p[i] = *reinterpret_cast<const uint32_t *>(&v);
+        }
+    }
+}
+
 // 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
 __device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
     uint32_t p[4];

@@ -697,10 +697,11 @@ cudaError_t launch_mma3_stages(const float * x, int64_t Din, int64_t k, const de
 } // namespace
 
 namespace {
-std::atomic<int64_t> g_mma_launches[2];   // v3, v4
+std::atomic<int64_t> g_mma_launches[3];   // v3, v4, v4 MXFP4 in the shift form
 } // namespace
 
 int64_t moe_mma_launches(int v) { return v == 3 || v == 4 ? g_mma_launches[v - 3].load(std::memory_order_relaxed) : 0; }
+int64_t moe_mma4_shift_launches() { return g_mma_launches[2].load(std::memory_order_relaxed); }
 
 void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A, int64_t S,
                            const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf, cudaStream_t st,
@@ -710,8 +711,11 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
     // 7 call H: k3-layers-4 B=64 step 83.25 vs 82.39 ms). A failed launch stays in cudaGetLastError.
     const bool large = o.mma_large_step <= 0 || S / k >= o.mma_large_step;
     if (large && o.mma_v4 && (vfmt != 1 || o.mma_v4_bf16) && moe_mma4_supported(vfmt, Din, k, c)) {
-        if (launch_moe_mma4_stages(vfmt, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split) == cudaSuccess)
+        if (launch_moe_mma4_stages(vfmt, x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, o.mma_split, o.mma_v4_shift) ==
+            cudaSuccess) {
             g_mma_launches[1].fetch_add(1, std::memory_order_relaxed);
+            if (vfmt == 2 && o.mma_v4_shift) g_mma_launches[2].fetch_add(1, std::memory_order_relaxed);
+        }
         return;
     }
     if (large && o.mma_v3 && mma3_supported(vfmt, Din, k, c)) {

@@ -47,7 +47,7 @@ constexpr int64_t k_m4_max_smem = 113 * 1024;   // two blocks per SM
 // The weight format's stage geometry. FMT 2 (MXFP4): 32 bytes of raw FP4 per row and K-tile (8 KB a stage), 3 stages,
 // the E8M0 scales of the block's rows copied once. FMT 1 (BF16): 128 bytes per row and K-tile (32 KB), 2 stages.
 template <int FMT> struct m4_fmt {
-    static_assert(FMT == 1 || FMT == 2, "v4: MXFP4 or BF16");
+    static_assert(FMT >= 1 && FMT <= 3, "v4: BF16, MXFP4 or MXFP4 in the shift form");
     static constexpr int row_bytes = FMT == 1 ? k_m4_kt * 2 : k_m4_kt / 2;   // one row's K-tile
     static constexpr int stages = FMT == 1 ? 2 : 3;
     static constexpr int wbytes = k_m4_rows * row_bytes;
@@ -61,7 +61,7 @@ template <int FMT> struct m4_fmt {
 
 // + 1024: the dynamic window is aligned up to the swizzle atom at run time.
 template <int FMT>
-constexpr int64_t m4_smem(int64_t K) { return 1024 + m4_fmt<FMT>::pipe_bytes + (FMT == 2 ? k_m4_rows * mma_scale_ld(K) : 0); }
+constexpr int64_t m4_smem(int64_t K) { return 1024 + m4_fmt<FMT>::pipe_bytes + (FMT != 1 ? k_m4_rows * mma_scale_ld(K) : 0); }
 
 // Plane position of column c inside its 32-column block (the k order of the A fragments; see the top of the file):
 // c = 8 q + 4 s + j -> 16 s + 2 q + j (j < 2) or 16 s + 8 + 2 q + j - 2.
@@ -81,6 +81,29 @@ constexpr bool m4_pos_is_permutation() {
 }
 static_assert(m4_pos_is_permutation(), "v4: the plane order must be a permutation of each 32-column block");
 
+// FMT 3, the shift form (fp4.cuh fp4x8_shift_pairs): lane q's word gives the pairs of columns (8 q + r, 8 q + r + 4),
+// r = 0..3, and pair r feeds step r / 2, logical k 2 q (r even) or 2 q + 8 (r odd). Column c = 8 q + r' (r' = 0..7)
+// therefore sits at 16 ((r' >> 1) & 1) + 2 q + 8 (r' & 1) + (r' >> 2): a column and the one 4 further on, side by side.
+__host__ __device__ constexpr int m4s_pos(int c) {
+    const int q = c >> 3, r = c & 7;
+    return 16 * ((r >> 1) & 1) + 2 * q + 8 * (r & 1) + (r >> 2);
+}
+constexpr bool m4s_pos_is_permutation() {
+    bool seen[32] = {};
+    for (int c = 0; c < 32; ++c) {
+        const int p = m4s_pos(c);
+        if (p < 0 || p >= 32 || seen[p]) return false;
+        seen[p] = true;
+    }
+    return true;
+}
+static_assert(m4s_pos_is_permutation(), "v4: the shift form's plane order must be a permutation of each 32-column block");
+// (c, c + 4) for c % 8 < 4 land on adjacent positions, low one first: the split kernel writes them as one bf16 pair.
+static_assert(m4s_pos(1) + 1 == m4s_pos(5) && m4s_pos(10) + 1 == m4s_pos(14) && m4s_pos(27) + 1 == m4s_pos(31),
+              "v4: the shift form's pairs are adjacent");
+template <int FMT>
+__host__ __device__ constexpr int m4_pos_of(int c) { return FMT == 3 ? m4s_pos(c) : m4_pos(c); }
+
 // x [rows, D] (fp32) -> bf16 hi + lo planes [rows, D] in v4's column order (lo not written when !xsplit). D % 32 == 0.
 // Each thread takes 4 columns c .. c + 3 (c % 4 == 0): positions m4_pos(c) and m4_pos(c + 2), two pairs each.
 __global__ void k_split_planes4(const float * __restrict__ x, int64_t n, bool xsplit, __nv_bfloat16 * __restrict__ hi,
@@ -96,6 +119,29 @@ __global__ void k_split_planes4(const float * __restrict__ x, int64_t n, bool xs
         if (xsplit) {   // (hi-only passes never read the lo plane)
             *reinterpret_cast<__nv_bfloat162 *>(lo + p0) = l[0];
             *reinterpret_cast<__nv_bfloat162 *>(lo + p1) = l[1];
+        }
+    }
+}
+
+// The same for the shift form (FMT 3): each thread takes 8 columns c .. c + 7 (c % 8 == 0) and writes the pairs
+// (c + r, c + r + 4), r = 0..3, at m4s_pos(c + r).
+__global__ void k_split_planes4s(const float * __restrict__ x, int64_t n, bool xsplit, __nv_bfloat16 * __restrict__ hi,
+                                 __nv_bfloat16 * __restrict__ lo) {
+    pdl_enter();
+    for (int64_t i = 8 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += 8 * int64_t(gridDim.x) * blockDim.x) {
+        const int cb = int(i & 31);
+        const float4 a = *reinterpret_cast<const float4 *>(x + i), b = *reinterpret_cast<const float4 *>(x + i + 4);
+        const float4 pr[2] = {make_float4(a.x, b.x, a.y, b.y), make_float4(a.z, b.z, a.w, b.w)};   // (c, c + 4) pairs
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+            __nv_bfloat162 h[2], l[2];
+            split_hi_lo(pr[h2], xsplit, h, l);
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int64_t p = (i & ~int64_t(31)) + m4s_pos(cb + 2 * h2 + u);
+                *reinterpret_cast<__nv_bfloat162 *>(hi + p) = h[u];
+                if (xsplit) *reinterpret_cast<__nv_bfloat162 *>(lo + p) = l[u];
+            }
         }
     }
 }
@@ -295,7 +341,9 @@ __device__ __forceinline__ void m4_pass(const m4_block<FMT> & b, float * Cs) {
                         p[3] = v.w;
                     } else {
                         const uint32_t wv = *reinterpret_cast<const uint32_t *>(W + row * 32 + ((kb ^ ((row >> 2) & 1)) << 4) + q * 4);
-                        fp4_a_pairs(wv, e8m0_bf16x2(b.ssm[row * b.sld + kt * 2 + kb]), p);
+                        const uint32_t sb = b.ssm[row * b.sld + kt * 2 + kb];
+                        if constexpr (FMT == 3) fp4_a_pairs_shift(wv, sb, p);
+                        else fp4_a_pairs(wv, e8m0_bf16x2(sb), p);
                     }
                     af[mi][0][hr] = p[0];
                     af[mi][0][2 + hr] = p[1];
@@ -397,7 +445,7 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < m4_fmt<2>::wcopies; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
+        for (int i = 0; i < m4_fmt<FMT>::wcopies; ++i) {   // row ch / 2, half ch % 2 (halves swapped for rows 4..7 mod 8)
             const int ch = tid + i * k_m4_threads, row = ch >> 1, half = ch & 1;
             const int64_t wr = r0 + (NM == 2 ? row % BN : row);
             const uint8_t * pk = (NM == 2 && row >= BN) ? m1.packed : m0.packed;
@@ -408,7 +456,7 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
     // the block's scales, once (completed with the first pass's first stage). This is mma_copy_scales (moe-mma-blocks.cuh)
     // written out: calling it gave the same kernel another register allocation (cubin .text compared, session 7) after
     // the device time to retest v4 was spent; switch with the next GPU run of test-moe-cuda mma_v4_prefill.
-    for (int ch = tid; FMT == 2 && ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
+    for (int ch = tid; FMT != 1 && ch < k_m4_rows * int(ksc / 16); ch += k_m4_threads) {
         const int row = ch / int(ksc / 16), part = ch % int(ksc / 16);
         const int64_t wr = r0 + (NM == 2 ? row % BN : row);
         if (wr >= n_rows) continue;
@@ -442,7 +490,7 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
             if constexpr (NM == 2) {
                 const float gt = Cs[t * k_m4_cld + rr], up = Cs[t * k_m4_cld + BN + rr];
                 const float v = c.act == 1 ? situ_d(gt, up, c.situ_beta, c.situ_linear_beta) : silu_d(gt) * up;
-                const int64_t col = r0 + rr, o = s * n_rows + (col & ~int64_t(31)) + m4_pos(int(col & 31));
+                const int64_t col = r0 + rr, o = s * n_rows + (col & ~int64_t(31)) + m4_pos_of<FMT>(int(col & 31));
                 const __nv_bfloat16 h = __float2bfloat16_rn(v);
                 oh[o] = h;
                 if (xsplit) ol[o] = __float2bfloat16_rn(v - __bfloat162float(h));   // (hi-only passes never read it)
@@ -458,13 +506,34 @@ __global__ void __launch_bounds__(k_m4_threads, 2)
 template <int FMT>
 struct mma4_traits {
     template <int NM> static constexpr auto kern = k_moe_mma4<NM, FMT>;
-    static constexpr auto split = k_split_planes4;
+    static constexpr auto split = FMT == 3 ? k_split_planes4s : k_split_planes4;
     static constexpr int rows = k_m4_rows, threads = k_m4_threads;
     static constexpr int64_t max_smem = k_m4_max_smem;
     static constexpr int64_t smem(int64_t K) { return m4_smem<FMT>(K); }
 };
 
+// fp4_dequant_forms: word i with scale byte i -> its 8 values (column order) by the table form and by the shift form.
+__global__ void k_fp4_forms(const uint32_t * __restrict__ q, const uint8_t * __restrict__ sb, int64_t n, float * __restrict__ tab,
+                            float * __restrict__ sft) {
+    pdl_enter();
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        uint32_t a[4], b[4];
+        fp4_a_pairs(q[i], e8m0_bf16x2(sb[i]), a);   // pairs (2r, 2r + 1)
+        fp4_a_pairs_shift(q[i], sb[i], b);          // pairs (r, r + 4)
+        for (int r = 0; r < 4; ++r) {
+            tab[8 * i + 2 * r] = __uint_as_float(a[r] << 16);
+            tab[8 * i + 2 * r + 1] = __uint_as_float(a[r] & 0xFFFF0000u);
+            sft[8 * i + r] = __uint_as_float(b[r] << 16);
+            sft[8 * i + r + 4] = __uint_as_float(b[r] & 0xFFFF0000u);
+        }
+    }
+}
+
 } // namespace
+
+cudaError_t fp4_dequant_forms(const uint32_t * q, const uint8_t * scale, int64_t n, float * table, float * shift, cudaStream_t st) {
+    return launch_k(k_fp4_forms, unsigned(std::min<int64_t>((n + 255) / 256, 1024)), 256, 0, st, q, scale, n, table, shift);
+}
 
 // MXFP4: K multiples of 512 (the scale copy's 16-byte chunks); BF16: of the 64-column K-tile. Both: x's planes fit
 // ybuf (Din <= k d_out), the shared memory within two blocks per SM.
@@ -478,8 +547,9 @@ bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c
 
 cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,
                                    int64_t S, const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf,
-                                   cudaStream_t st, int n_min, bool xsplit) {
+                                   cudaStream_t st, int n_min, bool xsplit, bool shift) {
     if (vfmt == 1) return mma_stages<mma4_traits<1>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
+    if (vfmt == 2 && shift) return mma_stages<mma4_traits<3>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
     if (vfmt == 2) return mma_stages<mma4_traits<2>>(x, Din, k, experts, A, S, gw, c, hbuf, ybuf, st, n_min, xsplit);
     return cudaErrorInvalidValue;
 }

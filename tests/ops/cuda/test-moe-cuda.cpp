@@ -16,6 +16,7 @@
 #include "backend/cuda/cuda-ops.h"
 #include "dev-buffer.h"
 #include "harness.h"
+#include "quant/mxfp4.h"
 
 #include <cuda_runtime_api.h>
 
@@ -455,6 +456,16 @@ TEST(cuda_moe, bf16_inputs_experts) {
             std::printf("[%s/v4 launches > 0] %s\n", nm.c_str(), ran4 ? "PASS" : "FAIL");
             EXPECT_TRUE(ran4) << nm;
             tally(ran4);
+            if (sh.fmt == 1) {   // MXFP4: the shift form of v4 under the policy too (hi-only planes in its order)
+                cuda_options os = o;
+                os.moe_mma_v4_shift = true;
+                const int64_t s0 = cuda::moe_mma4_shift_launches();
+                EXPECT_TRUE(parity(nm + "/shift", mc->g, oc, os)) << nm;
+                const bool ran_s = cuda::moe_mma4_shift_launches() > s0;
+                std::printf("[%s/shift form launches > 0] %s\n", nm.c_str(), ran_s ? "PASS" : "FAIL");
+                EXPECT_TRUE(ran_s) << nm;
+                tally(ran_s);
+            }
         }
         // control that must FAIL: the flagged CUDA result against the unflagged CPU experts (the roundings happened)
         const auto unflagged_fails = [&](const std::string & what, const std::vector<float> & yc) {
@@ -569,8 +580,60 @@ TEST(cuda_moe, mma_v3_prefill) {
 // (the wgmma N of 8..64), and T 24 E 16 top-4 (~6 tokens per expert) with threshold 8: experts on v4 and on the GEMV
 // kernels in one step (the GEMV stages must not clobber, nor be clobbered by, v4's plane scratch; CPU parity on every
 // mixed run); with the default options those small steps (T < moe_mma_large_step) must launch neither v3 nor v4.
-// Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo plane's wgmmas are skipped) against the f32
-// tolerance; the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out (compute-sanitizer).
+// Every shape also in the shift form (moe_mma_v4_shift): within the f32 tolerance of the table form and of the CPU, its
+// launch counter advancing inside v4's bounds only. Controls that must FAIL: v4 hi-only (moe_mma_split off; the lo
+// plane's wgmmas are skipped) against the f32 tolerance, in both forms; the comparator family. MOE_V4_SMALL=1 leaves
+// the K3 shape out (compute-sanitizer).
+// ---- 1d'. The two MXFP4 dequant forms of v4's A fragments (fp4.cuh): the table form (fp4_a_pairs, byte permutes) and
+// the shift form (fp4_a_pairs_shift: bits shifted into a bf16 of value x 2^-126, the 2^126 folded into the scale) ----
+// Both must give every weight's value exactly, against the scalar reference decode (quant/mxfp4.h
+// mxfp4_dequant_row_ref) bit for bit: 131 072 words (every 16-bit pattern in both halves of a word), rows of 4 words
+// sharing one E8M0 byte, every byte 0..254 (0: the subnormal 2^-127; > 128: the shift form's two-multiply path; 0xFF
+// is refused at load). Control that must FAIL: the shift form's values read in the table form's column order.
+TEST(cuda_moe, fp4_dequant_forms_exact) {
+    NEED_GPU();
+    const int64_t n = 131072;
+    std::vector<uint32_t> q(static_cast<size_t>(n));
+    std::vector<uint8_t> sb(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t lo = uint32_t(i) & 0xFFFFu, hi = i < 65536 ? lo : (uint32_t(i) * 40503u) & 0xFFFFu;
+        q[size_t(i)] = lo | (hi << 16);
+        sb[size_t(i)] = uint8_t((i / 4) % 255);
+    }
+    dev<uint32_t> dq(q);
+    dev<uint8_t> ds(sb);
+    dev<float> dt(size_t(n) * 8), dsft(size_t(n) * 8);
+    cu(cuda::fp4_dequant_forms(dq.p, ds.p, n, dt.p, dsft.p, nullptr), "fp4_dequant_forms");
+    cu(cudaDeviceSynchronize(), "sync");
+    const auto tab = dt.down(), sft = dsft.down();
+    std::vector<float> ref(size_t(n) * 8);
+    for (int64_t r = 0; r < n / 4; ++r) {   // 4 words = 16 bytes = 32 columns, low nibble first
+        uint8_t bytes[16];
+        std::memcpy(bytes, q.data() + 4 * r, 16);
+        mxfp4_dequant_row_ref(bytes, sb.data() + 4 * r, 32, ref.data() + 32 * r);
+    }
+    const auto mismatches = [&](const std::vector<float> & v, bool table_order) {
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; ++i)
+            for (int c = 0; c < 8; ++c) {
+                // table_order on the shift form's output: column c taken from where the table form puts it
+                const int src = table_order ? (c % 2 == 0 ? c / 2 : c / 2 + 4) : c;
+                bad += std::memcmp(&v[size_t(8 * i + src)], &ref[size_t(8 * i + c)], 4) != 0;
+            }
+        return bad;
+    };
+    const int64_t bt = mismatches(tab, false), bs = mismatches(sft, false), bc = mismatches(sft, true);
+    std::printf("[fp4-forms] %lld values: table form %lld, shift form %lld mismatches vs the reference decode (both must be "
+                "0); control: shift form in the table's column order %lld mismatches (must be > 0)\n",
+                static_cast<long long>(n * 8), static_cast<long long>(bt), static_cast<long long>(bs), static_cast<long long>(bc));
+    EXPECT_EQ(bt, 0);
+    EXPECT_EQ(bs, 0);
+    EXPECT_GT(bc, 0);
+    tally(bt == 0);
+    tally(bs == 0);
+    tally(bc > 0);
+}
+
 TEST(cuda_moe, mma_v4_prefill) {
     NEED_GPU();
     const bool small_only = std::getenv("MOE_V4_SMALL") && std::atoi(std::getenv("MOE_V4_SMALL")) != 0;
@@ -613,9 +676,22 @@ TEST(cuda_moe, mma_v4_prefill) {
             tally(vv);
             const bool same = y3.size() == y4.size() && std::memcmp(y3.data(), y4.data(), y3.size() * 4) == 0;
             std::printf("[%s/v4 bitwise v3] %s (info)\n", nmt.c_str(), same ? "EQUAL" : "DIFFERENT");
+            // the shift form (moe_mma_v4_shift): the same exact products in another k order; its launch counter
+            cuda_options v4s = v4;
+            v4s.moe_mma_v4_shift = true;
+            const int64_t s0 = cuda::moe_mma4_shift_launches();
+            const auto y4s = run_cuda(g, mc->y, v4s);
+            const int64_t ran_s = cuda::moe_mma4_shift_launches() - s0;
+            const bool s_count = in_bounds ? ran_s >= 1 : ran_s == 0;
+            const bool s_agree = check(nmt + "/shift-vs-table", to_f64(y4), y4s, metric::NMSE, k_tol_f32);
+            std::printf("[%s/shift form launches %lld] %s\n", nmt.c_str(), static_cast<long long>(ran_s), s_count ? "PASS" : "FAIL");
+            EXPECT_TRUE(s_count && s_agree) << nmt;
+            tally(s_count);
+            tally(s_agree);
             if (!sh.cpu) continue;
             const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
             EXPECT_TRUE(parity(nmt, g, oc, v4)) << nmt;
+            EXPECT_TRUE(parity(nmt + "/shift", g, oc, v4s)) << nmt;
             if (in_bounds && n_min == 8) {   // the defaults: v3 / v4 only from moe_mma_large_step tokens (256) on
                 const int64_t d4 = cuda::moe_mma_launches(4), d3 = cuda::moe_mma_launches(3);
                 (void)run_cuda(g, mc->y, cuda_options{true, 8});
@@ -630,7 +706,9 @@ TEST(cuda_moe, mma_v4_prefill) {
             cpu->run(g);
             const auto ref = read_f32(*cpu, mc->y);
             expect_hi_only_fails(nmt + "/control(v4 hi-only vs f32 tolerance)", g, mc->y, ref, v4);
+            expect_hi_only_fails(nmt + "/control(v4 shift form hi-only vs f32 tolerance)", g, mc->y, ref, v4s);
             controls(nmt + "/v4", ref, y4, metric::NMSE, k_tol_f32);
+            controls(nmt + "/v4-shift", ref, y4s, metric::NMSE, k_tol_f32);
         }
     }
 }
