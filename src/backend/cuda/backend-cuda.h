@@ -336,7 +336,11 @@ struct cuda_options {
     // what bounds it (the deeper pipeline of session 21 call A did not help): ~15 integer ops per 8 nibbles instead of
     // ~19, and the scale's bf16 pair in 2 instead of 3.
     // Prediction (session 21, before its first run): MOE_EXPERTS x3 at T=2048 under the bf16 policy 35.7 -> 34-35 ms.
-    bool moe_mma_v4_shift = false;
+    // Measured (session 21 call B, H100, same binary, table / shift alternating): under the bf16 policy 35.05, 36.12 ->
+    // 34.18, 32.74 ms (-6%), the GEMM share 58.6, 59.8 -> 57.9, 56.4 ms (50.8%, 49.4% -> 51.4%, 52.3% of the GEMM rate);
+    // under the split policy 44.6 -> 41.9 ms. Both forms exact against the scalar decode over every 16-bit pattern and
+    // scale byte (test-moe-cuda fp4_dequant_forms_exact). On.
+    bool moe_mma_v4_shift = true;
     // Measured and removed (session 7 call C): two fragment sets per warp, the second scale block of a K-tile dequantized
     // while the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.
     // Measured and removed (session 7 call F): blocks of 128 rows (one m64 tile per warpgroup, 79 registers, 3 blocks =

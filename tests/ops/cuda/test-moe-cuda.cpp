@@ -419,7 +419,8 @@ std::unique_ptr<moe_case> moe_graph(int fmt, int T, int D, int F, int E, int k, 
 // defaults would take the pair or GEMV kernels) and T 300 (v4, >= moe_mma_large_step). MXFP4 and BF16 experts, SiLU and
 // SiTU, the default options; the BF16 shapes of T 2 / 64 also with grouping off (the per-pick kernels, which F32 experts
 // always take: x rounded into a copy, h rounded in place). Checks: ids exact, y within the f32 tolerance of the CPU's
-// flagged experts; at T >= 256 the v4 launch counter advances. T 256 with K3's expert (3584 x 3072, E 8 top-4: ~128
+// flagged experts; at T >= 256 the v4 launch counter advances (MXFP4: in the shift form, the default; the table form
+// with it off, same checks). T 256 with K3's expert (3584 x 3072, E 8 top-4: ~128
 // tokens per expert, two passes of 64; 56 and 48 K-tiles). Controls that must FAIL: the CUDA result against the CPU's
 // unflagged experts (the roundings really happen) and the comparator family. MOE_V4_SMALL=1 leaves the K3 shape out
 // (compute-sanitizer).
@@ -448,7 +449,7 @@ TEST(cuda_moe, bf16_inputs_experts) {
         set_bf16_inputs(mc->g);
         const std::string nm = fmt::format("bf16-inputs/{}/{}/T{}/D{}/F{}", fmt_name(sh.fmt), sh.act ? "situ" : "silu", sh.T, sh.D, sh.F);
         const cuda_options o{true, 8};
-        const int64_t b4 = cuda::moe_mma_launches(4);
+        const int64_t b4 = cuda::moe_mma_launches(4), bs = cuda::moe_mma4_shift_launches();
         const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
         EXPECT_TRUE(parity(nm, mc->g, oc, o)) << nm;
         if (sh.T >= o.moe_mma_large_step) {
@@ -456,15 +457,16 @@ TEST(cuda_moe, bf16_inputs_experts) {
             std::printf("[%s/v4 launches > 0] %s\n", nm.c_str(), ran4 ? "PASS" : "FAIL");
             EXPECT_TRUE(ran4) << nm;
             tally(ran4);
-            if (sh.fmt == 1) {   // MXFP4: the shift form of v4 under the policy too (hi-only planes in its order)
-                cuda_options os = o;
-                os.moe_mma_v4_shift = true;
+            if (sh.fmt == 1) {   // MXFP4: the defaults ran v4's shift form; the table form under the policy too
+                const bool ran_s = cuda::moe_mma4_shift_launches() > bs;
+                cuda_options ot = o;
+                ot.moe_mma_v4_shift = false;
                 const int64_t s0 = cuda::moe_mma4_shift_launches();
-                EXPECT_TRUE(parity(nm + "/shift", mc->g, oc, os)) << nm;
-                const bool ran_s = cuda::moe_mma4_shift_launches() > s0;
-                std::printf("[%s/shift form launches > 0] %s\n", nm.c_str(), ran_s ? "PASS" : "FAIL");
-                EXPECT_TRUE(ran_s) << nm;
-                tally(ran_s);
+                EXPECT_TRUE(parity(nm + "/table-form", mc->g, oc, ot)) << nm;
+                const bool table_ran = cuda::moe_mma4_shift_launches() == s0;
+                std::printf("[%s/shift form by default, table form with it off] %s\n", nm.c_str(), ran_s && table_ran ? "PASS" : "FAIL");
+                EXPECT_TRUE(ran_s && table_ran) << nm;
+                tally(ran_s && table_ran);
             }
         }
         // control that must FAIL: the flagged CUDA result against the unflagged CPU experts (the roundings happened)
@@ -658,6 +660,7 @@ TEST(cuda_moe, mma_v4_prefill) {
             v3.moe_mma_large_step = 0;
             v3.moe_mma_v3 = true;
             v3.moe_mma_v4 = false;
+            v3.moe_mma_v4_shift = false;   // v4 below: the table form; v4s: the shift form (the default)
             cuda_options v4 = v3;
             v4.moe_mma_v4 = true;
             const std::string nmt = nm + fmt::format("/min{}", n_min);
