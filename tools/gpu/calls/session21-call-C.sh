@@ -18,7 +18,7 @@ prefill k3-layers-4 2048 bf16 --bf16-inputs 256
 prefill k3-layers-4 512,2048 split
 compare_models 300 4 120 bf16e4 --bf16-inputs-tokens 2 --tol 1e-4
 grep -E "^compare-backends: model|first out of tolerance: node|FAILED" $L/compare300-bf16e4.log | head -20 >> $S
-run test-moe-cuda 420 ""
+# (test-moe-cuda whole: cut, no device time left for it; call B ran its v4 / bf16 / fp4 tests)
 rm -f $L/test-*.log $L/serve-smoke.log $L/compare.log
 rm -rf $L/compare*.log.big
 cat $S
