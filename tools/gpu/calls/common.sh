@@ -50,3 +50,11 @@ full_suite() {
   mkdir -p .gpu-carry/bin .gpu-carry/lib && cp $B/perigee .gpu-carry/bin/ && cp .gpu-carry-r1/lib/* .gpu-carry/lib/
   OUT=$OUT/smoke timeout 300 bash tools/gpu/serve-smoke.sh > $L/serve-smoke.log 2>&1; local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] serve-smoke rc=$rc | $(grep -E '^(PASS|FAIL)|serve-smoke:' $L/serve-smoke.log | tr '\n' ' ')" >> $S; }
+# prefill_48b_if_fits: the 48B geometry's prefill (512 and 2048 tokens) under the bf16 policy and the split policy, only
+# on a card with more than 100 GB (its 98 GB of weights do not fit an H100 80GB); nothing, and a summary line, otherwise.
+prefill_48b_if_fits() {
+  local mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mem:-0}" -gt 100000 ]; then
+    prefill kimi-linear-48b 512,2048 bf16 --bf16-inputs 256 --no-profile
+    prefill kimi-linear-48b 512,2048 split --no-profile
+  else echo "[$(( $(date +%s) - T0 ))s] prefill kimi-linear-48b: skipped, ${mem:-?} MiB on this card" >> $S; fi; }

@@ -19,10 +19,6 @@ MOE_V4_SMALL=1 san memcheck test-moe-cuda '*bf16_inputs*' 200
 run test-moe-cuda 300 "-mma" --gtest_filter='*mma_v4*:*mma_v3*:*mma_split*:*mma_v2*'
 prefill k3-layers-4 512,2048 split
 full_suite
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-if [ "${mem:-0}" -gt 100000 ]; then
-  prefill kimi-linear-48b 512,2048 bf16 --bf16-inputs 256 --no-profile
-  prefill kimi-linear-48b 512,2048 split --no-profile
-fi
+prefill_48b_if_fits
 rm -rf $L/compare*.log.big
 cat $S

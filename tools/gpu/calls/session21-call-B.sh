@@ -39,10 +39,6 @@ fi
 compare_models
 run test-runtime-cuda 120 ""
 run test-prefill-cuda 120 ""
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-if [ "${mem:-0}" -gt 100000 ]; then
-  prefill kimi-linear-48b 512,2048 bf16 --bf16-inputs 256 --no-profile
-  prefill kimi-linear-48b 512,2048 split --no-profile
-fi
+prefill_48b_if_fits
 rm -rf $L/compare*.log.big
 cat $S
