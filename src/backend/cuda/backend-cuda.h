@@ -339,9 +339,11 @@ struct cuda_options {
     // Measured (session 21 call B, H100, same binary, table / shift alternating): under the bf16 policy 35.05, 36.12 ->
     // 34.18, 32.74 ms (-6%), the GEMM share 58.6, 59.8 -> 57.9, 56.4 ms (50.8%, 49.4% -> 51.4%, 52.3% of the GEMM rate);
     // under the split policy 44.6 -> 41.9 ms. Both forms exact against the scalar decode over every 16-bit pattern and
-    // scale byte (test-moe-cuda fp4_dequant_forms_exact). On. Left in it (session 21 call B SASS): the second multiply
-    // for scale bytes above 128 compiles to 4 predicated HMUL2 per word, issued on every call; a per-block flag choosing
-    // a pass without them is the next step (not yet measured).
+    // scale byte (test-moe-cuda fp4_dequant_forms_exact). On.
+    // Session 22: the form's second multiply for scale bytes above 128 (4 predicated HMUL2 per word, issued on every call
+    // in session 21's SASS) is gone: the shift form now runs only for expert tables whose scale bytes are all <= 128
+    // (cuda::fp4_shift_max_scale; found when the table is built: real checkpoints' bytes are ~118..127), the table form
+    // otherwise. Prediction (before its first run): MOE_EXPERTS x3 at T=2048 under the bf16 policy -3..-5%.
     bool moe_mma_v4_shift = true;
     // Measured and removed (session 7 call C): two fragment sets per warp, the second scale block of a K-tile dequantized
     // while the first block's wgmmas run (predicted gate/up 8.6 -> ~6.5 ms per layer): 8.64 ms, no gain.

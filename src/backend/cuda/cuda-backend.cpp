@@ -417,6 +417,8 @@ public:
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
         weights_[t.data] = p;
         generated_.insert(t.data);
+        if (kind == 3)   // k_fill_random's bytes: int(lo) + [0, int(hi) - int(lo)], cast to a byte (any wrap: 255)
+            generated_max_byte_[t.data] = int(lo) < 0 || int(hi) > 255 ? 255 : std::max(int(lo), int(hi));
         weight_bytes_ += t.nbytes;
     }
 
@@ -1296,7 +1298,8 @@ private:
                     mo.mma_v3 = opt_.moe_mma_v3;
                     mo.mma_v4 = opt_.moe_mma_v4;
                     mo.mma_v4_bf16 = opt_.moe_mma_v4_bf16;
-                    mo.mma_v4_shift = opt_.moe_mma_v4_shift;
+                    // the shift form's one multiply is exact only for scale bytes <= fp4_shift_max_scale (fp4.cuh)
+                    mo.mma_v4_shift = opt_.moe_mma_v4_shift && expert_shift_ok_.at(n.p.experts.get());
                     mo.dec_v4 = opt_.moe_decode_v4;
                     mo.small_v4 = opt_.moe_small_v4;
                     mo.mma_large_step = opt_.moe_mma_large_step;
@@ -1879,10 +1882,11 @@ private:
         if (it != expert_tables_.end()) return static_cast<const cuda::dexpert *>(it->second);
         const auto & ex = *n.p.experts;
         std::vector<cuda::dexpert> h(ex.size());
+        int smax = 0;   // the largest FP4 scale byte of the node's experts (expert_shift_ok_)
         for (size_t e = 0; e < ex.size(); ++e) {
-            h[e].gate = expert_matrix_dev(ex[e].gate, fmt::format("{}: expert {} gate", n.name, e));
-            h[e].up = expert_matrix_dev(ex[e].up, fmt::format("{}: expert {} up", n.name, e));
-            h[e].down = expert_matrix_dev(ex[e].down, fmt::format("{}: expert {} down", n.name, e));
+            h[e].gate = expert_matrix_dev(ex[e].gate, fmt::format("{}: expert {} gate", n.name, e), smax);
+            h[e].up = expert_matrix_dev(ex[e].up, fmt::format("{}: expert {} up", n.name, e), smax);
+            h[e].down = expert_matrix_dev(ex[e].down, fmt::format("{}: expert {} down", n.name, e), smax);
             PG_CHECK(ex[e].up.out == ex[e].gate.out && ex[e].up.in == ex[e].gate.in && ex[e].down.in == ex[e].gate.out,
                      "{}: expert {} shapes do not chain", n.name, e);
         }
@@ -1902,13 +1906,15 @@ private:
             if (vfmt > 0 && (ex[0].gate.in % C != 0 || ex[0].gate.out % C != 0)) vfmt = 0;
         }
         expert_vfmt_[key] = vfmt;
+        expert_shift_ok_[key] = vfmt == 2 && smax <= int(cuda::fp4_shift_max_scale);
         void * d = nullptr;
         PG_CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(cuda::dexpert)));
         upload(d, h.data(), h.size() * sizeof(cuda::dexpert));
         expert_tables_[key] = d;
         return static_cast<const cuda::dexpert *>(d);
     }
-    cuda::dexpert_matrix expert_matrix_dev(const expert_matrix & m, const std::string & what) {
+    // smax: raised to the largest scale byte of an FP4 matrix (host bytes: scanned here; generated ones: their range).
+    cuda::dexpert_matrix expert_matrix_dev(const expert_matrix & m, const std::string & what, int & smax) {
         cuda::dexpert_matrix d;
         d.out = m.out;
         d.in = m.in;
@@ -1932,9 +1938,15 @@ private:
         PG_CHECK(m.scale->nbytes >= size_t(m.out * (m.in / blk)), "{}: scale {} for [{}, {}]", what, shape_str(m.scale->shape),
                  m.out, m.in);
         const auto * sb = m.scale->as<uint8_t>();
-        for (int64_t i = 0; !generated_.count(m.scale->data) && i < m.out * (m.in / blk); ++i) {
+        const bool gen = generated_.count(m.scale->data) != 0;
+        for (int64_t i = 0; !gen && i < m.out * (m.in / blk); ++i) {
             const bool nan = mx ? sb[i] == 0xFF : (sb[i] & 0x7F) == 0x7F;
             PG_CHECK(!nan, "{}: NaN scale byte 0x{:02X} at row {} block {}", what, sb[i], i / (m.in / blk), i % (m.in / blk));
+            smax = std::max(smax, int(sb[i]));
+        }
+        if (gen) {
+            const auto gm = generated_max_byte_.find(m.scale->data);
+            smax = gm != generated_max_byte_.end() ? std::max(smax, gm->second) : 255;   // unknown range: no shift form
         }
         d.packed = static_cast<const uint8_t *>(weight_dev(*m.packed));
         d.scale = static_cast<const uint8_t *>(weight_dev(*m.scale));
@@ -1971,6 +1983,9 @@ private:
     size_t weight_bytes_ = 0;
     std::unordered_set<const void *> generated_;                // weight_generate keys (host bytes never read)
     std::unordered_map<const void *, int> expert_vfmt_;         // experts vector -> grouped kernel format (0: none)
+    // experts vector -> MXFP4 with every scale byte <= cuda::fp4_shift_max_scale (v4's shift form may run)
+    std::unordered_map<const void *, bool> expert_shift_ok_;
+    std::unordered_map<const void *, int> generated_max_byte_;   // weight_generate keys of byte tensors -> largest byte
     // CUDA graph of one step (capture/replay) and the arena its outputs live in.
     cudaGraphExec_t exec_ = nullptr;
     const graph * cap_g_ = nullptr;

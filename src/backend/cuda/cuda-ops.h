@@ -303,15 +303,20 @@ void launch_moe_mma_stages(int vfmt, const float * x, int64_t Din, int64_t k, co
 int64_t moe_mma_launches(int v);
 // Host-side count of the MXFP4 v4 launches in the shift form (dmoe_opts::mma_v4_shift).
 int64_t moe_mma4_shift_launches();
+// The largest E8M0 scale byte the shift form (fp4.cuh fp4_a_pairs_shift: one bf16 multiply by 2^(b - 1)) is exact for:
+// launch_moe_mma4_stages' shift is for expert tables whose scale bytes are all at most this.
+inline constexpr unsigned fp4_shift_max_scale = 128;
 // Tests: n MXFP4 words q (8 E2M1 nibbles, low first) with their E8M0 scale bytes -> each word's 8 values in column order
 // as the v4 A fragments carry them, by the table form (fp4_a_pairs) and by the shift form (fp4_a_pairs_shift): table
-// and shift [n * 8] on the device. The two must agree bit for bit (both exact).
+// and shift [n * 8] on the device. Both exact where the scale byte is at most fp4_shift_max_scale; above it the shift
+// form is wrong (its precondition; the table form stays exact).
 cudaError_t fp4_dequant_forms(const uint32_t * q, const uint8_t * scale, int64_t n, float * table, float * shift, cudaStream_t st);
 // Host-side count of the MOE_EXPERTS launches at T > 1 that ran the pair form (fmt 2 MXFP4 v6 / v7, 1 BF16) in this
 // process (tests: that the pair form, not the grouped kernels, ran).
 int64_t moe_pair_launches(int fmt);
 // moe-wgmma.cu: the v4 stages (wgmma), MXFP4 (vfmt 2; shift: the dequant of fp4.cuh fp4_a_pairs_shift, the activation
-// planes in its order) and BF16 (vfmt 1); the shapes it takes.
+// planes in its order; only for experts whose scale bytes are all <= fp4_shift_max_scale) and BF16 (vfmt 1); the
+// shapes it takes.
 bool moe_mma4_supported(int vfmt, int64_t Din, int64_t k, const dexperts_cfg & c);
 cudaError_t launch_moe_mma4_stages(int vfmt, const float * x, int64_t Din, int64_t k, const dexpert * experts, int64_t A,
                                    int64_t S, const int32_t * gw, const dexperts_cfg & c, float * hbuf, float * ybuf,

@@ -76,31 +76,23 @@ __device__ __forceinline__ void fp4x8_shift_pairs(uint32_t q, uint32_t (&p)[4]) 
     p[3] = ((q >> 6) & mag) | (q & sgn);
 }
 
-// fp4x8_shift_pairs times the E8M0 scale 2^(b - 127), i.e. times 2^(b - 1) in all (exact, or the same overflow as the
-// scale applied to the E2M1 values): one bf16x2 multiply a pair while 2^(b - 1) is a bf16 (b <= 128: biased exponent
-// b + 126; b = 0 gives 2^-1 with no subnormal case), else 2^(b - 127) then 2^126 (b = 255, the E8M0 NaN, multiplies by
-// inf as e8m0_bf16x2 does).
+// fp4x8_shift_pairs times the E8M0 scale 2^(b - 127), i.e. times 2^(b - 1) in all, as ONE bf16x2 multiply: exact for
+// b <= 128, where 2^(b - 1) is a bf16 (biased exponent b + 126; b = 0 gives 2^-1, no subnormal case). PRECONDITION
+// b <= 128: above it 2^(b - 1) has no bf16 and the result is wrong (fp4_dequant_forms' control shows it), so the backend
+// takes this form only for expert tables whose scale bytes are all <= fp4_shift_max_scale (cuda-ops.h; cuda-backend.cpp
+// expert_shift_ok_; real checkpoints' scales are ~2^-9..2^0, bytes ~118..127) and the table form (fp4_a_pairs) otherwise.
+// Why the precondition instead of a second multiply for b > 128 (session 21's form): the compiler issued that multiply
+// as 4 predicated HMUL2 per word on every call (~32 of ~400 instructions per warp and K-tile of an issue-bound kernel).
 __device__ __forceinline__ void fp4_a_pairs_shift(uint32_t q, uint32_t b, uint32_t (&p)[4]) {
     fp4x8_shift_pairs(q, p);
-    const bool one = b <= 128u;
-    const uint32_t f = ((one ? b + 126u : b) << 7) * 0x10001u;
+    const uint32_t f = ((b + 126u) << 7) * 0x10001u;
     const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162 *>(&f);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), sc);
         p[i] = *reinterpret_cast<const uint32_t *>(&v);
     }
-    if (!one) {
-        const uint32_t f126 = (253u << 7) * 0x10001u;
-        const __nv_bfloat162 s126 = *reinterpret_cast<const __nv_bfloat162 *>(&f126);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&p[i]), s126);
-            p[i] = *reinterpret_cast<const uint32_t *>(&v);
-        }
-    }
 }
-
 // 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
 __device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
     uint32_t p[4];

@@ -32,7 +32,8 @@
 // wgmmas, the A fragments from fp4.cuh fp4_a_pairs_shift (each nibble's bits shifted into a bf16 of value x 2^-126, the
 // 2^126 folded into the scale's multiply) instead of the byte-permute table of fp4_a_pairs. Its pairs hold columns
 // (8q + r, 8q + r + 4), so the activation planes follow m4s_pos instead of m4_pos (k_split_planes4s, and the gate/up
-// epilogue's h). Measured 6% faster on the H100 under both precision policies (session 21 call B).
+// epilogue's h). Measured 6% faster on the H100 under both precision policies (session 21 call B). One multiply by the
+// scale per pair, exact for scale bytes <= 128 only: the backend picks this form for such expert tables only.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cp-async.cuh"
 #include "backend/cuda/fp4.cuh"
@@ -509,7 +510,8 @@ struct mma4_traits {
     static constexpr int64_t smem(int64_t K) { return m4_smem<FMT>(K); }
 };
 
-// fp4_dequant_forms: word i with scale byte i -> its 8 values (column order) by the table form and by the shift form.
+// fp4_dequant_forms: word i with scale byte i -> its 8 values (column order) by the table form and by the shift form
+// (every byte, also those above the shift form's precondition: the test's control).
 __global__ void k_fp4_forms(const uint32_t * __restrict__ q, const uint8_t * __restrict__ sb, int64_t n, float * __restrict__ tab,
                             float * __restrict__ sft) {
     pdl_enter();

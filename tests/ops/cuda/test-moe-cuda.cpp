@@ -590,8 +590,10 @@ TEST(cuda_moe, mma_v3_prefill) {
 // the shift form (fp4_a_pairs_shift: bits shifted into a bf16 of value x 2^-126, the 2^126 folded into the scale) ----
 // Both must give every weight's value exactly, against the scalar reference decode (quant/mxfp4.h
 // mxfp4_dequant_row_ref) bit for bit: 131 072 words (every 16-bit pattern in both halves of a word), rows of 4 words
-// sharing one E8M0 byte, every byte 0..254 (0: the subnormal 2^-127; > 128: the shift form's two-multiply path; 0xFF
-// is refused at load). Control that must FAIL: the shift form's values read in the table form's column order.
+// sharing one E8M0 byte, every byte 0..254 (0: the subnormal 2^-127; 0xFF is refused at load) for the table form, every
+// byte 0..fp4_shift_max_scale (128) for the shift form (its precondition: one multiply by 2^(b - 1)). Controls that must
+// FAIL: the shift form's values read in the table form's column order; the shift form on the bytes above 128 (why the
+// backend takes the table form for expert tables holding such a byte: mma_v4_shift_large_scales).
 TEST(cuda_moe, fp4_dequant_forms_exact) {
     NEED_GPU();
     const int64_t n = 131072;
@@ -614,26 +616,35 @@ TEST(cuda_moe, fp4_dequant_forms_exact) {
         std::memcpy(bytes, q.data() + 4 * r, 16);
         mxfp4_dequant_row_ref(bytes, sb.data() + 4 * r, 32, ref.data() + 32 * r);
     }
-    const auto mismatches = [&](const std::vector<float> & v, bool table_order) {
+    // which: 0 every word, 1 the words of scale bytes <= fp4_shift_max_scale, 2 those above it
+    const auto mismatches = [&](const std::vector<float> & v, bool table_order, int which) {
         int64_t bad = 0;
-        for (int64_t i = 0; i < n; ++i)
+        for (int64_t i = 0; i < n; ++i) {
+            const bool small = sb[size_t(i)] <= cuda::fp4_shift_max_scale;
+            if ((which == 1 && !small) || (which == 2 && small)) continue;
             for (int c = 0; c < 8; ++c) {
                 // table_order on the shift form's output: column c taken from where the table form puts it
                 const int src = table_order ? (c % 2 == 0 ? c / 2 : c / 2 + 4) : c;
                 bad += std::memcmp(&v[size_t(8 * i + src)], &ref[size_t(8 * i + c)], 4) != 0;
             }
+        }
         return bad;
     };
-    const int64_t bt = mismatches(tab, false), bs = mismatches(sft, false), bc = mismatches(sft, true);
-    std::printf("[fp4-forms] %lld values: table form %lld, shift form %lld mismatches vs the reference decode (both must be "
-                "0); control: shift form in the table's column order %lld mismatches (must be > 0)\n",
-                static_cast<long long>(n * 8), static_cast<long long>(bt), static_cast<long long>(bs), static_cast<long long>(bc));
+    const int64_t bt = mismatches(tab, false, 0), bs = mismatches(sft, false, 1), bc = mismatches(sft, true, 1),
+                  bl = mismatches(sft, false, 2);
+    std::printf("[fp4-forms] %lld values: table form %lld (every scale byte), shift form %lld (bytes <= %u) mismatches vs "
+                "the reference decode (both must be 0); controls: shift form in the table's column order %lld, shift form "
+                "on bytes > %u %lld mismatches (both must be > 0)\n",
+                static_cast<long long>(n * 8), static_cast<long long>(bt), static_cast<long long>(bs), cuda::fp4_shift_max_scale,
+                static_cast<long long>(bc), cuda::fp4_shift_max_scale, static_cast<long long>(bl));
     EXPECT_EQ(bt, 0);
     EXPECT_EQ(bs, 0);
     EXPECT_GT(bc, 0);
+    EXPECT_GT(bl, 0);
     tally(bt == 0);
     tally(bs == 0);
     tally(bc > 0);
+    tally(bl > 0);
 }
 
 TEST(cuda_moe, mma_v4_prefill) {
@@ -714,6 +725,52 @@ TEST(cuda_moe, mma_v4_prefill) {
             controls(nmt + "/v4-shift", ref, y4s, metric::NMSE, k_tol_f32);
         }
     }
+}
+
+// ---- 1d''. v4 over MXFP4 experts holding a scale byte above fp4_shift_max_scale (128): the shift form's one multiply
+// is wrong there (fp4_dequant_forms_exact's control), so with moe_mma_v4_shift on the backend must take the table form
+// for that node: the shift launch counter stays still, v4 runs, and y is within the f32 tolerance of the CPU. The same
+// shape with bytes 120..128 runs the shift form. Scale bytes 120..132 (2^-7..2^5): T 300 D 1024
+// F 512 E 8 top-4, the defaults (v4 from moe_mma_large_step tokens). Controls that must FAIL: the comparator family.
+TEST(cuda_moe, mma_v4_shift_large_scales) {
+    NEED_GPU();
+    auto mc = moe_graph(1, 300, 1024, 512, 8, 4, 1, 120, 132, 23011);
+    int above = 0;   // scale bytes above 128 in the graph's experts (the generator's range makes many)
+    for (node & n : mc->g.nodes)
+        if (n.op == op_type::MOE_EXPERTS)
+            for (auto & e : *n.p.experts)
+                for (const expert_matrix * m : {&e.gate, &e.up, &e.down}) {
+                    const auto * b = m->scale->as<uint8_t>();
+                    for (size_t i = 0; i < m->scale->nbytes; ++i) above += b[i] > cuda::fp4_shift_max_scale;
+                }
+    const std::string nm = "moe-mma-v4/large-scales/T300/D1024/F512";
+    const cuda_options o{true, 8};
+    EXPECT_TRUE(o.moe_mma_v4_shift);
+    const std::vector<out_check> oc{{mc->ids, metric::NMSE, 0, true}, {mc->y, metric::NMSE, k_tol_f32}};
+    const int64_t b4 = cuda::moe_mma_launches(4), bs = cuda::moe_mma4_shift_launches();
+    EXPECT_TRUE(parity(nm, mc->g, oc, o)) << nm;
+    const int64_t ran4 = cuda::moe_mma_launches(4) - b4, ran_s = cuda::moe_mma4_shift_launches() - bs;
+    const bool table_form = above > 0 && ran4 >= 1 && ran_s == 0;
+    std::printf("[%s/%d scale bytes > %u: v4 launches %lld, shift form launches %lld] %s (v4 >= 1, shift 0)\n", nm.c_str(),
+                above, cuda::fp4_shift_max_scale, static_cast<long long>(ran4), static_cast<long long>(ran_s),
+                table_form ? "PASS" : "FAIL");
+    EXPECT_TRUE(table_form) << nm;
+    tally(table_form);
+    // the same shape with bytes 120..128 (the bound itself included): the shift form runs
+    auto mc2 = moe_graph(1, 300, 1024, 512, 8, 4, 1, 120, int(cuda::fp4_shift_max_scale), 23011);
+    const std::vector<out_check> oc2{{mc2->ids, metric::NMSE, 0, true}, {mc2->y, metric::NMSE, k_tol_f32}};
+    const int64_t bs2 = cuda::moe_mma4_shift_launches();
+    EXPECT_TRUE(parity(nm + "/bytes-le-128", mc2->g, oc2, o)) << nm;
+    const bool shift_ran = cuda::moe_mma4_shift_launches() > bs2;
+    std::printf("[%s/bytes 120..%u: shift form launches > 0] %s\n", nm.c_str(), cuda::fp4_shift_max_scale,
+                shift_ran ? "PASS" : "FAIL");
+    EXPECT_TRUE(shift_ran) << nm;
+    tally(shift_ran);
+    auto cpu = backend_cpu_init();
+    cpu->run(mc->g);
+    auto gpu = backend_cuda_init(0);
+    gpu->run(mc->g);
+    controls(nm, read_f32(*cpu, mc->y), read_f32(*gpu, mc->y), metric::NMSE, k_tol_f32);
 }
 
 // ---- 1e. Tensor-core experts v4 over BF16 weights (cuda_options::moe_mma_v4_bf16: moe-wgmma.cu FMT 1, Din and d_ff
