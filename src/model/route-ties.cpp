@@ -120,17 +120,18 @@ route_tie route_near_tie(const int32_t * a_ids, const int32_t * b_ids, int64_t K
         for (int64_t i = 0; i < n_group && used < topk_group; ++i)   // filled up in the CPU's group order
             if (!keep_b[size_t(order[size_t(i)])]) keep_b[size_t(order[size_t(i)])] = true, ++used;
         double lo_a = INFINITY, hi_b = -INFINITY;
-        std::string ga, gb;
+        std::vector<int32_t> ga, gb;   // groups kept by one side only
         for (int64_t g = 0; g < n_group; ++g) {
-            if (keep_a[size_t(g)] && !keep_b[size_t(g)]) lo_a = std::min(lo_a, gscore[size_t(g)]), ga += fmt::format("{}{}({:.9g})", ga.empty() ? "" : ",", g, gscore[size_t(g)]);
-            if (keep_b[size_t(g)] && !keep_a[size_t(g)]) hi_b = std::max(hi_b, gscore[size_t(g)]), gb += fmt::format("{}{}({:.9g})", gb.empty() ? "" : ",", g, gscore[size_t(g)]);
+            if (keep_a[size_t(g)] && !keep_b[size_t(g)]) lo_a = std::min(lo_a, gscore[size_t(g)]), ga.push_back(int32_t(g));
+            if (keep_b[size_t(g)] && !keep_a[size_t(g)]) hi_b = std::max(hi_b, gscore[size_t(g)]), gb.push_back(int32_t(g));
         }
         if (!ga.empty()) {
             v.groups_differ = true;
             v.gap = lo_a - hi_b;
             const bool exact_tie = v.gap == 0.0 && exact_inputs;
             const bool gtie = v.gap >= 0.0 && v.gap <= 2.0 * v.bound && !exact_tie;
-            group_note = fmt::format("groups cpu-only [{}] other-only [{}] (cpu group scores; group gap {:.3e} {} bound {:.3e}); ", ga, gb,
+            group_note = fmt::format("groups cpu-only [{}] other-only [{}] (cpu group scores; group gap {:.3e} {} bound {:.3e}); ",
+                                     id_list(ga, gscore), id_list(gb, gscore),
                                      v.gap, exact_tie ? "an exact tie on identical inputs, against" : gtie ? "<=" : ">", 2.0 * v.bound);
             if (!gtie) {
                 v.bound *= 2.0;
