@@ -416,9 +416,8 @@ public:
         PG_CUDA_CHECK(cuda::launch_fill_random(p, n, kind, seed, lo, hi, st_));
         PG_CUDA_CHECK(cudaStreamSynchronize(st_));
         weights_[t.data] = p;
-        generated_.insert(t.data);
-        if (kind == 3)   // k_fill_random's bytes: int(lo) + [0, int(hi) - int(lo)], cast to a byte (any wrap: 255)
-            generated_max_byte_[t.data] = int(lo) < 0 || int(hi) > 255 ? 255 : std::max(int(lo), int(hi));
+        // byte tensors: k_fill_random's bytes are int(lo) + [0, int(hi) - int(lo)], cast to a byte (any wrap: 255)
+        generated_[t.data] = kind != 3 ? -1 : int(lo) < 0 || int(hi) > 255 ? 255 : std::max(int(lo), int(hi));
         weight_bytes_ += t.nbytes;
     }
 
@@ -1286,7 +1285,8 @@ private:
                 const cuda::dexpert * table = expert_table(n);
                 const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
                 float * scratch = static_cast<float *>(node_scratch(size_t(T * k * (F + Dout)) * 4));
-                const int vfmt = opt_.moe_grouped ? expert_vfmt_.at(n.p.experts.get()) : 0;
+                const expert_fmt ef = expert_fmt_.at(n.p.experts.get());
+                const int vfmt = opt_.moe_grouped ? ef.vfmt : 0;
                 if (vfmt > 0 && int64_t(ex.size()) <= 1024) {
                     auto * gw = static_cast<int32_t *>(node_scratch(size_t(cuda::moe_group_ints(T, k, int64_t(ex.size()), Dout)) * 4));
                     cuda::dmoe_opts mo;
@@ -1299,7 +1299,7 @@ private:
                     mo.mma_v4 = opt_.moe_mma_v4;
                     mo.mma_v4_bf16 = opt_.moe_mma_v4_bf16;
                     // the shift form's one multiply is exact only for scale bytes <= fp4_shift_max_scale (fp4.cuh)
-                    mo.mma_v4_shift = opt_.moe_mma_v4_shift && expert_shift_ok_.at(n.p.experts.get());
+                    mo.mma_v4_shift = opt_.moe_mma_v4_shift && ef.shift_ok;
                     mo.dec_v4 = opt_.moe_decode_v4;
                     mo.small_v4 = opt_.moe_small_v4;
                     mo.mma_large_step = opt_.moe_mma_large_step;
@@ -1710,7 +1710,7 @@ private:
         const auto & ex = *n.p.experts;
         const int64_t Din = x.shape[1], k = idt.shape[1], F = ex[0].gate.out, Dout = n.outs.at(0).shape.at(1);
         const cuda::dexpert * table = expert_table(n);
-        PG_CHECK(opt_.moe_grouped && opt_.moe_decode_bf16 && expert_vfmt_.at(n.p.experts.get()) == 1 && int64_t(ex.size()) <= 1024,
+        PG_CHECK(opt_.moe_grouped && opt_.moe_decode_bf16 && expert_fmt_.at(n.p.experts.get()).vfmt == 1 && int64_t(ex.size()) <= 1024,
                  "{}: the shared slot needs the grouped BF16 decode experts", n.name);
         auto outp = [&](int j) {
             auto & o = outs_[size_t(j)];
@@ -1882,7 +1882,7 @@ private:
         if (it != expert_tables_.end()) return static_cast<const cuda::dexpert *>(it->second);
         const auto & ex = *n.p.experts;
         std::vector<cuda::dexpert> h(ex.size());
-        int smax = 0;   // the largest FP4 scale byte of the node's experts (expert_shift_ok_)
+        int smax = 0;   // the largest FP4 scale byte of the node's experts (expert_fmt::shift_ok)
         for (size_t e = 0; e < ex.size(); ++e) {
             h[e].gate = expert_matrix_dev(ex[e].gate, fmt::format("{}: expert {} gate", n.name, e), smax);
             h[e].up = expert_matrix_dev(ex[e].up, fmt::format("{}: expert {} up", n.name, e), smax);
@@ -1905,8 +1905,7 @@ private:
             const int64_t C = vfmt == 1 ? 8 : 32;
             if (vfmt > 0 && (ex[0].gate.in % C != 0 || ex[0].gate.out % C != 0)) vfmt = 0;
         }
-        expert_vfmt_[key] = vfmt;
-        expert_shift_ok_[key] = vfmt == 2 && smax <= int(cuda::fp4_shift_max_scale);
+        expert_fmt_[key] = {vfmt, vfmt == 2 && smax <= int(cuda::fp4_shift_max_scale)};
         void * d = nullptr;
         PG_CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(cuda::dexpert)));
         upload(d, h.data(), h.size() * sizeof(cuda::dexpert));
@@ -1938,16 +1937,13 @@ private:
         PG_CHECK(m.scale->nbytes >= size_t(m.out * (m.in / blk)), "{}: scale {} for [{}, {}]", what, shape_str(m.scale->shape),
                  m.out, m.in);
         const auto * sb = m.scale->as<uint8_t>();
-        const bool gen = generated_.count(m.scale->data) != 0;
-        for (int64_t i = 0; !gen && i < m.out * (m.in / blk); ++i) {
+        const auto gen = generated_.find(m.scale->data);
+        for (int64_t i = 0; gen == generated_.end() && i < m.out * (m.in / blk); ++i) {
             const bool nan = mx ? sb[i] == 0xFF : (sb[i] & 0x7F) == 0x7F;
             PG_CHECK(!nan, "{}: NaN scale byte 0x{:02X} at row {} block {}", what, sb[i], i / (m.in / blk), i % (m.in / blk));
             smax = std::max(smax, int(sb[i]));
         }
-        if (gen) {
-            const auto gm = generated_max_byte_.find(m.scale->data);
-            smax = gm != generated_max_byte_.end() ? std::max(smax, gm->second) : 255;   // unknown range: no shift form
-        }
+        if (gen != generated_.end()) smax = std::max(smax, gen->second < 0 ? 255 : gen->second);   // not bytes: no shift form
         d.packed = static_cast<const uint8_t *>(weight_dev(*m.packed));
         d.scale = static_cast<const uint8_t *>(weight_dev(*m.scale));
         PG_CHECK(reinterpret_cast<uintptr_t>(d.packed) % 16 == 0 && reinterpret_cast<uintptr_t>(d.scale) % 16 == 0,
@@ -1981,11 +1977,13 @@ private:
     std::unordered_map<tensor *, void *> states_;               // host STATE tensor -> device-resident copy
     std::unordered_map<const void *, void *> expert_tables_;    // experts vector -> device dexpert[E]
     size_t weight_bytes_ = 0;
-    std::unordered_set<const void *> generated_;                // weight_generate keys (host bytes never read)
-    std::unordered_map<const void *, int> expert_vfmt_;         // experts vector -> grouped kernel format (0: none)
-    // experts vector -> MXFP4 with every scale byte <= cuda::fp4_shift_max_scale (v4's shift form may run)
-    std::unordered_map<const void *, bool> expert_shift_ok_;
-    std::unordered_map<const void *, int> generated_max_byte_;   // weight_generate keys of byte tensors -> largest byte
+    // weight_generate keys (host bytes never read) -> the largest byte generated (byte tensors), else -1
+    std::unordered_map<const void *, int> generated_;
+    struct expert_fmt {
+        int vfmt = 0;            // grouped kernel format (0: none)
+        bool shift_ok = false;   // MXFP4 with every scale byte <= cuda::fp4_shift_max_scale (v4's shift form may run)
+    };
+    std::unordered_map<const void *, expert_fmt> expert_fmt_;   // experts vector -> its formats
     // CUDA graph of one step (capture/replay) and the arena its outputs live in.
     cudaGraphExec_t exec_ = nullptr;
     const graph * cap_g_ = nullptr;

@@ -80,7 +80,7 @@ __device__ __forceinline__ void fp4x8_shift_pairs(uint32_t q, uint32_t (&p)[4]) 
 // b <= 128, where 2^(b - 1) is a bf16 (biased exponent b + 126; b = 0 gives 2^-1, no subnormal case). PRECONDITION
 // b <= 128: above it 2^(b - 1) has no bf16 and the result is wrong (fp4_dequant_forms' control shows it), so the backend
 // takes this form only for expert tables whose scale bytes are all <= fp4_shift_max_scale (cuda-ops.h; cuda-backend.cpp
-// expert_shift_ok_; real checkpoints' scales are ~2^-9..2^0, bytes ~118..127) and the table form (fp4_a_pairs) otherwise.
+// expert_fmt::shift_ok; real checkpoints' scales are ~2^-9..2^0, bytes ~118..127) and the table form (fp4_a_pairs) otherwise.
 // Why the precondition instead of a second multiply for b > 128 (session 21's form): the compiler issued that multiply
 // as 4 predicated HMUL2 per word on every call (~32 of ~400 instructions per warp and K-tile of an issue-bound kernel).
 __device__ __forceinline__ void fp4_a_pairs_shift(uint32_t q, uint32_t b, uint32_t (&p)[4]) {
@@ -93,6 +93,7 @@ __device__ __forceinline__ void fp4_a_pairs_shift(uint32_t q, uint32_t b, uint32
         p[i] = *reinterpret_cast<const uint32_t *>(&v);
     }
 }
+
 // 8 E2M1 nibbles (low nibble first) -> 8 floats, exact.
 __device__ __forceinline__ void fp4x8(uint32_t q, float * o) {
     uint32_t p[4];
