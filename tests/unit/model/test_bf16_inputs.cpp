@@ -11,6 +11,7 @@
 #include "model/state.h"
 #include "model/synth.h"
 #include "model_test_util.h"
+#include "harness.h"   // tests/ops/cpu: the ops tests' comparator (NaN placement first, then the metric)
 
 #include <gtest/gtest.h>
 #include <cmath>
@@ -180,11 +181,6 @@ TEST_P(bf16_inputs, ulp_sensitivity_by_policy) {
         EXPECT_TRUE(!perturb || embedded) << "no GET_ROWS node to perturb";
         return recs;
     };
-    auto nmse = [](const std::vector<float> & a, const std::vector<float> & r) {
-        double num = 0, den = 0;
-        for (size_t i = 0; i < r.size(); ++i) num += (double(a[i]) - r[i]) * (double(a[i]) - r[i]), den += double(r[i]) * r[i];
-        return den > 0 ? num / den : num;
-    };
     double worst_by_policy[2] = {0, 0};
     for (int pol = 0; pol < 2; ++pol) {
         int forced = 0, unused = 0;
@@ -193,7 +189,9 @@ TEST_P(bf16_inputs, ulp_sensitivity_by_policy) {
         double worst = 0, o_norm4 = -1;
         std::string worst_at;
         for (size_t i = 0; i < base.size(); ++i) {
-            const double e = nmse(pert[i].f, base[i].f);
+            const cmp_result c = compare(to_f64(base[i].f), pert[i].f, metric::NMSE, 1e300);   // measured, not judged here
+            EXPECT_TRUE(c.why.empty()) << base[i].name << ": " << c.why;
+            const double e = c.measured;
             if (base[i].name == "blk.4.kda_o_norm") o_norm4 = e;
             if (e > worst) worst = e, worst_at = base[i].name;
         }
