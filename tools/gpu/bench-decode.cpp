@@ -394,6 +394,8 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "moe_select_small") co.moe_select_small = int(v);
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
         else if (k == "gemv_evict_first") co.gemv_evict_first = v != 0;
+        else if (k == "l2_side_prefetch_mib") co.l2_side_prefetch_mib = int(v);
+        else if (k == "l2_side_prefetch_blocks") co.l2_side_prefetch_blocks = int(v);
         else if (k == "linear_split_bf16") co.linear_split_bf16 = v != 0;
         else if (k == "linear_split_stacked") co.linear_split_stacked = v;
         else if (k == "moe_mma_split") co.moe_mma_split = v != 0;
@@ -509,6 +511,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
             }, 3);
             be->capture(g);
             be->replay(3);
+            if (be->side_prefetches() > 0) std::printf("    side L2 prefetch nodes in the graph: %d\n", be->side_prefetches());
             const double gms = median_ms_per([&] {
                 const double a = now_ms();
                 be->replay(o.steps);

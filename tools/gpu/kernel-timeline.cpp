@@ -123,6 +123,15 @@ void report(std::FILE * f, const std::vector<kernel_rec> & recs, int skip, doubl
     std::sort(reps.begin(), reps.end(), [](const auto & a, const auto & b) { return a.front().start < b.front().start; });
     PG_CHECK(int(reps.size()) > skip, "kernel timeline: {} graph launches recorded, {} to skip", reps.size(), skip);
     reps.erase(reps.begin(), reps.begin() + skip);
+    // Side-branch kernels (cuda_options::l2_side_prefetch_mib: graph nodes beside the chain, in no fixed order with it)
+    // are taken out of the chain's table and reported after it: the duration of each and the chain kernels it overlaps.
+    std::vector<std::vector<kernel_rec>> side(reps.size());
+    for (size_t q = 0; q < reps.size(); ++q) {
+        auto & r = reps[q];
+        std::vector<kernel_rec> chain;
+        for (auto & k : r) (k.name.find("l2_side_prefetch") != std::string::npos ? side[q] : chain).push_back(k);
+        r = std::move(chain);
+    }
     const size_t n = reps.front().size();
     for (const auto & r : reps)
         PG_CHECK(r.size() == n, "kernel timeline: replays with {} and {} kernels (not one graph?)", n, r.size());
@@ -165,6 +174,31 @@ void report(std::FILE * f, const std::vector<kernel_rec> & recs, int skip, doubl
     for (const auto & [k, v] : by_name) rows.push_back({v.first, k + " x" + std::to_string(v.second)});
     std::sort(rows.rbegin(), rows.rend());
     for (const auto & [t, k] : rows) std::fprintf(f, "    %9.1f us %5.1f%%  %s\n", t, 100 * t / sum_exp, k.c_str());
+    const size_t ns = side.front().size();
+    bool same = true;
+    for (const auto & v : side) same &= v.size() == ns;
+    if (ns > 0 && same) {
+        std::fprintf(f, "  side-branch kernels: %zu per replay (us, medians; 'from .. to': the chain kernels running at its start"
+                        " and end)\n", ns);
+        for (size_t i = 0; i < ns; ++i) {
+            std::vector<double> d, a, b;
+            for (size_t q = 0; q < reps.size(); ++q) {
+                const kernel_rec & k = side[q][i];
+                d.push_back((k.end - k.start) * 1e-3);
+                auto at = [&](uint64_t t) {   // the last chain kernel started by t
+                    double idx = 0;
+                    for (size_t j = 0; j < n; ++j)
+                        if (reps[q][j].start <= t) idx = double(j);
+                    return idx;
+                };
+                a.push_back(at(k.start));
+                b.push_back(at(k.end));
+            }
+            std::fprintf(f, "  %4zu %9.2f  from #%.0f to #%.0f  grid %d\n", i, median(d), median(a), median(b), side[0][i].grid[0]);
+        }
+    } else if (ns > 0 || !same) {
+        std::fprintf(f, "  side-branch kernels: a different count per replay (replay 0: %zu)\n", ns);
+    }
     std::fflush(f);
 }
 

@@ -480,6 +480,23 @@ struct cuda_options {
     // (Tried with it and removed, call D: the route selection's PDL trigger before its wait, so that the experts' launch
     // is resident while the router runs: 48B 2.300 -> 2.380 ms.)
     bool gemv_evict_first = true;
+    // The captured decode graph gets side-branch L2 prefetches (l2-side-prefetch.cu): after each weight-streaming launch p
+    // (a node whose launch reads >= 4 MiB of weights) that is followed by latency-bound launches before the next
+    // streaming launch s, a kernel node depending on p alone asks up to this many MiB of s's weights into L2 while the
+    // latency-bound launches run (the HBM idle). Nothing waits for it; results unchanged (test-fuse-cuda
+    // side_prefetch_replay_bitwise). 0 = off. Predicted (session 23, before any run): the 48B's o_proj behind the KDA
+    // tail and the shared expert behind norm / router / selection from L2, -5..6 us per layer (~-6%). Measured (H100,
+    // 48B cut to 16 layers, two calls, same binary): 1.787 -> 1.767 ms (8 MiB), 1.775 (16), 1.777 (32), 1.783 (64);
+    // 1.771 -> 1.749 (8); k3-layers-4 3.281 -> 3.269 (16), 3.262 (32). The timeline: o_proj 11.4 -> 7.7 us per KDA layer
+    // (its weights do come from L2), but the MoE gap's prefetch slows the router GEMV beside it (2.5 -> 3.2 us) about as
+    // much as gate/up gains. Call C (every CUDA test, compare-backends 9/9 and the serve smoke with it on): 48B-16
+    // 1.768 -> 1.751 ms, k3 3.208 -> 3.187 ms. (Tried and removed: the next streaming launch's weights too, within 24
+    // MiB: 1.761 / 1.747 vs 8 MiB's 1.767 / 1.749, not separable from noise; the fork moved to any launch reading >= 512
+    // KiB, meant for the 48B router: it also made the KDA tail a fork, so o_proj lost its prefetch, 1.768.) On at 8
+    // MiB; not yet measured on an H200. See bench/RESULTS.md session 23.
+    int l2_side_prefetch_mib = 8;
+    // Blocks (one warp each) of each side prefetch node: the issue rate (~250 GB/s per SM, session 10).
+    int l2_side_prefetch_blocks = 32;
     // RMS_NORM / LAYER_NORM / L2_NORM / GATED_RMS_NORM launches of rows of up to 16 elements per thread: the row held in
     // registers, every load issued at once, the weights before the PDL wait (norm.cu k_norm_reg); bit for bit the loop
     // kernel. false: the loop kernel. Why: ncu (session 8 call A, 48B decode step) timed the post-attention norm of one
@@ -610,6 +627,8 @@ public:
     // MOE_EXPERTS launches the last run/capture executed with the shared expert as their extra slot
     // (cuda_options::moe_shared_slot).
     virtual int fused_moe_shared() const = 0;
+    // Side-branch L2 prefetch nodes added to the last captured graph (cuda_options::l2_side_prefetch_mib).
+    virtual int side_prefetches() const = 0;
     // Router logits the last run/capture computed inside a norm's launch (cuda_options::fuse_norm_route).
     virtual int fused_routes() const = 0;
     // BF16 LINEARs the last run/capture ran as one stacked hi + lo GEMM (cuda_options::linear_split_stacked).

@@ -340,6 +340,7 @@ public:
     int fused_sigmoids() const override { return n_fused_sig_; }
     int fused_kda_decodes() const override { return n_kda_fused_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
+    int side_prefetches() const override { return n_side_prefetch_; }
     int fused_routes() const override { return n_fused_routes_; }
     int linear_stacked() const override { return n_linear_stacked_; }
     int linear_shared_x() const override { return n_linear_shared_x_; }
@@ -546,13 +547,31 @@ private:
     // recorded on st_ (outputs from the arena set up by the caller), instantiated. Executes nothing. An error names
     // the node (prefixed by `who`) and leaves no capture open.
     cudaGraphExec_t capture_nodes(const graph & g, int n_err, const char * who) {
+        const bool side = opt_.l2_side_prefetch_mib > 0;
+        std::vector<std::vector<std::pair<const void *, size_t>>> reads;   // side prefetch: per node, weights read
+        std::vector<cudaGraphNode_t> tail;   // side prefetch: per node, its last captured kernel node (none: nullptr)
+        if (side) {
+            reads.assign(g.nodes.size(), {});
+            tail.assign(g.nodes.size(), nullptr);
+            is_weight_node_.assign(g.nodes.size(), 0);
+            for (size_t i = 0; i < g.nodes.size(); ++i) is_weight_node_[i] = g.nodes[i].op == op_type::WEIGHT;
+        }
         PG_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
         try {
             PG_CUDA_CHECK(cudaMemsetAsync(err_, 0, size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int), st_));
+            cudaGraphNode_t last = capture_tail();
             for (int id = 0; id < int(g.nodes.size()); ++id) {
                 try {
+                    if (side) reads_log_ = &reads[size_t(id)];
                     run_node(g, id);
+                    reads_log_ = nullptr;
+                    if (side) {
+                        const cudaGraphNode_t t = capture_tail();
+                        if (t != last) tail[size_t(id)] = t;
+                        last = t;
+                    }
                 } catch (const error & ex) {
+                    reads_log_ = nullptr;
                     const node & n = g.nodes[size_t(id)];
                     throw error(ex.func(), ex.file(), ex.line(),
                                 fmt::format("{}: node {} '{}' ({}): {}", who, id, n.name, op_name(n.op), ex.what()));
@@ -567,11 +586,68 @@ private:
         }
         cudaGraph_t cg = nullptr;
         PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
+        if (side) {
+            try {
+                add_side_prefetches(g, cg, reads, tail);
+            } catch (...) {
+                cudaGraphDestroy(cg);
+                throw;
+            }
+        }
         cudaGraphExec_t exec = nullptr;
         const cudaError_t ie = cudaGraphInstantiate(&exec, cg, 0);
         cudaGraphDestroy(cg);
         PG_CHECK(ie == cudaSuccess, "{}: cudaGraphInstantiate failed: {}", who, cudaGetErrorString(ie));
         return exec;
+    }
+
+    // The capture's current last node on st_ (nullptr when it has none or several).
+    cudaGraphNode_t capture_tail() const {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        const cudaGraphNode_t * deps = nullptr;
+        size_t nd = 0;
+        PG_CUDA_CHECK(cudaStreamGetCaptureInfo(st_, &cs, nullptr, nullptr, &deps, nullptr, &nd));
+        return cs == cudaStreamCaptureStatusActive && nd == 1 ? deps[0] : nullptr;
+    }
+
+    // cuda_options::l2_side_prefetch_mib: over the captured nodes in order, the launches that read >= 4 MiB of weights
+    // are the streaming ones (GET_ROWS reads rows of its table only: never); after each streaming launch p followed by
+    // at least one other launch before the next streaming launch s, a prefetch node of s's weights (in the order s read
+    // them, up to the budget) depending on p's last kernel node alone. Weights read by s but not through in() (the
+    // routed experts' tables: unknown until the selection) are not asked for.
+    void add_side_prefetches(const graph & g, cudaGraph_t cg, const std::vector<std::vector<std::pair<const void *, size_t>>> & reads,
+                             const std::vector<cudaGraphNode_t> & tail) {
+        constexpr size_t k_streaming = size_t(4) << 20;
+        const size_t budget = size_t(opt_.l2_side_prefetch_mib) << 20;
+        n_side_prefetch_ = 0;
+        int p = -1;          // the last streaming launch
+        bool gap = false;    // a launch since p
+        for (size_t id = 0; id < g.nodes.size(); ++id) {
+            if (!tail[id]) continue;
+            size_t bytes = 0;
+            if (g.nodes[id].op != op_type::GET_ROWS)
+                for (const auto & r : reads[id]) bytes += r.second;
+            if (bytes < k_streaming) {
+                gap = true;
+                continue;
+            }
+            if (p >= 0 && gap) {
+                cuda::l2_ranges rg;
+                size_t left = budget;
+                for (const auto & r : reads[id]) {
+                    if (left == 0 || rg.n == cuda::l2_ranges::k_max) break;
+                    rg.p[rg.n] = r.first;
+                    rg.bytes[rg.n] = std::min(r.second, left);
+                    left -= rg.bytes[rg.n];
+                    ++rg.n;
+                }
+                cudaGraphNode_t pn = nullptr;
+                PG_CUDA_CHECK(cuda::add_l2_prefetch_node(cg, tail[size_t(p)], rg, opt_.l2_side_prefetch_blocks, &pn));
+                ++n_side_prefetch_;
+            }
+            p = int(id);
+            gap = false;
+        }
     }
 
     // Captures the decode step g (its layout seen before, which allocated `bytes`) into a new entry; executes nothing.
@@ -959,7 +1035,13 @@ private:
     // ---- node inputs ----
     const dtensor & in(const node & n, size_t i) const {
         const node_ref r = n.src.at(i);
-        return outs_.at(size_t(r.node)).at(size_t(r.out));
+        const dtensor & d = outs_.at(size_t(r.node)).at(size_t(r.out));
+        if (reads_log_ && is_weight_node_[size_t(r.node)]) {
+            bool seen = false;
+            for (const auto & e : *reads_log_) seen |= e.first == d.p;
+            if (!seen) reads_log_->emplace_back(d.p, d.nbytes);
+        }
+        return d;
     }
     const float * f32_in(const node & n, size_t i) const { return static_cast<const float *>(in(n, i).p); }
     const int32_t * i32_in(const node & n, size_t i) const { return static_cast<const int32_t *>(in(n, i).p); }
@@ -2016,6 +2098,11 @@ private:
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;
+    int n_side_prefetch_ = 0;
+    // The side prefetch's bookkeeping while a capture runs with it (capture_nodes): the weight ranges the current node's
+    // launches read, logged by in() for inputs produced by WEIGHT nodes (is_weight_node_).
+    mutable std::vector<std::pair<const void *, size_t>> * reads_log_ = nullptr;
+    std::vector<char> is_weight_node_;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
     cuda::dbatch db_;

@@ -60,6 +60,19 @@ cudaError_t launch_pdl_probe_step(const int * x, int64_t n, int add, int64_t spi
 // Device error flags (one int per kind; the backend reads them after a run and names the node).
 enum : int { ERR_ID_RANGE = 0, ERR_SEL_RANGE = 1, ERR_EXPERT_ID = 2, ERR_COUNT = 3 };
 
+// ---- l2-side-prefetch.cu: the decode graph's side-branch L2 prefetch (cuda_options::l2_side_prefetch_mib) ----
+// Up to k_max device ranges asked into L2 (cp.async.bulk.prefetch.L2), in order.
+struct l2_ranges {
+    static constexpr int k_max = 8;
+    const void * p[k_max] = {};
+    uint64_t bytes[k_max] = {};
+    int n = 0;
+};
+// Adds to graph g a kernel node of `blocks` one-warp blocks that prefetches the ranges (each trimmed to 16-byte
+// alignment; cudaErrorInvalidValue when nothing is left), depending on node dep only (a full edge: it starts when dep's
+// kernel has completed). Nothing depends on it.
+cudaError_t add_l2_prefetch_node(cudaGraph_t g, cudaGraphNode_t dep, const l2_ranges & r, int blocks, cudaGraphNode_t * out);
+
 // ---- norm.cu ----
 // One block per row. reg (cuda_options::norm_reg): rows of up to 16 elements per thread are held in registers, every
 // load issued at once and the weights before the PDL wait (k_norm_reg); bit for bit the loop kernel (reg false).

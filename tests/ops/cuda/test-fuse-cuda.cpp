@@ -415,6 +415,44 @@ TEST(cuda_fuse, capture_replay_bitwise) {
     tally(!same);
 }
 
+// cuda_options::l2_side_prefetch_mib: the captured graph gains one prefetch node per gap between weight-streaming
+// launches (here, fusions off, BF16 2304 x 2304 weights = 10.6 MB each: the x group {w1, w3, w4} -> add, silu_mul -> w2
+// -> adds, scale, norm -> w6: 2 gaps), and the replay is bit for bit the eager run of a backend without it (a prefetch
+// changes no value). The comparator's control is capture_replay_bitwise's.
+TEST(cuda_fuse, side_prefetch_replay_bitwise) {
+    NEED_GPU();
+    rng r(9410);
+    add_graph ag;
+    build_add_graph(ag, r, 1, 2304, dtype::BF16);
+    std::vector<tensor> eager;
+    {
+        cuda_options o0 = fuse_opts(false, false, false);
+        o0.l2_side_prefetch_mib = 0;
+        auto base = backend_cuda_init(0, o0);
+        base->run(ag.g);
+        for (node_ref o : ag.outs) eager.push_back(base->read(o));
+        base->capture(ag.g);
+        EXPECT_EQ(base->side_prefetches(), 0) << "0 MiB: off";
+        tally(base->side_prefetches() == 0);
+    }
+    cuda_options o = fuse_opts(false, false, false);
+    o.l2_side_prefetch_mib = 8;
+    auto gpu = backend_cuda_init(0, o);
+    gpu->run(ag.g);
+    gpu->capture(ag.g);
+    gpu->replay(3);
+    bool all = true;
+    for (size_t i = 0; i < ag.outs.size(); ++i) {
+        const tensor t = gpu->read(ag.outs[i]);
+        all &= check_bitwise("side_prefetch/" + ag.g.at(ag.outs[i]).name, eager[i].data, t.data, t.nbytes);
+    }
+    EXPECT_TRUE(all);
+    tally(all);
+    std::printf("[side_prefetch] %d prefetch nodes in the graph\n", gpu->side_prefetches());
+    EXPECT_EQ(gpu->side_prefetches(), 2);
+    tally(gpu->side_prefetches() == 2);
+}
+
 // ---- SHORT_CONV -> L2_NORM per head (fuse_conv_l2) ----
 // q = short_conv(x), qn = l2_norm(q, K) (folded), q also read by a scale (the conv output must still be written);
 // k = short_conv(xk), kn = l2_norm(k, K) (folded); v = short_conv(xv) without a norm (not folded). Sequences of 1 token
