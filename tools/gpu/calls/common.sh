@@ -58,3 +58,8 @@ prefill_48b_if_fits() {
     prefill kimi-linear-48b 512,2048 bf16 --bf16-inputs 256 --no-profile
     prefill kimi-linear-48b 512,2048 split --no-profile
   else echo "[$(( $(date +%s) - T0 ))s] prefill kimi-linear-48b: skipped, ${mem:-?} MiB on this card" >> $S; fi; }
+# cut_48b: CUT="" on a card with more than 100 GB, else CUT="--layers 16" (the 48B geometry's 98 GB do not fit an 80 GB
+# card: its rows then run 16 of the 27 layers) and a summary line saying so. For bench-cuda-decode's 48B command lines.
+cut_48b() {
+  local mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mem:-0}" -gt 100000 ]; then CUT=""; else CUT="--layers 16"; echo "48B rows cut to 16 layers (${mem} MiB card)" >> $S; fi; }

@@ -6,9 +6,7 @@
 set -u
 source tools/gpu/calls/common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
-# an H100 (80 GB) does not hold the 48B geometry's 98 GB: its 48B rows then run 16 of the 27 layers (--layers 16)
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-if [ "${MEM:-0}" -gt 100000 ]; then CUT=""; else CUT="--layers 16"; echo "48B rows cut to 16 layers (${MEM} MiB card)" >> $S; fi
+cut_48b
 run test-fuse-cuda 200 "-side" --gtest_filter='cuda_fuse.side_prefetch*:cuda_fuse.capture_replay*'
 D48="timeout 150 $B/bench-cuda-decode --steps 40 --no-compare --no-profile --batch 1 $CUT"
 D="timeout 150 $B/bench-cuda-decode --steps 40 --no-compare --no-profile --batch 1"

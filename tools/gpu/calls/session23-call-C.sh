@@ -5,8 +5,7 @@
 set -u
 source tools/gpu/calls/common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-if [ "${MEM:-0}" -gt 100000 ]; then CUT=""; else CUT="--layers 16"; echo "48B rows cut to 16 layers (${MEM} MiB card)" >> $S; fi
+cut_48b
 D="timeout 150 $B/bench-cuda-decode --steps 40 --no-compare --no-profile --batch 1 $CUT"
 for r in 1 2; do
   b kimi-linear-48b s0-r$r l2_side_prefetch_mib=0
