@@ -571,13 +571,13 @@ private:
                         last = t;
                     }
                 } catch (const error & ex) {
-                    reads_log_ = nullptr;
                     const node & n = g.nodes[size_t(id)];
                     throw error(ex.func(), ex.file(), ex.line(),
                                 fmt::format("{}: node {} '{}' ({}): {}", who, id, n.name, op_name(n.op), ex.what()));
                 }
             }
         } catch (...) {
+            reads_log_ = nullptr;   // any exception type: the log points into this frame's vectors
             cudaGraph_t junk = nullptr;
             cudaStreamEndCapture(st_, &junk);
             if (junk) cudaGraphDestroy(junk);

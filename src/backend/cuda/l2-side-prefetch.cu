@@ -2,7 +2,7 @@
 // step beside the chain, never in it. It depends on the completion of one weight-streaming launch p and has no
 // successor, so it runs while the latency-bound launches after p (the KDA tail, the norm / router / selection) leave the
 // HBM idle, and asks the weights of the next streaming launch into L2. Nothing in the chain waits for it: a prefetch
-// changes no value, so every output is bit for bit the graph without it (test-runtime-cuda checks the replay).
+// changes no value, so every output is bit for bit the graph without it (test-fuse-cuda side_prefetch_replay_bitwise).
 //
 // Why a graph branch (session 23): session 10 measured four prefetch forms issued by chain kernels themselves (the
 // route's selection block, the latency-bound kernels after their wait, each GEMV block before its wait) and removed all
