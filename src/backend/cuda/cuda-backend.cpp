@@ -4,6 +4,7 @@
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/fuse-ops.h"
 #include "backend/cuda/fuse-plan.h"
+#include "backend/cuda/side-prefetch-plan.h"
 #include "backend/cuda/kda-decode.h"
 #include "backend/cuda/prefill-ops.h"
 #include "backend/cuda/state-ops.h"
@@ -548,10 +549,10 @@ private:
     // the node (prefixed by `who`) and leaves no capture open.
     cudaGraphExec_t capture_nodes(const graph & g, int n_err, const char * who) {
         const bool side = opt_.l2_side_prefetch_mib > 0;
-        std::vector<std::vector<std::pair<const void *, size_t>>> reads;   // side prefetch: per node, weights read
-        std::vector<cudaGraphNode_t> tail;   // side prefetch: per node, its last captured kernel node (none: nullptr)
+        std::vector<cuda_side::launch> launches;   // side prefetch: per node, whether it launched and the weights it read
+        std::vector<cudaGraphNode_t> tail;         // side prefetch: per node, its last captured kernel node (none: nullptr)
         if (side) {
-            reads.assign(g.nodes.size(), {});
+            launches.assign(g.nodes.size(), {});
             tail.assign(g.nodes.size(), nullptr);
             is_weight_node_.assign(g.nodes.size(), 0);
             for (size_t i = 0; i < g.nodes.size(); ++i) is_weight_node_[i] = g.nodes[i].op == op_type::WEIGHT;
@@ -562,12 +563,14 @@ private:
             cudaGraphNode_t last = capture_tail();
             for (int id = 0; id < int(g.nodes.size()); ++id) {
                 try {
-                    if (side) reads_log_ = &reads[size_t(id)];
+                    if (side) reads_log_ = &launches[size_t(id)].reads;
                     run_node(g, id);
                     reads_log_ = nullptr;
                     if (side) {
                         const cudaGraphNode_t t = capture_tail();
                         if (t != last) tail[size_t(id)] = t;
+                        launches[size_t(id)].launched = t != last && t != nullptr;
+                        launches[size_t(id)].get_rows = g.nodes[size_t(id)].op == op_type::GET_ROWS;
                         last = t;
                     }
                 } catch (const error & ex) {
@@ -588,7 +591,7 @@ private:
         PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
         if (side) {
             try {
-                add_side_prefetches(g, cg, reads, tail);
+                add_side_prefetches(cg, launches, tail);
             } catch (...) {
                 cudaGraphDestroy(cg);
                 throw;
@@ -610,43 +613,22 @@ private:
         return cs == cudaStreamCaptureStatusActive && nd == 1 ? deps[0] : nullptr;
     }
 
-    // cuda_options::l2_side_prefetch_mib: over the captured nodes in order, the launches that read >= 4 MiB of weights
-    // are the streaming ones (GET_ROWS reads rows of its table only: never); after each streaming launch p followed by
-    // at least one other launch before the next streaming launch s, a prefetch node of s's weights (in the order s read
-    // them, up to the budget) depending on p's last kernel node alone. Weights read by s but not through in() (the
-    // routed experts' tables: unknown until the selection) are not asked for.
-    void add_side_prefetches(const graph & g, cudaGraph_t cg, const std::vector<std::vector<std::pair<const void *, size_t>>> & reads,
-                             const std::vector<cudaGraphNode_t> & tail) {
-        constexpr size_t k_streaming = size_t(4) << 20;
-        const size_t budget = size_t(opt_.l2_side_prefetch_mib) << 20;
+    // cuda_options::l2_side_prefetch_mib: the prefetch nodes side-prefetch-plan.h places (after a streaming launch p
+    // followed by latency-bound ones, the next streaming launch s's weights), each a kernel node depending on p's last
+    // kernel node alone. Weights s reads but not through in() (the routed experts' tables: unknown until the selection)
+    // are not asked for.
+    void add_side_prefetches(cudaGraph_t cg, const std::vector<cuda_side::launch> & ls, const std::vector<cudaGraphNode_t> & tail) {
         n_side_prefetch_ = 0;
-        int p = -1;          // the last streaming launch
-        bool gap = false;    // a launch since p
-        for (size_t id = 0; id < g.nodes.size(); ++id) {
-            if (!tail[id]) continue;
-            size_t bytes = 0;
-            if (g.nodes[id].op != op_type::GET_ROWS)
-                for (const auto & r : reads[id]) bytes += r.second;
-            if (bytes < k_streaming) {
-                gap = true;
-                continue;
+        for (const auto & f : cuda_side::plan(ls, size_t(opt_.l2_side_prefetch_mib) << 20, size_t(4) << 20, cuda::l2_ranges::k_max)) {
+            cuda::l2_ranges rg;
+            for (const auto & r : f.ranges) {
+                rg.p[rg.n] = r.first;
+                rg.bytes[rg.n] = r.second;
+                ++rg.n;
             }
-            if (p >= 0 && gap) {
-                cuda::l2_ranges rg;
-                size_t left = budget;
-                for (const auto & r : reads[id]) {
-                    if (left == 0 || rg.n == cuda::l2_ranges::k_max) break;
-                    rg.p[rg.n] = r.first;
-                    rg.bytes[rg.n] = std::min(r.second, left);
-                    left -= rg.bytes[rg.n];
-                    ++rg.n;
-                }
-                cudaGraphNode_t pn = nullptr;
-                PG_CUDA_CHECK(cuda::add_l2_prefetch_node(cg, tail[size_t(p)], rg, opt_.l2_side_prefetch_blocks, &pn));
-                ++n_side_prefetch_;
-            }
-            p = int(id);
-            gap = false;
+            cudaGraphNode_t pn = nullptr;
+            PG_CUDA_CHECK(cuda::add_l2_prefetch_node(cg, tail[size_t(f.fork)], rg, opt_.l2_side_prefetch_blocks, &pn));
+            ++n_side_prefetch_;
         }
     }
 
@@ -2101,7 +2083,7 @@ private:
     int n_side_prefetch_ = 0;
     // The side prefetch's bookkeeping while a capture runs with it (capture_nodes): the weight ranges the current node's
     // launches read, logged by in() for inputs produced by WEIGHT nodes (is_weight_node_).
-    mutable std::vector<std::pair<const void *, size_t>> * reads_log_ = nullptr;
+    mutable std::vector<cuda_side::range> * reads_log_ = nullptr;
     std::vector<char> is_weight_node_;
     int * err_ = nullptr;
     std::vector<int32_t> host_batch_;
