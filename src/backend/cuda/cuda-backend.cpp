@@ -569,9 +569,9 @@ private:
                     if (side) {
                         const cudaGraphNode_t t = capture_tail();
                         if (t != last) tail[size_t(id)] = t;
-                        launches[size_t(id)].launched = t != last && t != nullptr;
-                        launches[size_t(id)].get_rows = g.nodes[size_t(id)].op == op_type::GET_ROWS;
                         last = t;
+                        launches[size_t(id)].launched = tail[size_t(id)] != nullptr;
+                        launches[size_t(id)].get_rows = g.nodes[size_t(id)].op == op_type::GET_ROWS;
                     }
                 } catch (const error & ex) {
                     const node & n = g.nodes[size_t(id)];
@@ -591,7 +591,7 @@ private:
         PG_CUDA_CHECK(cudaStreamEndCapture(st_, &cg));
         if (side) {
             try {
-                add_side_prefetches(cg, launches, tail);
+                add_side_prefetches(g, cg, launches, tail);
             } catch (...) {
                 cudaGraphDestroy(cg);
                 throw;
@@ -617,7 +617,8 @@ private:
     // followed by latency-bound ones, the next streaming launch s's weights), each a kernel node depending on p's last
     // kernel node alone. Weights s reads but not through in() (the routed experts' tables: unknown until the selection)
     // are not asked for.
-    void add_side_prefetches(cudaGraph_t cg, const std::vector<cuda_side::launch> & ls, const std::vector<cudaGraphNode_t> & tail) {
+    void add_side_prefetches(const graph & g, cudaGraph_t cg, const std::vector<cuda_side::launch> & ls,
+                             const std::vector<cudaGraphNode_t> & tail) {
         n_side_prefetch_ = 0;
         for (const auto & f : cuda_side::plan(ls, size_t(opt_.l2_side_prefetch_mib) << 20, size_t(4) << 20, cuda::l2_ranges::k_max)) {
             cuda::l2_ranges rg;
@@ -627,7 +628,9 @@ private:
                 ++rg.n;
             }
             cudaGraphNode_t pn = nullptr;
-            PG_CUDA_CHECK(cuda::add_l2_prefetch_node(cg, tail[size_t(f.fork)], rg, opt_.l2_side_prefetch_blocks, &pn));
+            const cudaError_t e = cuda::add_l2_prefetch_node(cg, tail[size_t(f.fork)], rg, opt_.l2_side_prefetch_blocks, &pn);
+            PG_CHECK(e == cudaSuccess, "side L2 prefetch of node '{}' (forked after node '{}'): {}", g.nodes[size_t(f.target)].name,
+                     g.nodes[size_t(f.fork)].name, cudaGetErrorString(e));
             ++n_side_prefetch_;
         }
     }

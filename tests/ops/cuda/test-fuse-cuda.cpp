@@ -382,6 +382,23 @@ TEST(cuda_fuse, leaf_upload_ordered_across_backends) {
     }
 }
 
+// Replays gpu's captured graph of ag three times and compares every output bit for bit with `eager`; then the
+// comparator's control: the first output with one bit flipped must read as different.
+bool replay_matches_eager(backend_cuda & gpu, const add_graph & ag, const std::vector<tensor> & eager, const std::string & tag) {
+    gpu.replay(3);
+    bool all = true;
+    for (size_t i = 0; i < ag.outs.size(); ++i) {
+        const tensor t = gpu.read(ag.outs[i]);
+        all &= check_bitwise(tag + "/" + ag.g.at(ag.outs[i]).name, eager[i].data, t.data, t.nbytes);
+    }
+    std::vector<uint8_t> flipped(static_cast<const uint8_t *>(eager[0].data), static_cast<const uint8_t *>(eager[0].data) + eager[0].nbytes);
+    flipped[0] ^= 1u;
+    const bool control = !check_bitwise(tag + "/control(one bit flipped, must differ)", eager[0].data, flipped.data(), flipped.size());
+    EXPECT_TRUE(control) << tag << ": the bitwise comparator missed a one-bit change";
+    tally(control);
+    return all;
+}
+
 // The fused launches inside a CUDA graph: replay equals the eager run bitwise, and the counters are the same.
 TEST(cuda_fuse, capture_replay_bitwise) {
     NEED_GPU();
@@ -393,32 +410,18 @@ TEST(cuda_fuse, capture_replay_bitwise) {
     std::vector<tensor> eager;
     for (node_ref o : ag.outs) eager.push_back(gpu->read(o));
     gpu->capture(ag.g);
-    gpu->replay(3);
-    bool all = true;
-    for (size_t i = 0; i < ag.outs.size(); ++i) {
-        const tensor t = gpu->read(ag.outs[i]);
-        all &= check_bitwise("capture/" + ag.g.at(ag.outs[i]).name, eager[i].data, t.data, t.nbytes);
-    }
+    const bool all = replay_matches_eager(*gpu, ag, eager, "capture");
     EXPECT_TRUE(all);
     EXPECT_EQ(gpu->fused_adds(), 5);
     EXPECT_EQ(gpu->fused_norms(), 1);
     tally(all && gpu->fused_adds() == 5 && gpu->fused_norms() == 1);
-    // control: the bitwise comparator sees a one-bit change
-    tensor t = gpu->read(ag.outs[4]);
-    std::vector<float> v = as_f32(t);
-    uint32_t u;
-    std::memcpy(&u, &v[0], 4);
-    u ^= 1u;
-    std::memcpy(&v[0], &u, 4);
-    const bool same = std::memcmp(v.data(), eager[4].data, eager[4].nbytes) == 0;
-    EXPECT_FALSE(same);
-    tally(!same);
 }
 
 // cuda_options::l2_side_prefetch_mib: the captured graph gains one prefetch node per gap between weight-streaming
 // launches (here, fusions off, BF16 2304 x 2304 weights = 10.6 MB each: the x group {w1, w3, w4} -> add, silu_mul -> w2
-// -> adds, scale, norm -> w6: 2 gaps), and the replay is bit for bit the eager run of a backend without it (a prefetch
-// changes no value). The comparator's control is capture_replay_bitwise's.
+// -> adds, scale, norm -> w6: 2 gaps; the placement rule itself is tests/unit/backend/test_side_prefetch_plan.cpp), and
+// the replay is bit for bit the eager run of a backend without it (a prefetch changes no value). Control of the count:
+// 0 nodes at 0 MiB.
 TEST(cuda_fuse, side_prefetch_replay_bitwise) {
     NEED_GPU();
     rng r(9410);
@@ -440,12 +443,7 @@ TEST(cuda_fuse, side_prefetch_replay_bitwise) {
     auto gpu = backend_cuda_init(0, o);
     gpu->run(ag.g);
     gpu->capture(ag.g);
-    gpu->replay(3);
-    bool all = true;
-    for (size_t i = 0; i < ag.outs.size(); ++i) {
-        const tensor t = gpu->read(ag.outs[i]);
-        all &= check_bitwise("side_prefetch/" + ag.g.at(ag.outs[i]).name, eager[i].data, t.data, t.nbytes);
-    }
+    const bool all = replay_matches_eager(*gpu, ag, eager, "side_prefetch");
     EXPECT_TRUE(all);
     tally(all);
     std::printf("[side_prefetch] %d prefetch nodes in the graph\n", gpu->side_prefetches());
