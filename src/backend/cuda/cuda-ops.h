@@ -300,6 +300,37 @@ bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t
 cudaError_t launch_moe_bf16_decode_shared(const float * x, int64_t Din, const int32_t * ids, const float * w, int64_t k,
                                           const dexpert * experts, int64_t E, const dexperts_cfg & c, const dmoe_shared & sh,
                                           float * hbuf, float * y, int * err, cudaStream_t st, int cfg = 0);
+// moe-layer-decode.cu: the MoE block at T == 1 in one persistent launch (cuda_options::moe_layer_fused): h = RMS_NORM(x),
+// logits = router . h, the small selection (ids, w), the routed BF16 experts' gate / up / GLU (hbuf) and down with the
+// shared expert as slot k (dmoe_shared's outputs: gate / up / act / down / sum and sum2 = sum + res), y = the routed sum.
+// Every output but the logits bit for bit the unfused launches' given the same logits. Shapes: the 48B's (D 2304, d_ff
+// 1024, top-8 of E <= 256, sigmoid without group pruning: moe_layer_decode_supported); BF16 router, shared and routed
+// experts (the table's entries are not read on the host: the caller's). sync: 3 device counters, 0 before the first
+// launch and 0 again after each complete launch (a launch that faults leaves them set: reset them with the state).
+struct dmoe_layer {
+    const float * x = nullptr;   // [D] the norm's input
+    dweight norm_w;              // [D] or none
+    float eps = 0.0f;
+    const void * router = nullptr;   // BF16 [E, D]
+    dweight bias;                    // [E] or none
+    droute rc{};
+    const dexpert * experts = nullptr;   // device table [E]
+    int64_t E = 0;
+    dexperts_cfg c{};
+    dmoe_shared sh;              // the shared expert's weights (sh.w) and outputs
+    float * h = nullptr;         // [D]
+    float * logits = nullptr;    // [E]
+    int32_t * ids = nullptr;     // [k]
+    float * w = nullptr;         // [k]
+    float * hbuf = nullptr;      // [k, d_ff]
+    float * y = nullptr;         // [D]
+    unsigned * sync = nullptr;   // [3]
+    int * err = nullptr;
+};
+bool moe_layer_decode_supported(int64_t D, int64_t d_ff, int64_t E, int64_t k, const droute & rc);
+// cudaErrorInvalidValue (nothing launched) outside the shapes above, for a missing pointer or a misaligned one.
+// cfg: thousands digit 1 = the weights loaded with the L2 policy evict_first (as the pair's).
+cudaError_t launch_moe_layer_decode(const dmoe_layer & p, cudaStream_t st, int cfg = 0);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,
                                        float * scratch, int32_t * gw, float * y, int * err, cudaStream_t st,

@@ -38,7 +38,7 @@
 // ptxas -v (sm_90a, session 6): every SH = false instantiation has the registers and spills of 235e12f^; SH = true at
 // the 48B shapes: gate/up <9> 128 registers, down <4, 3, 1, 2> (R 3) 96, <4, 2, 1, 3> 72, no spills. Spills only at
 // d_ff 2048 (NU 8): down <8, 3, 1, 2, true> 92 B (false: 16 B), <8, 2, 1, 3, true> 32 B (false: 36 B).
-#include "backend/cuda/common.cuh"
+#include "backend/cuda/moe-bf16-rows.cuh"
 
 namespace perigee::cuda {
 
@@ -46,61 +46,6 @@ namespace {
 
 constexpr int k_bgu_warps = 4;   // gate/up: warps (rows) per block
 constexpr int k_bdn_warps = 8;   // down: warps per block (slots j = warp + 8 s)
-
-// pol: the weight stream's L2 policy (common.cuh l2_stream_policy; cfg thousands digit 1 = evict_first,
-// cuda_options::moe_bf16_evict_first).
-__device__ __forceinline__ uint4 ld_stream_bf(const uint4 * p, uint64_t pol) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "l"(pol));
-    return r;
-}
-
-// One unit (8 BF16 columns, column i at bits 16 (i % 2) of word i / 2) dotted with 8 floats: v4's fma chain from 0.
-__device__ __forceinline__ float dot8_bf(const uint4 & q, const float4 & x0, const float4 & x1) {
-    float a = 0.0f;
-    a = fmaf(__uint_as_float(q.x << 16), x0.x, a);
-    a = fmaf(__uint_as_float(q.x & 0xFFFF0000u), x0.y, a);
-    a = fmaf(__uint_as_float(q.y << 16), x0.z, a);
-    a = fmaf(__uint_as_float(q.y & 0xFFFF0000u), x0.w, a);
-    a = fmaf(__uint_as_float(q.z << 16), x1.x, a);
-    a = fmaf(__uint_as_float(q.z & 0xFFFF0000u), x1.y, a);
-    a = fmaf(__uint_as_float(q.w << 16), x1.z, a);
-    a = fmaf(__uint_as_float(q.w & 0xFFFF0000u), x1.w, a);
-    return a;
-}
-
-// One warp's row of gate and up over x: (gate[row] . x, up[row] . x), warp-summed, all 2 NU weight loads in flight
-// first. X_L2: x read through L2 (__ldcg; the early path, which runs before the PDL wait, must never take a line an L1
-// kept from before x's write), else __ldg.
-template <int NU, bool X_L2>
-__device__ __forceinline__ float2 bf16_gate_up_row(const void * gw, const void * uw, int row, const float * __restrict__ x,
-                                                   uint64_t pol, int lane) {
-    const uint4 * gp = static_cast<const uint4 *>(gw) + (row * (32 * NU) + lane);
-    const uint4 * up = static_cast<const uint4 *>(uw) + (row * (32 * NU) + lane);
-    uint4 qg[NU], qu[NU];
-#pragma unroll
-    for (int i = 0; i < NU; ++i) {
-        qg[i] = ld_stream_bf(gp + 32 * i, pol);
-        qu[i] = ld_stream_bf(up + 32 * i, pol);
-    }
-    const float4 * xv = reinterpret_cast<const float4 *>(x) + 2 * lane;
-    float ag = 0.0f, au = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NU; ++i) {
-        const float4 x0 = X_L2 ? __ldcg(xv + 64 * i) : __ldg(xv + 64 * i);
-        const float4 x1 = X_L2 ? __ldcg(xv + 64 * i + 1) : __ldg(xv + 64 * i + 1);
-        ag += dot8_bf(qg[i], x0, x1);
-        au += dot8_bf(qu[i], x0, x1);
-    }
-    return make_float2(warp_sum(ag), warp_sum(au));
-}
-
-// The GLU node of one row: SiTU (act 1) or SiLU(gate) * up.
-__device__ __forceinline__ float bf16_glu(const dexperts_cfg & c, float ag, float au) {
-    return c.act == 1 ? situ_d(ag, au, c.situ_beta, c.situ_linear_beta) : silu_d(ag) * au;
-}
 
 // hbuf [T k, F]: hbuf[j, row] = act(gate_e . x_t, up_e . x_t), e = ids[j], t = j / k; grid (F / 4, T k + SH), block 4
 // warps, warp = row. Rows of nu = 32 NU units (Din = 256 NU), F % 4 == 0 (the launcher checks). SH (T == 1 only): slot k
