@@ -461,6 +461,15 @@ struct cuda_options {
     // prefetch are the shared slot's own, which load the same gate / up rows right after it (the request made twice), and
     // call E measured it neutral (48B 2.320 / 2.324 ms with it, 2.319 / 2.320 without, same binary).
     bool moe_shared_prefetch = false;
+    // The MoE block of one token as ONE persistent launch (fuse-plan.h rule moe_layer_fused, moe-layer-decode.cu): the
+    // post-attention RMS_NORM and the MOE_ROUTE join the MOE_EXPERTS launch with its shared slot; device-wide counters
+    // replace the four kernel boundaries, and the weights each phase can know early (router rows and the shared expert
+    // before the PDL wait, the first down slots before the last barrier) are in flight early. Every output but the router
+    // logits (a scratch, not a node output) bit for bit the unfused launches' given the same logits (test-moe-layer-cuda).
+    // Only the 48B block's widths (D 2304, d_ff 1024, top-8 sigmoid of <= 256, BF16 router and experts).
+    // Predicted (session 24, before any GPU run): per MoE layer on the H200 ~43 -> ~33 us (norm 2.0 + router 2.5 +
+    // selection 4.0 us exposed mostly hidden, gate/up and down ramps shared), 48B B=1 2.27 -> ~2.0 ms.
+    bool moe_layer_fused = false;
     // The BF16 decode expert pair (moe-bf16-decode.cu) loads its weights with the L2 policy evict_first (cfg thousands
     // digit 1, common.cuh l2_stream_policy): read once per step, they go first, so their ~130 MB per 48B MoE layer does
     // not evict the step's other lines. Results unchanged (a cache policy; test-moe-cuda cfg 1000 / 1100 bit for bit).
@@ -627,6 +636,8 @@ public:
     // MOE_EXPERTS launches the last run/capture executed with the shared expert as their extra slot
     // (cuda_options::moe_shared_slot).
     virtual int fused_moe_shared() const = 0;
+    // MoE blocks the last run/capture executed as one persistent launch (cuda_options::moe_layer_fused).
+    virtual int fused_moe_layers() const = 0;
     // Side-branch L2 prefetch nodes added to the last captured graph (cuda_options::l2_side_prefetch_mib).
     virtual int side_prefetches() const = 0;
     // Router logits the last run/capture computed inside a norm's launch (cuda_options::fuse_norm_route).

@@ -218,6 +218,10 @@ public:
         PG_CUDA_CHECK(cudaMalloc(&lt_ws_, k_lt_ws));
         PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&route_ctr_), 4));   // fused route counter
         PG_CUDA_CHECK(cudaMemset(route_ctr_, 0, 4));
+        if (opt.moe_layer_fused) {   // the one-launch MoE block's device-wide counters (moe-layer-decode.cu; self-resetting)
+            PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&moe_layer_sync_), 16));
+            PG_CUDA_CHECK(cudaMemset(moe_layer_sync_, 0, 16));
+        }
         // the tensor-core GEMV's split-K partials and per-group counters (linear.cu; the counters are left at 0), when on
         if (opt.gemv_mma_min_tokens > 0) {
             PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_part_), size_t(k_mma_part_floats) * 4));
@@ -239,6 +243,7 @@ public:
         if (arena_) cudaFree(arena_);
         if (lt_ws_) cudaFree(lt_ws_);
         if (route_ctr_) cudaFree(route_ctr_);
+        if (moe_layer_sync_) cudaFree(moe_layer_sync_);
         if (mma_part_) cudaFree(mma_part_);
         if (mma_ctr_) cudaFree(mma_ctr_);
         if (lt_) cublasLtDestroy(lt_);
@@ -341,6 +346,7 @@ public:
     int fused_sigmoids() const override { return n_fused_sig_; }
     int fused_kda_decodes() const override { return n_kda_fused_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
+    int fused_moe_layers() const override { return n_moe_layer_; }
     int side_prefetches() const override { return n_side_prefetch_; }
     int fused_routes() const override { return n_fused_routes_; }
     int linear_stacked() const override { return n_linear_stacked_; }
@@ -1480,7 +1486,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = n_moe_layer_ = 0;
         n_fused_routes_ = n_linear_stacked_ = n_linear_shared_x_ = 0;
         shared_x_ = {};   // a new step: no bf16 copy of any input yet (linear_bf16_share_x)
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
@@ -1769,6 +1775,18 @@ private:
     void run_moe_shared(const graph & g, int id) {
         const node & n = g.nodes[size_t(id)];
         const cuda_fuse::moe_shared_fold & f = fplan_.moe_shared[size_t(id)];
+        const cuda_fuse::moe_layer_fold ml = fplan_.moe_layer.empty() ? cuda_fuse::moe_layer_fold{} : fplan_.moe_layer[size_t(id)];
+        auto alloc_outs = [&](int j) {   // a folded node's outputs (its own position launched nothing)
+            auto & o = outs_[size_t(j)];
+            PG_CHECK(o.empty(), "folded node '{}' already has outputs", g.nodes[size_t(j)].name);
+            for (const auto & oo : g.nodes[size_t(j)].outs) o.push_back(new_out(oo.type, oo.shape));
+            for (const auto & d : o)
+                PG_CHECK(reinterpret_cast<uintptr_t>(d.p) % 16 == 0, "'{}': output not 16-byte aligned", g.nodes[size_t(j)].name);
+        };
+        if (ml.norm >= 0) {   // moe_layer_fused: the norm's and the route's outputs are this launch's too (read below as inputs)
+            alloc_outs(ml.norm);
+            alloc_outs(ml.route);
+        }
         const dtensor & x = in(n, 0);
         const dtensor & idt = in(n, 1);
         PG_CHECK(x.shape.size() == 2 && x.shape[0] == 1 && in(n, 2).shape == idt.shape && idt.shape.size() == 2 &&
@@ -1780,11 +1798,8 @@ private:
         PG_CHECK(opt_.moe_grouped && opt_.moe_decode_bf16 && expert_fmt_.at(n.p.experts.get()).vfmt == 1 && int64_t(ex.size()) <= 1024,
                  "{}: the shared slot needs the grouped BF16 decode experts", n.name);
         auto outp = [&](int j) {
-            auto & o = outs_[size_t(j)];
-            PG_CHECK(o.empty(), "shared-slot node '{}' already has outputs", g.nodes[size_t(j)].name);
-            for (const auto & oo : g.nodes[size_t(j)].outs) o.push_back(new_out(oo.type, oo.shape));
-            PG_CHECK(reinterpret_cast<uintptr_t>(o.at(0).p) % 16 == 0, "'{}': output not 16-byte aligned", g.nodes[size_t(j)].name);
-            return static_cast<float *>(o.at(0).p);
+            alloc_outs(j);
+            return static_cast<float *>(outs_[size_t(j)].at(0).p);
         };
         auto dense = [&](int lin) {   // the shared LINEAR's BF16 weight (bound here: its WEIGHT node comes later)
             const node & l = g.nodes[size_t(lin)];
@@ -1817,10 +1832,59 @@ private:
         const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
         int * err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
         float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
+        if (ml.norm >= 0) {
+            run_moe_layer(g, id, ml, table, int64_t(ex.size()), c, sh, hbuf, err);
+            return;
+        }
         PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
                                                           c, sh, hbuf, static_cast<float *>(outs_[size_t(id)].at(0).p), err, st_,
                                                           100 * opt_.moe_bf16_early + (opt_.moe_bf16_evict_first ? 1000 : 0)));
         ++n_moe_shared_;
+    }
+
+    // The MoE block at MOE_EXPERTS node `id` as one persistent launch (moe_layer_fused): the norm and route nodes of `ml`
+    // (outputs allocated by run_moe_shared) and the experts with the shared slot `sh`. The planner allowed it only for the
+    // kernel's shapes; anything else here is an error, never another kernel.
+    void run_moe_layer(const graph & g, int id, const cuda_fuse::moe_layer_fold & ml, const cuda::dexpert * table, int64_t E,
+                       const cuda::dexperts_cfg & c, const cuda::dmoe_shared & sh, float * hbuf, int * err) {
+        const node & n = g.nodes[size_t(id)];
+        const node & nn = g.nodes[size_t(ml.norm)];
+        const node & rn = g.nodes[size_t(ml.route)];
+        auto bind = [&](const node & u, size_t i) {   // a WEIGHT input (bound on demand, as the shared slot's)
+            if (i < u.src.size() && u.src[i].valid() && outs_[size_t(u.src[i].node)].empty()) run_node(g, u.src[i].node);
+        };
+        bind(nn, 1);
+        bind(rn, 1);
+        bind(rn, 2);
+        PG_CHECK(moe_layer_sync_, "{}: moe_layer_fused planned without its counters", n.name);
+        cuda::dmoe_layer p;
+        p.x = f32_in(nn, 0);
+        p.norm_w = w_in(nn, 1);
+        p.eps = nn.p.eps;
+        const dtensor & gw = in(rn, 1);
+        PG_CHECK(gw.type == dtype::BF16 && gw.shape.size() == 2 && gw.shape[0] == E, "{}: router {} {} for {} experts", rn.name,
+                 dtype_name(gw.type), shape_str(gw.shape), E);
+        p.router = gw.p;
+        p.bias = w_in(rn, 2);
+        p.rc = cuda::droute{E, rn.p.topk, rn.p.n_group, rn.p.topk_group, rn.p.renormalize, rn.p.scale,
+                            rn.p.router == router_act::SOFTMAX ? 1 : 0};
+        p.experts = table;
+        p.E = E;
+        p.c = c;
+        p.sh = sh;
+        p.h = static_cast<float *>(outs_[size_t(ml.norm)].at(0).p);
+        p.ids = static_cast<int32_t *>(outs_[size_t(ml.route)].at(0).p);
+        p.w = static_cast<float *>(outs_[size_t(ml.route)].at(1).p);
+        p.logits = static_cast<float *>(alloc(size_t(E) * 4));
+        p.hbuf = hbuf;
+        p.y = static_cast<float *>(outs_[size_t(id)].at(0).p);
+        p.sync = moe_layer_sync_;
+        p.err = err;
+        PG_CHECK(cuda::moe_layer_decode_supported(sh.w.gate.in, c.d_ff, E, p.rc.topk, p.rc),
+                 "{}: the one-launch MoE block does not take D {} d_ff {} top-{} of {}", n.name, sh.w.gate.in, c.d_ff, p.rc.topk, E);
+        PG_CUDA_CHECK(cuda::launch_moe_layer_decode(p, st_, opt_.moe_bf16_evict_first ? 1000 : 0));
+        ++n_moe_shared_;
+        ++n_moe_layer_;
     }
 
     // COLS node `id` (outputs allocated), the RMS_NORM over it and the rope COLS the plan folds into it: one launch.
@@ -2032,6 +2096,7 @@ private:
     cudaStream_t st_ = nullptr;
     cublasLtHandle_t lt_ = nullptr;
     void * lt_ws_ = nullptr;
+    unsigned * moe_layer_sync_ = nullptr;   // the one-launch MoE block's 3 counters (moe_layer_fused; self-resetting)
     unsigned * route_ctr_ = nullptr;   // the fused T == 1 route's last-block counter (route-select.cu; self-resetting)
     // The tensor-core GEMV's scratch (cuda::gemv_cfg::mma_part / mma_ctr): split-K partials of at most ~2 x the resident
     // warps' items (2 x 132 SMs x 2 blocks x 8 warps x 256 floats = 4.3 MB on the H200) and one counter per 32-row group.
@@ -2083,6 +2148,7 @@ private:
     std::vector<float *> route_logits_;   // per MOE_ROUTE node: logits computed by a norm's launch this run (fuse_norm_route)
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;
+    int n_moe_layer_ = 0;
     int n_side_prefetch_ = 0;
     // The side prefetch's bookkeeping while a capture runs with it (capture_nodes): the weight ranges the current node's
     // launches read, logged by in() for inputs produced by WEIGHT nodes (is_weight_node_).

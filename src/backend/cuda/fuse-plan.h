@@ -47,6 +47,13 @@
 //                     router and the experts read it). Refused (nothing folded) when a folded node has a consumer outside
 //                     the group placed before the launch, an input computed after it, an output other than 0 read, a
 //                     dtype or width outside the kernel, or when the ADD's other operand is not y.
+//   moe_layer_fused   (planned right after moe_shared_slot) a MOE_EXPERTS launch with its shared slot whose input x is
+//                     RMS_NORM(x0) over whole rows and whose ids / weights are outputs 0 / 1 of a MOE_ROUTE over the same
+//                     x, at the widths of cuda::moe_layer_decode_supported (the 48B block: D 2304, d_ff 1024, top-8
+//                     sigmoid of <= 256 without group pruning, BF16 router): the norm and the route join that launch,
+//                     which becomes one persistent kernel (moe-layer-decode.cu) writing every folded node's outputs.
+//                     Only when every consumer of the norm's and the route's outputs is folded or comes after the
+//                     launch, and the router is a 2-D BF16 WEIGHT [E, D].
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -58,6 +65,9 @@ namespace perigee::cuda {
 // moe-bf16-decode.cu (also declared in cuda-ops.h): whether the shared slot runs for these widths. The planner calls the
 // kernel file's own rule so the two cannot drift; declared here to keep this header free of CUDA headers.
 bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k);
+// moe-layer-decode.cu: whether the one-launch MoE block runs for these widths and this route (moe_layer_fused).
+bool moe_layer_decode_supported_shape(int64_t D, int64_t d_ff, int64_t E, int64_t k, int64_t n_group, int64_t topk_group,
+                                      bool softmax);
 } // namespace perigee::cuda
 
 namespace perigee::cuda_fuse {
@@ -104,6 +114,12 @@ struct moe_shared_fold {
     int n() const { return 5 + (add2 >= 0); }
 };
 
+// The RMS_NORM and MOE_ROUTE a MOE_EXPERTS launch with its shared slot also computes (moe_layer_fused).
+struct moe_layer_fold {
+    int norm = -1;    // RMS_NORM producing the experts' input
+    int route = -1;   // MOE_ROUTE over it (outputs 0 / 1: the experts' ids / weights)
+};
+
 struct plan {
     std::vector<int> done_by;        // per node: the node at whose position its output is computed; -1: its own
     std::vector<launch> at;          // per node: the fused launches it issues (empty: its ordinary kernel)
@@ -122,12 +138,15 @@ struct plan {
     std::vector<moe_shared_fold> moe_shared;   // per MOE_EXPERTS node: the shared expert its launch computes (add < 0: none)
     int moe_shareds = 0;             // MOE_EXPERTS launches with the shared slot
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
+    std::vector<moe_layer_fold> moe_layer;   // per MOE_EXPERTS node: the norm and route its launch computes (norm < 0: none)
+    int moe_layers = 0;              // one-launch MoE blocks (each removes the norm's and the route's node launches)
     std::vector<int> route_by;       // per MOE_ROUTE node: the RMS_NORM whose launch computes its logits (-1: its own GEMV)
     int routes = 0;                  // router GEMV launches folded into a norm's launch (their logits one more segment)
     int norms_kept_stage = 0;        // foldable norms kept: min(T, 8) rows of x' exceed the shared-memory stage
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
     int launches_saved() const {
-        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes;
+        return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes +
+               2 * moe_layers;
     }
 };
 
@@ -276,6 +295,67 @@ inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>>
     }
 }
 
+// Rule moe_layer_fused (see the header), planned right after moe_shared_slot: fills p.moe_layer / done_by for each
+// MOE_EXPERTS node with a shared slot whose norm and route can join its launch.
+inline void plan_moe_layer(const graph & g, plan & p) {
+    const size_t N = g.nodes.size();
+    auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
+    for (size_t e = 0; e < N; ++e) {
+        if (p.moe_shared[e].add < 0) continue;
+        const node & m = g.nodes[e];
+        const node_ref x = m.src[0], ir = m.src[1], wr = m.src.size() > 2 ? m.src[2] : node_ref{};
+        if (!x.valid() || x.out != 0 || !ir.valid() || !wr.valid() || ir.node != wr.node || ir.out != 0 || wr.out != 1) continue;
+        const int ni = x.node, ri = ir.node;
+        const node & nn = g.nodes[size_t(ni)];
+        const node & rn = g.nodes[size_t(ri)];
+        if (nn.op != op_type::RMS_NORM || rn.op != op_type::MOE_ROUTE || p.done_by[size_t(ni)] >= 0 || p.done_by[size_t(ri)] >= 0 ||
+            !p.at[size_t(ni)].empty() || !p.at[size_t(ri)].empty())
+            continue;
+        // the norm: whole rows of one token, F32 input, its weight a WEIGHT leaf of D floats (or none)
+        if (nn.src.empty() || !nn.src[0].valid()) continue;
+        const auto & xs = g.out(nn.src[0]);
+        if (xs.type != dtype::F32 || xs.shape.size() != 2 || xs.shape[0] != 1 || nn.p.n != xs.shape[1]) continue;
+        const int64_t D = xs.shape[1];
+        if (nn.src.size() > 1 && nn.src[1].valid()) {
+            const node & wn = g.at(nn.src[1]);
+            if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->numel() != D) continue;
+            const dtype t = wn.leaf->type;
+            if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
+        }
+        // the route over the same x: BF16 router [E, D], its bias a WEIGHT leaf of E floats (or none)
+        if (rn.src.size() < 2 || !same(rn.src[0], x) || !rn.src[1].valid()) continue;
+        const node & gw = g.at(rn.src[1]);
+        if (gw.op != op_type::WEIGHT || !gw.leaf || gw.leaf->type != dtype::BF16 || gw.leaf->shape.size() != 2 ||
+            gw.leaf->shape[1] != D)
+            continue;
+        const int64_t E = gw.leaf->shape[0];
+        if (rn.src.size() > 2 && rn.src[2].valid()) {
+            const node & bn = g.at(rn.src[2]);
+            if (bn.op != op_type::WEIGHT || !bn.leaf || bn.leaf->numel() != E) continue;
+            const dtype t = bn.leaf->type;
+            if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
+        }
+        const auto & ex = *m.p.experts;
+        if (int64_t(ex.size()) != E ||
+            !cuda::moe_layer_decode_supported_shape(D, ex[0].gate.out, E, rn.p.topk, rn.p.n_group, rn.p.topk_group,
+                                                    rn.p.router == router_act::SOFTMAX) ||
+            m.outs.at(0).shape.at(1) != D)
+            continue;
+        // every consumer of the norm's and the route's outputs folded into this launch or after it
+        bool ok = true;
+        for (size_t j = 0; j < N && ok; ++j) {
+            if (int(j) == ri || int(j) == int(e) || p.done_by[j] == int(e)) continue;
+            for (const node_ref & r : g.nodes[j].src)
+                if (r.valid() && (r.node == ni || r.node == ri) && at_pos(int(j)) <= int(e)) ok = false;
+        }
+        if (!ok) continue;
+        p.done_by[size_t(ni)] = int(e);
+        p.done_by[size_t(ri)] = int(e);
+        p.moe_layer[e] = moe_layer_fold{ni, ri};
+        ++p.moe_layers;
+    }
+}
+
 inline plan plan_fusions(const graph & g, const cuda_options & o) {
     const size_t N = g.nodes.size();
     plan p;
@@ -286,6 +366,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.mla_kv_rope.assign(N, -1);
     p.kda.assign(N, {});
     p.moe_shared.assign(N, {});
+    p.moe_layer.assign(N, {});
     p.route_by.assign(N, -1);
 
     // A step whose GEMM inputs are rounded to bf16 (op_params::bf16_inputs) runs unfused: the fused launches read the
@@ -302,6 +383,8 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
 
     // 0. the shared expert as a slot of the routed experts' launch (before the rules that would claim its nodes)
     if (o.moe_shared_slot && o.moe_grouped && o.moe_decode_bf16) plan_moe_shared(g, cons, p);
+    // 0b. the norm and the route into that launch: one persistent kernel per MoE block
+    if (o.moe_layer_fused && o.moe_shared_slot && o.moe_grouped && o.moe_decode_bf16) plan_moe_layer(g, p);
 
     // LINEARs (in order) -> launches of at most k_group_max, one weight dtype each (first-seen dtype order)
     auto groups_of = [&](const std::vector<int> & lins) {
@@ -327,7 +410,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     if (o.fuse_norm_linear) {
         for (size_t i = 0; i < N; ++i) {
             const node & n = g.nodes[i];
-            if (n.op != op_type::RMS_NORM || n.src.empty() || !n.src[0].valid()) continue;
+            if (n.op != op_type::RMS_NORM || n.src.empty() || !n.src[0].valid() || p.done_by[i] >= 0) continue;
             const auto & xs = g.out(n.src[0]).shape;
             if (xs.size() != 2 || n.p.n != xs[1] || g.out(n.src[0]).type != dtype::F32) continue;   // whole rows only
             if (n.src.size() > 1 && n.src[1].valid()) {

@@ -236,6 +236,11 @@ bool moe_layer_decode_supported(int64_t D, int64_t F, int64_t E, int64_t k, cons
     return D == 2304 && F == 1024 && k == 8 && rc.topk == k && rc.n_expert == E && route_small_supported(rc);
 }
 
+bool moe_layer_decode_supported_shape(int64_t D, int64_t d_ff, int64_t E, int64_t k, int64_t n_group, int64_t topk_group,
+                                      bool softmax) {
+    return moe_layer_decode_supported(D, d_ff, E, k, droute{E, k, n_group, topk_group, true, 1.0f, softmax ? 1 : 0});
+}
+
 cudaError_t launch_moe_layer_decode(const dmoe_layer & p, cudaStream_t st, int cfg) {
     const int64_t D = p.sh.w.gate.in, F = p.c.d_ff;
     if (!moe_layer_decode_supported(D, F, p.E, p.rc.topk, p.rc) || p.c.d_out != D) return cudaErrorInvalidValue;

@@ -1290,6 +1290,115 @@ TEST(cuda_fuse, planner_moe_shared) {
     }
 }
 
+// ---- the MoE block as one persistent launch (moe_layer_fused, moe-layer-decode.cu) ----
+// The block of build_msh_graph at the kernel's widths (D 2304, d_ff 1024, top-8 of 16, SiLU) in the plain and early
+// forms, run with the switch on (the norm, the route, the experts and the shared slot in one launch) in guard mode:
+// every output against the CPU (NMSE k_tol_f32), the ids exact, each node seen once by the node callback, one fused
+// block counted; h bit for bit the unfused run with the norm launched alone (the kernel runs k_norm_reg's arithmetic);
+// the routed sum within NMSE of that run (the router logits are summed in another order: the weights may differ by an
+// ulp). Controls that must FAIL: ffn against the routed sum alone; the fused GLU against a CPU graph with the shared
+// gate and up exchanged; the comparator family. Planner (no GPU): folds plain and early (norm and route done by the
+// experts' node, 2 launches more than moe_shared_slot alone); refuses with the switch off, with moe_shared_slot off,
+// at D 1024 (outside the kernel), and when another consumer of the norm's output comes before the launch.
+TEST(cuda_fuse, moe_layer_fused) {
+    {   // the planner
+        auto plan_of = [](msh_form form, int D, cuda_options o) {
+            msh_graph mg;
+            build_msh_graph(mg, form, 1, D, 1024, 16, 8, 0, 9991);
+            auto p = cuda_fuse::plan_fusions(mg.g, o);
+            return std::make_pair(p, std::vector<node_ref>(mg.outs));
+        };
+        cuda_options on = msh_opts(true);
+        on.moe_layer_fused = true;
+        for (msh_form f : {msh_form::plain, msh_form::early}) {
+            const auto [p, outs] = plan_of(f, 2304, on);
+            const auto [q, outs0] = plan_of(f, 2304, msh_opts(true));
+            const int anchor = outs[2].node;
+            const bool ok = p.moe_layers == 1 && p.moe_shareds == 1 && p.done_by[size_t(outs[0].node)] == anchor &&
+                            p.done_by[size_t(outs[1].node)] == anchor && p.moe_layer[size_t(anchor)].norm == outs[0].node &&
+                            p.moe_layer[size_t(anchor)].route == outs[1].node && q.moe_layers == 0 &&
+                            p.launches_saved() == q.launches_saved() + 2;
+            EXPECT_TRUE(ok) << "planner_moe_layer: form " << int(f) << ": moe_layers " << p.moe_layers << ", saved "
+                            << q.launches_saved() << " -> " << p.launches_saved();
+            tally(ok);
+        }
+        cuda_options no_slot = on;
+        no_slot.moe_shared_slot = false;
+        const std::pair<const char *, bool> refusals[] = {
+            {"moe_shared_slot off", plan_of(msh_form::plain, 2304, no_slot).first.moe_layers == 0},
+            {"D 1024", plan_of(msh_form::plain, 1024, on).first.moe_layers == 0},
+            {"early_use (a consumer of the GLU before the launch: no shared slot)", plan_of(msh_form::early_use, 2304, on).first.moe_layers == 0},
+        };
+        for (const auto & r : refusals) {
+            EXPECT_TRUE(r.second) << "planner_moe_layer must refuse: " << r.first;
+            tally(r.second);
+        }
+    }
+    NEED_GPU();
+    for (msh_form form : {msh_form::plain, msh_form::early}) {
+        const int D = 2304, F = 1024, E = 16, k = 8;
+        const uint32_t seed = 32000 + uint32_t(form == msh_form::early);
+        const std::string nm = std::string("moe_layer/") + (form == msh_form::early ? "early" : "plain");
+        msh_graph mg;
+        build_msh_graph(mg, form, 1, D, F, E, k, 0, seed);
+        const auto ref = cpu_outputs(mg.g, {mg.outs[0], mg.outs[2], mg.outs[3], mg.outs[4], mg.outs[5], mg.outs[6], mg.outs[7],
+                                            mg.outs[8]});
+        std::vector<int32_t> ref_ids;
+        {
+            auto cpu = backend_cpu_init();
+            cpu->check_supported(mg.g);
+            cpu->run(mg.g);
+            ref_ids = read_i32(*cpu, mg.outs[1]);
+        }
+        std::vector<std::vector<float>> got[2];   // [0] unfused with the norm alone, [1] the one-launch block
+        for (int on : {0, 1}) {
+            const std::string m = nm + (on ? "/fused" : "/unfused-norm-alone");
+            cuda_options o = msh_opts(true);
+            o.fuse_norm_linear = false;
+            o.moe_layer_fused = on == 1;
+            o.guard = true;
+            auto gpu = backend_cuda_init(0, o);
+            gpu->check_supported(mg.g);
+            std::vector<int> seen(mg.g.nodes.size(), 0);
+            gpu->run(mg.g, [&](const graph &, int id, const std::vector<tensor> &) { ++seen[size_t(id)]; });
+            bool cb_ok = true;
+            for (const node_ref & r : mg.outs) cb_ok &= seen[size_t(r.node)] == 1;
+            EXPECT_TRUE(cb_ok) << m << ": a folded node was not reported exactly once by the node callback";
+            tally(cb_ok);
+            const bool ids_ok = check_exact_i32(m + "/ids", ref_ids, read_i32(*gpu, mg.outs[1]));
+            tally(ids_ok);
+            size_t r = 0;
+            for (size_t i = 0; i < mg.outs.size(); ++i) {
+                if (i == 1) continue;
+                got[on].push_back(read_f32(*gpu, mg.outs[i]));
+                const bool ok = check(m + "/" + mg.g.at(mg.outs[i]).name, to_f64(ref[r++]), got[on].back(), metric::NMSE, k_tol_f32);
+                EXPECT_TRUE(ok) << m;
+                tally(ok);
+            }
+            const int want = on;
+            EXPECT_EQ(gpu->fused_moe_layers(), want) << m;
+            tally(gpu->fused_moe_layers() == want);
+            std::printf("[%s] fused_moe_layers %d, fused_moe_shared %d\n", m.c_str(), gpu->fused_moe_layers(), gpu->fused_moe_shared());
+        }
+        const bool h_same = got[1][0].size() == got[0][0].size() &&
+                            std::memcmp(got[1][0].data(), got[0][0].data(), got[0][0].size() * 4) == 0;
+        std::printf("[%s/h bitwise fused == unfused-norm-alone] %s\n", nm.c_str(), h_same ? "yes" : "NO");
+        EXPECT_TRUE(h_same) << nm;
+        tally(h_same);
+        const bool y_close = check(nm + "/routed sum fused vs unfused", to_f64(got[0][1]), got[1][1], metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(y_close) << nm;
+        tally(y_close);
+        // controls that must FAIL
+        must_fail(nm + "/control(dropped shared slot: ffn vs the routed sum)", ref[6], got[1][1]);
+        {
+            msh_graph sw;
+            build_msh_graph(sw, msh_form::swap_gu, 1, D, F, E, k, 0, seed);
+            must_fail(nm + "/control(shared gate/up exchanged)", cpu_outputs(sw.g, {sw.outs[5]})[0], got[1][4]);
+        }
+        comparator_controls(nm + "/ffn_moe_out", ref[6], got[1][6]);
+    }
+}
+
 // ---- RMS_NORM -> MOE_ROUTE logits (fuse_norm_route) ----
 // x [T, D], h = rms_norm(x, nw), (ids, w) = moe_route(h, gate [E, D], bias) with a sigmoid router, grouped top-k and a
 // score bias like K3 / the 48B; with_lin: a LINEAR over h too (K3: the shared gate/up launch the router joins; without

@@ -1,17 +1,26 @@
 #!/bin/bash
-# session 24, call B: the fused MoE layer kernel (moe-layer-decode.cu) first: test-moe-layer-cuda (bit for bit the
-# unfused launches after the router, controls, graph replays, refusals, the [timing] lines per layer), memcheck of its
-# correctness case; then the refactors' own suites (route-pick.cuh: test-route-cuda; moe-bf16-rows.cuh: test-moe-cuda's
-# BF16 decode cases) and session 23's pending replay tests. Summary plus the moe-layer log.
+# session 24, call B: the one-launch MoE block (moe-layer-decode.cu, cuda_options::moe_layer_fused) first:
+# test-moe-layer-cuda (bit for bit the unfused launches after the router, controls, graph replays, refusals, [timing]
+# per layer), test-fuse-cuda's engine-level case and the pending replay tests, memcheck of the kernel's correctness
+# case; the refactors' suites (route-pick.cuh: test-route-cuda; moe-bf16-rows.cuh: test-moe-cuda's BF16 decode cases);
+# then the 48B step with the switch off / on (alternating, two rounds; cut to 16 layers on an 80 GB card) and its
+# timeline with it on. Summary, the moe-layer log and the timeline.
 set -u
 source tools/gpu/calls/common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
 run test-moe-layer-cuda 300 ""
-grep -E '^\[(moe_layer|timing)\]|Failure|error|expected|Which is|vs ' $L/test-moe-layer-cuda.log | head -60 >> $S
+grep -E '^\[(moe_layer|timing)\]|Failure|rror|Expected|Which is|vs ' $L/test-moe-layer-cuda.log | head -40 >> $S
+run test-fuse-cuda 300 "-ml" --gtest_filter='cuda_fuse.moe_layer_fused:cuda_fuse.side_prefetch*:cuda_fuse.capture_replay*:cuda_fuse.moe_shared*'
+grep -E '^\[moe_layer|Failure|FAIL' $L/test-fuse-cuda-ml.log | head -20 >> $S
+cut_48b
+D="timeout 120 $B/bench-cuda-decode --steps 40 --no-compare --no-profile --batch 1 $CUT"
+for r in 1 2; do b kimi-linear-48b ml0-r$r moe_layer_fused=0; b kimi-linear-48b ml1-r$r moe_layer_fused=1; done
+grep -h "MoE blocks as one launch" $L/d-kimi-linear-48b-ml1-r1.log >> $S
+timeout 120 $B/bench-cuda-decode --steps 20 --no-compare --no-profile --batch 1 $CUT --preset kimi-linear-48b --set moe_layer_fused=1 --timeline 10 > $OUT/timeline-48b-ml1.log 2>&1
+echo "timeline rc=$?" >> $S
 san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 240
 run test-route-cuda 200 ""
 run test-moe-cuda 300 "-bf16" --gtest_filter='*bf16*'
-run test-fuse-cuda 200 "-replay" --gtest_filter='cuda_fuse.side_prefetch*:cuda_fuse.capture_replay*:cuda_fuse.moe_shared*'
 cp $L/test-moe-layer-cuda.log $OUT/ 2>/dev/null
 rm -rf $L
 cat $S
