@@ -22,6 +22,7 @@
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/prefill-ops.h"
 #include "dev-buffer.h"
+#include "graph-timer.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -429,36 +430,7 @@ TEST(moe_layer, timing) {
             else unfused(Ls[size_t(l)], xs[size_t(l)], ol, err, st);
         }
     };
-    auto time_us = [&](bool fused) {
-        chain(fused);
-        test::cu(cudaStreamSynchronize(st), "eager");
-        cudaGraph_t gr;
-        cudaGraphExec_t ge;
-        test::cu(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), "capture");
-        chain(fused);
-        test::cu(cudaStreamEndCapture(st, &gr), "capture");
-        test::cu(cudaGraphInstantiate(&ge, gr, 0), "instantiate");
-        cudaEvent_t a, b;
-        cudaEventCreate(&a);
-        cudaEventCreate(&b);
-        std::vector<float> v;
-        for (int r = 0; r < 25; ++r) {
-            cudaEventRecord(a, st);
-            cudaGraphLaunch(ge, st);
-            cudaEventRecord(b, st);
-            cudaEventSynchronize(b);
-            float ms = 0;
-            cudaEventElapsedTime(&ms, a, b);
-            if (r >= 5) v.push_back(ms);
-        }
-        cudaEventDestroy(a);
-        cudaEventDestroy(b);
-        cudaGraphExecDestroy(ge);
-        cudaGraphDestroy(gr);
-        test::cu(cudaGetLastError(), "replays");
-        std::sort(v.begin(), v.end());
-        return double(v[v.size() / 2]) * 1000.0 / NL;
-    };
+    auto time_us = [&](bool fused) { return test::graph_replay_ms(st, [&] { chain(fused); }, 20, 5) * 1000.0 / NL; };
     // the D2D copy rate (read + write) of 1 GiB, median of 5
     double gbs = 0.0;
     {

@@ -25,6 +25,7 @@
 #include "backend/cuda/cuda-ops.h"
 #include "backend/cuda/prefill-ops.h"
 #include "dev-buffer.h"
+#include "graph-timer.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -461,34 +462,16 @@ struct gpu_timer {
     explicit gpu_timer(cudaStream_t s) : st(s) {}
     // median over 7 replays of a graph of nl back-to-back launches of f(i), per launch, in us
     double us(const std::function<void(int)> & f, int nl) {
-        f(0);   // eager once, outside the capture (one-time attributes)
-        EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-        cudaGraph_t gr;
-        cudaGraphExec_t ge;
-        EXPECT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), cudaSuccess);
-        for (int i = 0; i < nl; ++i) f(i);
-        EXPECT_EQ(cudaStreamEndCapture(st, &gr), cudaSuccess);
-        EXPECT_EQ(cudaGraphInstantiate(&ge, gr, 0), cudaSuccess);
-        cudaEvent_t a, b;
-        cudaEventCreate(&a);
-        cudaEventCreate(&b);
-        std::vector<float> v;
-        for (int r = 0; r < 10; ++r) {
-            cudaEventRecord(a, st);
-            cudaGraphLaunch(ge, st);
-            cudaEventRecord(b, st);
-            cudaEventSynchronize(b);
-            float ms = 0;
-            cudaEventElapsedTime(&ms, a, b);
-            if (r >= 3) v.push_back(ms);
-        }
-        cudaEventDestroy(a);
-        cudaEventDestroy(b);
-        cudaGraphExecDestroy(ge);
-        cudaGraphDestroy(gr);
-        EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-        std::sort(v.begin(), v.end());
-        return double(v[v.size() / 2]) * 1000.0 / nl;
+        bool first = true;   // the eager run (graph_replay_ms's first body()) launches f(0) once, as before
+        const double ms = test::graph_replay_ms(st, [&] {
+            if (first) {
+                first = false;
+                f(0);
+                return;
+            }
+            for (int i = 0; i < nl; ++i) f(i);
+        }, 7, 3);
+        return ms * 1000.0 / nl;
     }
 };
 
