@@ -10,6 +10,7 @@ source tools/gpu/calls/common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
 run test-moe-layer-cuda 300 ""
 grep -E '^\[(moe_layer|timing)\]|Failure|rror|Expected|Which is|vs ' $L/test-moe-layer-cuda.log | head -40 >> $S
+cp $L/test-moe-layer-cuda.log $OUT/ 2>/dev/null
 run test-fuse-cuda 300 "-ml" --gtest_filter='cuda_fuse.moe_layer_fused:cuda_fuse.side_prefetch*:cuda_fuse.capture_replay*:cuda_fuse.moe_shared*'
 grep -E '^\[moe_layer|Failure|FAIL' $L/test-fuse-cuda-ml.log | head -20 >> $S
 cut_48b
@@ -22,6 +23,5 @@ run test-route-cuda 150 ""
 run test-moe-cuda 200 "-bf16" --gtest_filter='*bf16*'
 # last: under the sanitizer the grid's co-residency is not promised (a hang ends at the timeout)
 san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 120
-cp $L/test-moe-layer-cuda.log $OUT/ 2>/dev/null
 rm -rf $L
 cat $S
