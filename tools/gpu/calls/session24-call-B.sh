@@ -20,8 +20,7 @@ grep -h "MoE blocks as one launch" $L/d-kimi-linear-48b-ml1-r1.log >> $S
 timeout 120 $B/bench-cuda-decode --steps 20 --no-compare --no-profile --batch 1 $CUT --preset kimi-linear-48b --set moe_layer_fused=1 --timeline 10 > $OUT/timeline-48b-ml1.log 2>&1
 echo "timeline rc=$?" >> $S
 run test-route-cuda 150 ""
-run test-moe-cuda 200 "-bf16" --gtest_filter='*bf16*'
 # last: under the sanitizer the grid's co-residency is not promised (a hang ends at the timeout)
-san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 120
+san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 90
 rm -rf $L
 cat $S
