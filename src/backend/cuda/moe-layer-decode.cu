@@ -23,7 +23,10 @@
 // The last block to leave resets the counters, so each launch finds them 0 (they must be 0 before the first launch).
 // Co-residency: the grid is the occupancy-limited count of blocks (launch checks), every block of which must be
 // resident for the barriers to pass; the PDL trigger comes after barrier B, when all are, so a dependent grid can never
-// take the SM slots a block of this grid still needs.
+// take the SM slots a block of this grid still needs. Kernels of the same stream before it drain on their own, so its
+// blocks become resident in time. Not safe: two such grids running at once on one device from different streams (each
+// could hold part of the SMs while waiting for the rest); the engine runs one decode stream per device. (A cooperative
+// launch would promise co-residency but would start only on an idle device, losing the loads issued before the wait.)
 //
 // Arithmetic: every row is the pair's (moe-bf16-rows.cuh) and the norm and selection are their launches' own code, so
 // every output except the router logits is bit for bit the unfused launches' given the same logits (test-moe-layer-cuda
@@ -217,17 +220,21 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     }
 }
 
+// The grid: every block that fits on the device at once (the occupancy query), cached per device ordinal.
 template <int NUD, int NUF, int K>
 int ml_grid() {
-    static int g = 0;   // per device ordinal in a multi-GPU process would differ; the engine runs one device per process
-    if (g == 0) {
-        int dev = 0, sms = 0, per = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k_moe_layer_d1<NUD, NUF, K>, k_ml_threads, 0);
-        g = sms * per;
+    constexpr int k_max_dev = 64;
+    static int grid[k_max_dev] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= k_max_dev) return 0;
+    if (grid[dev] == 0) {
+        int sms = 0, per = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k_moe_layer_d1<NUD, NUF, K>, k_ml_threads, 0) != cudaSuccess)
+            return 0;
+        grid[dev] = sms * per;
     }
-    return g;
+    return grid[dev];
 }
 
 } // namespace
