@@ -748,6 +748,8 @@ private:
                 PG_CHECK(!f[cuda::ERR_ID_RANGE], "{}: an id is outside the table's rows", who);
                 PG_CHECK(!f[cuda::ERR_SEL_RANGE], "{}: a selected position is outside 0..pos, or a token selects none", who);
                 PG_CHECK(!f[cuda::ERR_EXPERT_ID], "{}: an expert id is outside the experts", who);
+                PG_CHECK(!f[cuda::ERR_SYNC_TIMEOUT], "{}: a device-wide barrier of its persistent kernel timed out (the grid was not "
+                         "all resident: another stream's kernel held SMs?)", who);
             }
         }
     }

@@ -58,7 +58,9 @@ cudaError_t launch_pdl_probe_consumer(const int * buf, int64_t n, bool wait, int
 cudaError_t launch_pdl_probe_step(const int * x, int64_t n, int add, int64_t spin, int * y, cudaStream_t st);
 
 // Device error flags (one int per kind; the backend reads them after a run and names the node).
-enum : int { ERR_ID_RANGE = 0, ERR_SEL_RANGE = 1, ERR_EXPERT_ID = 2, ERR_COUNT = 3 };
+// ERR_SYNC_TIMEOUT: a device-wide barrier of a persistent kernel (moe-layer-decode.cu) waited past its bound (its grid
+// was not all resident, or a counter never completed): the launch ended with wrong outputs instead of hanging.
+enum : int { ERR_ID_RANGE = 0, ERR_SEL_RANGE = 1, ERR_EXPERT_ID = 2, ERR_SYNC_TIMEOUT = 3, ERR_COUNT = 4 };
 
 // ---- l2-side-prefetch.cu: the decode graph's side-branch L2 prefetch (cuda_options::l2_side_prefetch_mib) ----
 // Up to k_max device ranges asked into L2 (cp.async.bulk.prefetch.L2), in order.
@@ -329,7 +331,8 @@ struct dmoe_layer {
 };
 bool moe_layer_decode_supported(int64_t D, int64_t d_ff, int64_t E, int64_t k, const droute & rc);
 // cudaErrorInvalidValue (nothing launched) outside the shapes above, for a missing pointer or a misaligned one.
-// cfg: thousands digit 1 = the weights loaded with the L2 policy evict_first (as the pair's).
+// cfg: thousands digit 1 = the weights loaded with the L2 policy evict_first (as the pair's); ones digit 9 (tests only:
+// the timeout's control) = the first barrier waits for one router row more than there are, so it must time out.
 cudaError_t launch_moe_layer_decode(const dmoe_layer & p, cudaStream_t st, int cfg = 0);
 cudaError_t launch_moe_experts_grouped(int vfmt, const float * x, int64_t T, int64_t Din, const int32_t * ids, const float * w,
                                        int64_t k, const dexpert * experts, int64_t E, const dexperts_cfg & c,

@@ -21,6 +21,7 @@
 //            rows, all k + 1 slots in slot order with two slots in flight; the combine is the pair's (routed sum in slot
 //            order, then the shared row, then the residual).
 // The last block to leave resets the counters, so each launch finds them 0 (they must be 0 before the first launch).
+// A wait that exceeds its bound (k_ml_wait_ns) flags ERR_SYNC_TIMEOUT and goes on: a flagged wrong result, not a hang.
 // Co-residency: the grid is the occupancy-limited count of blocks (launch checks), every block of which must be
 // resident for the barriers to pass; the PDL trigger comes after barrier B, when all are, so a dependent grid can never
 // take the SM slots a block of this grid still needs. Kernels of the same stream before it drain on their own, so its
@@ -48,11 +49,29 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned * p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// How long a block waits at a counter before it gives up: 4 s, far beyond a legitimate wait (the previous kernel's drain
+// plus one phase: microseconds; expected to stay under a second under compute-sanitizer too, not yet measured), so only
+// a grid that can never complete (not all resident: see above) should reach it.
+constexpr uint64_t k_ml_wait_ns = 4000000000ull;
 // One thread spins until *ctr >= target (acquire), then the block passes a barrier: every thread's later reads see the
-// writes counted.
-__device__ __forceinline__ void block_wait_count(const unsigned * ctr, unsigned target) {
-    if (threadIdx.x == 0)
-        while (ld_acquire_gpu(ctr) < target) __nanosleep(32);
+// writes counted. Past k_ml_wait_ns it flags ERR_SYNC_TIMEOUT and lets the block go on (wrong outputs, flagged, rather
+// than a hung device).
+__device__ __forceinline__ void block_wait_count(const unsigned * ctr, unsigned target, int * err) {
+    if (threadIdx.x == 0) {
+        const uint64_t t0 = global_ns();
+        while (ld_acquire_gpu(ctr) < target) {
+            __nanosleep(32);
+            if (global_ns() - t0 > k_ml_wait_ns) {
+                atomicOr(err + ERR_SYNC_TIMEOUT, 1);
+                break;
+            }
+        }
+    }
     __syncthreads();
 }
 
@@ -132,7 +151,7 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     }
 
     // ---- barrier A, then every block selects (block 0 writes the MOE_ROUTE outputs)
-    block_wait_count(bar_route, unsigned(E));
+    block_wait_count(bar_route, unsigned(E) + unsigned((fl & 4) != 0), p.err);   // fl bit 2: the timeout's control
     select_small_block<k_ml_select_warps>(p.logits, bias_mine, p.rc, 0, ids_s, w_s);
     __syncthreads();
     if (blockIdx.x == 0 && tid < K) {
@@ -177,7 +196,7 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
         __threadfence();
         atomicAdd(bar_h, 1u);
     }
-    block_wait_count(bar_h, unsigned(G));
+    block_wait_count(bar_h, unsigned(G), p.err);
     pdl_trigger();   // every block is resident (all counted): a dependent grid may be scheduled now
 
     if (has_down) {
@@ -266,7 +285,8 @@ cudaError_t launch_moe_layer_decode(const dmoe_layer & p, cudaStream_t st, int c
     const int G = ml_grid<9, 4, 8>();
     // every phase's tasks fit one pass of the grid's warps (router + shared rows; down row pairs)
     if (G < 1 || int64_t(G) * k_ml_warps < p.E + F || int64_t(G) * k_ml_warps * 2 < D) return cudaErrorInvalidValue;
-    const int fl = cfg / 1000 % 10 == 1 ? 2 : 0;   // the weights' L2 policy evict_first (as the pair's cfg digit)
+    const int fl = (cfg / 1000 % 10 == 1 ? 2 : 0) |   // the weights' L2 policy evict_first (as the pair's cfg digit)
+                   (cfg % 10 == 9 ? 4 : 0);          // tests: the first barrier's target one too high (must time out)
     return launch_k(k_moe_layer_d1<9, 4, 8>, unsigned(G), k_ml_threads, 0, st, p, fl);
 }
 

@@ -11,7 +11,8 @@
 //     - for two inputs, and over 20 graph replays (the counters reset by each launch: every replay bit for bit the first);
 //     - controls that must FAIL: a flipped bit of y through the comparator; one norm weight scaled by 1.001 (h differs);
 //       the table entries of the first pick and an unpicked expert exchanged (y differs); a logit moved by 1e-3 against
-//       the logit tolerance.
+//       the logit tolerance; a first barrier that can never complete (cfg 9) must time out with ERR_SYNC_TIMEOUT, the
+//       counters reset and the next launch right again.
 //  2. refuses: shapes outside the kernel's (D 2048, top-4, softmax route, grouped route), a missing output and sum2
 //     without res each return cudaErrorInvalidValue with nothing launched.
 //  3. timing: [timing] per MoE layer over a chain of 6 layers of distinct weights (x -> sum2 -> next x), CUDA graphs with
@@ -279,9 +280,10 @@ TEST(moe_layer, fused_equals_unfused) {
         std::sort(b.begin(), b.end(), std::greater<double>());
         std::printf("[moe_layer] x seed %llu: picks %d %d %d %d %d %d %d %d, 8th - 9th biased score %.3g\n", (unsigned long long)xs,
                     f.ids[0], f.ids[1], f.ids[2], f.ids[3], f.ids[4], f.ids[5], f.ids[6], f.ids[7], b[7] - b[8]);
-        int herr[4] = {};
-        ASSERT_EQ(cudaMemcpy(herr, err, 16, cudaMemcpyDeviceToHost), cudaSuccess);
+        int herr[ERR_COUNT] = {};
+        ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
         EXPECT_EQ(herr[ERR_EXPERT_ID], 0);
+        EXPECT_EQ(herr[ERR_SYNC_TIMEOUT], 0);
         // controls (first input only)
         if (xs != 41u) continue;
         {   // the comparator sees one flipped bit
@@ -350,6 +352,24 @@ TEST(moe_layer, fused_equals_unfused) {
         std::printf("[moe_layer] 20 graph replays: %d differ from the eager run\n", bad);
         cudaGraphExecDestroy(ge);
         cudaGraphDestroy(gr);
+        // the timeout: a first barrier that can never complete (cfg 9: one router row more than there are) must end
+        // with ERR_SYNC_TIMEOUT set and the counters reset, and the next launch must be right again
+        ASSERT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+        ASSERT_EQ(launch_moe_layer_decode(fused_args(L, x, co, sync, err), st, 1009), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        int herr[ERR_COUNT] = {};
+        ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(herr[ERR_SYNC_TIMEOUT], 1) << "control: an incomplete barrier must be flagged";
+        ASSERT_EQ(cudaMemcpy(hs, sync, 12, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(hs[0] + hs[1] + hs[2], 0u) << "the counters are reset after a timed-out launch too";
+        ASSERT_EQ(cudaMemsetAsync(err, 0, 64, st), cudaSuccess);
+        co.poison(st);
+        ASSERT_EQ(launch_moe_layer_decode(fused_args(L, x, co, sync, err), st, 1000), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        const snapshot s(co);
+        EXPECT_EQ(after_router_bitwise(s, f), "") << "the launch after a timed-out one";
+        std::printf("[moe_layer] timeout control: ERR_SYNC_TIMEOUT %d (must be 1), next launch %s\n", herr[ERR_SYNC_TIMEOUT],
+                    after_router_bitwise(s, f).empty() ? "bitwise the eager run" : "DIFFERENT");
     }
     cudaStreamDestroy(st);
 }
@@ -465,9 +485,10 @@ TEST(moe_layer, timing) {
                     "floor), fused %.2f (%.0f GB/s, %.1f%%)\n", round, NL, u, bytes / u / 1e3, 100.0 * bytes / gbs / 1e3 / u, f,
                     bytes / f / 1e3, 100.0 * bytes / gbs / 1e3 / f);
     }
-    int herr[4] = {};
-    ASSERT_EQ(cudaMemcpy(herr, err, 16, cudaMemcpyDeviceToHost), cudaSuccess);
+    int herr[ERR_COUNT] = {};
+    ASSERT_EQ(cudaMemcpy(herr, err, sizeof(herr), cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(herr[ERR_EXPERT_ID], 0);
+    EXPECT_EQ(herr[ERR_SYNC_TIMEOUT], 0);
     cudaStreamDestroy(st);
 }
 
