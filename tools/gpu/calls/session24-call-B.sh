@@ -2,7 +2,7 @@
 # session 24, call B: the one-launch MoE block (moe-layer-decode.cu, cuda_options::moe_layer_fused) first:
 # test-moe-layer-cuda (bit for bit the unfused launches after the router, controls, graph replays, refusals, [timing]
 # per layer), test-fuse-cuda's engine-level case and the pending replay tests, memcheck of the kernel's correctness
-# case; the refactors' suites (route-pick.cuh: test-route-cuda; moe-bf16-rows.cuh: test-moe-cuda's BF16 decode cases);
+# case; the refactors' suites (route-pick.cuh: test-route-cuda; moe-bf16-rows.cuh: test-fuse-cuda moe_shared_slot);
 # then the 48B step with the switch off / on (alternating, two rounds; cut to 16 layers on an 80 GB card) and its
 # timeline with it on. Summary, the moe-layer log and the timeline.
 set -u
@@ -21,6 +21,6 @@ timeout 120 $B/bench-cuda-decode --steps 20 --no-compare --no-profile --batch 1 
 echo "timeline rc=$?" >> $S
 run test-route-cuda 150 ""
 # last: under the sanitizer the grid's co-residency is not promised (a hang ends at the timeout)
-san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 90
+san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 150
 rm -rf $L
 cat $S
