@@ -1777,7 +1777,9 @@ private:
     void run_moe_shared(const graph & g, int id) {
         const node & n = g.nodes[size_t(id)];
         const cuda_fuse::moe_shared_fold & f = fplan_.moe_shared[size_t(id)];
-        const cuda_fuse::moe_layer_fold ml = fplan_.moe_layer.empty() ? cuda_fuse::moe_layer_fold{} : fplan_.moe_layer[size_t(id)];
+        // moe_layer_fused: the norm and the route are this node's input producers (src 0 and src 1 / 2)
+        const bool layer = !fplan_.moe_layer.empty() && fplan_.moe_layer[size_t(id)];
+        const int ml_norm = layer ? n.src.at(0).node : -1, ml_route = layer ? n.src.at(1).node : -1;
         auto alloc_outs = [&](int j) {   // a folded node's outputs (its own position launched nothing)
             auto & o = outs_[size_t(j)];
             PG_CHECK(o.empty(), "folded node '{}' already has outputs", g.nodes[size_t(j)].name);
@@ -1785,9 +1787,9 @@ private:
             for (const auto & d : o)
                 PG_CHECK(reinterpret_cast<uintptr_t>(d.p) % 16 == 0, "'{}': output not 16-byte aligned", g.nodes[size_t(j)].name);
         };
-        if (ml.norm >= 0) {   // moe_layer_fused: the norm's and the route's outputs are this launch's too (read below as inputs)
-            alloc_outs(ml.norm);
-            alloc_outs(ml.route);
+        if (layer) {   // the norm's and the route's outputs are this launch's too (read below as inputs)
+            alloc_outs(ml_norm);
+            alloc_outs(ml_route);
         }
         const dtensor & x = in(n, 0);
         const dtensor & idt = in(n, 1);
@@ -1834,8 +1836,8 @@ private:
         const cuda::dexperts_cfg c{n.p.act == glu_act::SITU ? 1 : 0, n.p.situ_beta, n.p.situ_linear_beta, F, Dout};
         int * err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
         float * hbuf = static_cast<float *>(alloc(size_t(k * F) * 4));
-        if (ml.norm >= 0) {
-            run_moe_layer(g, id, ml, table, int64_t(ex.size()), c, sh, hbuf, err);
+        if (layer) {
+            run_moe_layer(g, id, table, int64_t(ex.size()), c, sh, hbuf, err);
             return;
         }
         PG_CUDA_CHECK(cuda::launch_moe_bf16_decode_shared(f32_in(n, 0), Din, i32_in(n, 1), f32_in(n, 2), k, table, int64_t(ex.size()),
@@ -1844,14 +1846,15 @@ private:
         ++n_moe_shared_;
     }
 
-    // The MoE block at MOE_EXPERTS node `id` as one persistent launch (moe_layer_fused): the norm and route nodes of `ml`
-    // (outputs allocated by run_moe_shared) and the experts with the shared slot `sh`. The planner allowed it only for the
-    // kernel's shapes; anything else here is an error, never another kernel.
-    void run_moe_layer(const graph & g, int id, const cuda_fuse::moe_layer_fold & ml, const cuda::dexpert * table, int64_t E,
-                       const cuda::dexperts_cfg & c, const cuda::dmoe_shared & sh, float * hbuf, int * err) {
+    // The MoE block at MOE_EXPERTS node `id` as one persistent launch (moe_layer_fused): the norm and route nodes producing
+    // its inputs (outputs allocated by run_moe_shared) and the experts with the shared slot `sh`. The planner allowed it
+    // only for the kernel's shapes; anything else here is an error, never another kernel.
+    void run_moe_layer(const graph & g, int id, const cuda::dexpert * table, int64_t E, const cuda::dexperts_cfg & c,
+                       const cuda::dmoe_shared & sh, float * hbuf, int * err) {
         const node & n = g.nodes[size_t(id)];
-        const node & nn = g.nodes[size_t(ml.norm)];
-        const node & rn = g.nodes[size_t(ml.route)];
+        const int ml_norm = n.src.at(0).node, ml_route = n.src.at(1).node;
+        const node & nn = g.nodes[size_t(ml_norm)];
+        const node & rn = g.nodes[size_t(ml_route)];
         auto bind = [&](const node & u, size_t i) {   // a WEIGHT input (bound on demand, as the shared slot's)
             if (i < u.src.size() && u.src[i].valid() && outs_[size_t(u.src[i].node)].empty()) run_node(g, u.src[i].node);
         };
@@ -1874,9 +1877,9 @@ private:
         p.E = E;
         p.c = c;
         p.sh = sh;
-        p.h = static_cast<float *>(outs_[size_t(ml.norm)].at(0).p);
-        p.ids = static_cast<int32_t *>(outs_[size_t(ml.route)].at(0).p);
-        p.w = static_cast<float *>(outs_[size_t(ml.route)].at(1).p);
+        p.h = static_cast<float *>(outs_[size_t(ml_norm)].at(0).p);
+        p.ids = static_cast<int32_t *>(outs_[size_t(ml_route)].at(0).p);
+        p.w = static_cast<float *>(outs_[size_t(ml_route)].at(1).p);
         p.logits = static_cast<float *>(alloc(size_t(E) * 4));
         p.hbuf = hbuf;
         p.y = static_cast<float *>(outs_[size_t(id)].at(0).p);

@@ -114,12 +114,6 @@ struct moe_shared_fold {
     int n() const { return 5 + (add2 >= 0); }
 };
 
-// The RMS_NORM and MOE_ROUTE a MOE_EXPERTS launch with its shared slot also computes (moe_layer_fused).
-struct moe_layer_fold {
-    int norm = -1;    // RMS_NORM producing the experts' input
-    int route = -1;   // MOE_ROUTE over it (outputs 0 / 1: the experts' ids / weights)
-};
-
 struct plan {
     std::vector<int> done_by;        // per node: the node at whose position its output is computed; -1: its own
     std::vector<launch> at;          // per node: the fused launches it issues (empty: its ordinary kernel)
@@ -138,7 +132,9 @@ struct plan {
     std::vector<moe_shared_fold> moe_shared;   // per MOE_EXPERTS node: the shared expert its launch computes (add < 0: none)
     int moe_shareds = 0;             // MOE_EXPERTS launches with the shared slot
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
-    std::vector<moe_layer_fold> moe_layer;   // per MOE_EXPERTS node: the norm and route its launch computes (norm < 0: none)
+    // per MOE_EXPERTS node: 1 when its launch also computes the RMS_NORM producing its input (src 0) and the MOE_ROUTE
+    // producing its ids / weights (src 1 / 2) (moe_layer_fused)
+    std::vector<char> moe_layer;
     int moe_layers = 0;              // one-launch MoE blocks (each removes the norm's and the route's node launches)
     std::vector<int> route_by;       // per MOE_ROUTE node: the RMS_NORM whose launch computes its logits (-1: its own GEMV)
     int routes = 0;                  // router GEMV launches folded into a norm's launch (their logits one more segment)
@@ -170,6 +166,15 @@ inline bool gemv_linear(const graph & g, const node & n, const cuda_options & o,
     if (!gemv_takes(o, xs[0], xs[1], wt == dtype::F16)) return false;
     K = xs[1];
     return wn.leaf->shape[1] == K;
+}
+
+// Input i of n absent, or a WEIGHT leaf of `numel` F32 / BF16 / F16 values (a norm's weight, a route's bias).
+inline bool float_leaf_or_none(const graph & g, const node & n, size_t i, int64_t numel) {
+    if (n.src.size() <= i || !n.src[i].valid()) return true;
+    const node & wn = g.at(n.src[i]);
+    if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->numel() != numel) return false;
+    const dtype t = wn.leaf->type;
+    return t == dtype::F32 || t == dtype::BF16 || t == dtype::F16;
 }
 
 // The same output of the same node.
@@ -316,12 +321,7 @@ inline void plan_moe_layer(const graph & g, plan & p) {
         const auto & xs = g.out(nn.src[0]);
         if (xs.type != dtype::F32 || xs.shape.size() != 2 || xs.shape[0] != 1 || nn.p.n != xs.shape[1]) continue;
         const int64_t D = xs.shape[1];
-        if (nn.src.size() > 1 && nn.src[1].valid()) {
-            const node & wn = g.at(nn.src[1]);
-            if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->numel() != D) continue;
-            const dtype t = wn.leaf->type;
-            if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
-        }
+        if (!float_leaf_or_none(g, nn, 1, D)) continue;
         // the route over the same x: BF16 router [E, D], its bias a WEIGHT leaf of E floats (or none)
         if (rn.src.size() < 2 || !same(rn.src[0], x) || !rn.src[1].valid()) continue;
         const node & gw = g.at(rn.src[1]);
@@ -329,12 +329,7 @@ inline void plan_moe_layer(const graph & g, plan & p) {
             gw.leaf->shape[1] != D)
             continue;
         const int64_t E = gw.leaf->shape[0];
-        if (rn.src.size() > 2 && rn.src[2].valid()) {
-            const node & bn = g.at(rn.src[2]);
-            if (bn.op != op_type::WEIGHT || !bn.leaf || bn.leaf->numel() != E) continue;
-            const dtype t = bn.leaf->type;
-            if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
-        }
+        if (!float_leaf_or_none(g, rn, 2, E)) continue;
         const auto & ex = *m.p.experts;
         if (int64_t(ex.size()) != E ||
             !cuda::moe_layer_decode_supported_shape(D, ex[0].gate.out, E, rn.p.topk, rn.p.n_group, rn.p.topk_group,
@@ -351,7 +346,7 @@ inline void plan_moe_layer(const graph & g, plan & p) {
         if (!ok) continue;
         p.done_by[size_t(ni)] = int(e);
         p.done_by[size_t(ri)] = int(e);
-        p.moe_layer[e] = moe_layer_fold{ni, ri};
+        p.moe_layer[e] = 1;
         ++p.moe_layers;
     }
 }
@@ -413,12 +408,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             if (n.op != op_type::RMS_NORM || n.src.empty() || !n.src[0].valid() || p.done_by[i] >= 0) continue;
             const auto & xs = g.out(n.src[0]).shape;
             if (xs.size() != 2 || n.p.n != xs[1] || g.out(n.src[0]).type != dtype::F32) continue;   // whole rows only
-            if (n.src.size() > 1 && n.src[1].valid()) {
-                const node & wn = g.at(n.src[1]);
-                if (wn.op != op_type::WEIGHT || !wn.leaf || wn.leaf->numel() != xs[1]) continue;
-                const dtype t = wn.leaf->type;
-                if (t != dtype::F32 && t != dtype::BF16 && t != dtype::F16) continue;
-            }
+            if (!float_leaf_or_none(g, n, 1, xs[1])) continue;
             std::vector<int> lins;
             for (int j : cons[i]) {
                 dtype wt;
