@@ -1384,6 +1384,15 @@ TEST(cuda_fuse, moe_layer_fused) {
         std::printf("[%s/h bitwise fused == unfused-norm-alone] %s\n", nm.c_str(), h_same ? "yes" : "NO");
         EXPECT_TRUE(h_same) << nm;
         tally(h_same);
+        {   // control that must FAIL: the same comparison sees h with one element one ulp away
+            std::vector<float> bumped = got[0][0];
+            bumped[7] = std::nextafter(bumped[7], INFINITY);
+            const bool ctl = std::memcmp(got[1][0].data(), bumped.data(), bumped.size() * 4) == 0;
+            std::printf("[%s/control(h one ulp off) bitwise] (control: must FAIL) %s\n", nm.c_str(),
+                        ctl ? "PASSED - BAD" : "FAILED as required");
+            EXPECT_FALSE(ctl) << nm;
+            tally(!ctl);
+        }
         const bool y_close = check(nm + "/routed sum fused vs unfused", to_f64(got[0][1]), got[1][1], metric::NMSE, k_tol_f32);
         EXPECT_TRUE(y_close) << nm;
         tally(y_close);
