@@ -392,6 +392,7 @@ void apply_sets(cuda_options & co, const opts & o) {
         else if (k == "fuse_kda_decode") co.fuse_kda_decode = v != 0;
         else if (k == "moe_shared_slot") co.moe_shared_slot = v != 0;
         else if (k == "moe_layer_fused") co.moe_layer_fused = v != 0;
+        else if (k == "kda_oproj_fused") co.kda_oproj_fused = v != 0;
         else if (k == "moe_select_small") co.moe_select_small = int(v);
         else if (k == "moe_shared_prefetch") co.moe_shared_prefetch = v != 0;
         else if (k == "gemv_evict_first") co.gemv_evict_first = v != 0;
@@ -514,6 +515,7 @@ void bench_preset(const std::string & preset, const opts & o, double bw_gbs) {
             be->replay(3);
             if (be->side_prefetches() > 0) std::printf("    side L2 prefetch nodes in the graph: %d\n", be->side_prefetches());
             if (be->fused_moe_layers() > 0) std::printf("    MoE blocks as one launch (moe_layer_fused): %d\n", be->fused_moe_layers());
+            if (be->fused_kda_oprojs() > 0) std::printf("    KDA tails with their o_proj (kda_oproj_fused): %d\n", be->fused_kda_oprojs());
             const double gms = median_ms_per([&] {
                 const double a = now_ms();
                 be->replay(o.steps);

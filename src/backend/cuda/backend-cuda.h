@@ -470,6 +470,13 @@ struct cuda_options {
     // Predicted (session 24, before any GPU run): per MoE layer on the H200 ~43 -> ~33 us (norm 2.0 + router 2.5 +
     // selection 4.0 us exposed mostly hidden, gate/up and down ramps shared), 48B B=1 2.27 -> ~2.0 ms.
     bool moe_layer_fused = false;
+    // The KDA layer's decode tail and its o_proj (with the residual ADDs of its GEMV epilogue) as ONE persistent launch
+    // (fuse-plan.h rule kda_oproj_fused, kda-fused-decode.cu k_kda_oproj_d1; needs fuse_kda_decode): the o_proj rows are
+    // loaded into registers (and L2) by the blocks without a head while the heads' tails run, instead of after the tail
+    // kernel ends. One token, the 48B's widths (32 heads of 128). The tail's outputs bit for bit the plain launch's; the
+    // o_proj rows one warp's sum each (not the GEMV's order). Predicted (session 25, before any GPU run): per KDA layer
+    // tail + o_proj ~14 -> ~9 us (H100, the session 23 timeline: 6.5 + 7.8 exposed), 48B B=1 -3..-4%.
+    bool kda_oproj_fused = false;
     // The BF16 decode expert pair (moe-bf16-decode.cu) loads its weights with the L2 policy evict_first (cfg thousands
     // digit 1, common.cuh l2_stream_policy): read once per step, they go first, so their ~130 MB per 48B MoE layer does
     // not evict the step's other lines. Results unchanged (a cache policy; test-moe-cuda cfg 1000 / 1100 bit for bit).
@@ -638,6 +645,8 @@ public:
     virtual int fused_moe_shared() const = 0;
     // MoE blocks the last run/capture executed as one persistent launch (cuda_options::moe_layer_fused).
     virtual int fused_moe_layers() const = 0;
+    // KDA tails the last run/capture executed together with their o_proj (cuda_options::kda_oproj_fused).
+    virtual int fused_kda_oprojs() const = 0;
     // Side-branch L2 prefetch nodes added to the last captured graph (cuda_options::l2_side_prefetch_mib).
     virtual int side_prefetches() const = 0;
     // Router logits the last run/capture computed inside a norm's launch (cuda_options::fuse_norm_route).

@@ -222,6 +222,10 @@ public:
             PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&moe_layer_sync_), 16));
             PG_CUDA_CHECK(cudaMemset(moe_layer_sync_, 0, 16));
         }
+        if (opt.kda_oproj_fused) {   // the KDA tail + o_proj launch's 2 device-wide counters (kda-fused-decode.cu; self-resetting)
+            PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&kda_oproj_sync_), 8));
+            PG_CUDA_CHECK(cudaMemset(kda_oproj_sync_, 0, 8));
+        }
         // the tensor-core GEMV's split-K partials and per-group counters (linear.cu; the counters are left at 0), when on
         if (opt.gemv_mma_min_tokens > 0) {
             PG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&mma_part_), size_t(k_mma_part_floats) * 4));
@@ -244,6 +248,7 @@ public:
         if (lt_ws_) cudaFree(lt_ws_);
         if (route_ctr_) cudaFree(route_ctr_);
         if (moe_layer_sync_) cudaFree(moe_layer_sync_);
+        if (kda_oproj_sync_) cudaFree(kda_oproj_sync_);
         if (mma_part_) cudaFree(mma_part_);
         if (mma_ctr_) cudaFree(mma_ctr_);
         if (lt_) cublasLtDestroy(lt_);
@@ -347,6 +352,7 @@ public:
     int fused_kda_decodes() const override { return n_kda_fused_; }
     int fused_moe_shared() const override { return n_moe_shared_; }
     int fused_moe_layers() const override { return n_moe_layer_; }
+    int fused_kda_oprojs() const override { return n_kda_oproj_; }
     int side_prefetches() const override { return n_side_prefetch_; }
     int fused_routes() const override { return n_fused_routes_; }
     int linear_stacked() const override { return n_linear_stacked_; }
@@ -438,7 +444,9 @@ private:
         int n_err = 0;
         for (size_t i = 0; i < g.nodes.size(); ++i) {
             const op_type o = g.nodes[i].op;
-            if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS) err_slot_[i] = n_err++;
+            if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS ||
+                (o == op_type::GATED_RMS_NORM && opt_.kda_oproj_fused))   // the KDA tail + o_proj launch's barrier
+                err_slot_[i] = n_err++;
         }
         plan_fusions(g);
         err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
@@ -1488,7 +1496,7 @@ private:
     // ---- fusions (fuse-plan.h: the one planner; bench-cuda-decode --dry counts the same rule) ----
     void plan_fusions(const graph & g) {
         fplan_ = cuda_fuse::plan_fusions(g, opt_);
-        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = n_moe_layer_ = 0;
+        n_grouped_ = n_fused_norms_ = n_fused_adds_ = n_norm_staged_ = n_conv_l2_ = n_fused_sig_ = n_kda_fused_ = n_moe_shared_ = n_moe_layer_ = n_kda_oproj_ = 0;
         n_fused_routes_ = n_linear_stacked_ = n_linear_shared_x_ = 0;
         shared_x_ = {};   // a new step: no bf16 copy of any input yet (linear_bf16_share_x)
         // F32 copies of the folded norms' weights (made here, outside any capture; cached by device pointer)
@@ -1767,7 +1775,38 @@ private:
         a.y_o = outp(kf.scan);
         a.y_on = static_cast<float *>(outs_[size_t(id)].at(0).p);
         PG_CHECK(cuda::kda_decode_fused_supported(a), "fused KDA decode at '{}': unsupported layout or alignment", nn.name);
-        PG_CUDA_CHECK(cuda::launch_kda_decode_fused(a, db_, st_));
+        const cuda_fuse::seg & os = fplan_.kda_oproj.empty() ? cuda_fuse::seg{} : fplan_.kda_oproj[size_t(id)];
+        if (os.linear < 0) {
+            PG_CUDA_CHECK(cuda::launch_kda_decode_fused(a, db_, st_));
+        } else {   // kda_oproj_fused: the o_proj LINEAR and its epilogue ADDs in the same (persistent) launch
+            const node & l = g.nodes[size_t(os.linear)];
+            if (outs_[size_t(l.src[1].node)].empty()) run_node(g, l.src[1].node);   // the weight, bound on demand
+            const dtensor & w = in(l, 1);
+            PG_CHECK(w.type == dtype::BF16 && w.shape.size() == 2 && w.shape[1] == a.H * a.V, "{}: o_proj weight {} {} for {} inputs",
+                     l.name, dtype_name(w.type), shape_str(w.shape), a.H * a.V);
+            PG_CHECK(g.b->n_seq() == 1 && g.b->n_tokens() == 1, "{}: the tail + o_proj launch takes one token of one sequence, "
+                     "not {} tokens of {}", l.name, g.b->n_tokens(), g.b->n_seq());
+            PG_CHECK(kda_oproj_sync_ && err_slot_[size_t(id)] >= 0, "{}: kda_oproj_fused planned without its counters", l.name);
+            cuda::kda_oproj_args o;
+            o.w = w.p;
+            o.D = w.shape[0];
+            o.y = outp(os.linear);
+            const float ** res[2] = {&o.res0, &o.res1};
+            float ** z[2] = {&o.z0, &o.z1};
+            for (int k = 0; k < 2 && os.add[k] >= 0; ++k) {
+                PG_CHECK(!outs_[size_t(os.res[k].node)].empty(), "fused ADD '{}': residual '{}' is not computed yet",
+                         g.nodes[size_t(os.add[k])].name, g.at(os.res[k]).name);
+                *res[k] = static_cast<const float *>(outs_[size_t(os.res[k].node)].at(size_t(os.res[k].out)).p);
+                *z[k] = outp(os.add[k]);
+                ++n_fused_adds_;
+            }
+            o.sync = kda_oproj_sync_;
+            o.err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
+            PG_CHECK(cuda::kda_oproj_fused_supported(a, o), "{}: the tail + o_proj launch does not take {} heads of {} x {}, "
+                     "{} rows", l.name, a.H, a.K, a.V, o.D);
+            PG_CUDA_CHECK(cuda::launch_kda_oproj_fused(a, o, db_, st_, opt_.gemv_evict_first ? 1000 : 0));
+            ++n_kda_oproj_;
+        }
         ++n_kda_fused_;
     }
 
@@ -2101,6 +2140,7 @@ private:
     cudaStream_t st_ = nullptr;
     cublasLtHandle_t lt_ = nullptr;
     void * lt_ws_ = nullptr;
+    unsigned * kda_oproj_sync_ = nullptr;   // the KDA tail + o_proj launch's 2 counters (kda_oproj_fused; self-resetting)
     unsigned * moe_layer_sync_ = nullptr;   // the one-launch MoE block's 3 counters (moe_layer_fused; self-resetting)
     unsigned * route_ctr_ = nullptr;   // the fused T == 1 route's last-block counter (route-select.cu; self-resetting)
     // The tensor-core GEMV's scratch (cuda::gemv_cfg::mma_part / mma_ctr): split-K partials of at most ~2 x the resident
@@ -2154,6 +2194,7 @@ private:
     int n_kda_fused_ = 0;
     int n_moe_shared_ = 0;
     int n_moe_layer_ = 0;
+    int n_kda_oproj_ = 0;
     int n_side_prefetch_ = 0;
     // The side prefetch's bookkeeping while a capture runs with it (capture_nodes): the weight ranges the current node's
     // launches read, logged by in() for inputs produced by WEIGHT nodes (is_weight_node_).

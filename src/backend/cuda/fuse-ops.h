@@ -82,6 +82,27 @@ struct kda_decode_args {
 };
 bool kda_decode_fused_supported(const kda_decode_args & a);
 cudaError_t launch_kda_decode_fused(const kda_decode_args & a, const dbatch & b, cudaStream_t st);
+// The layer's output projection computed by the tail's launch (cuda_options::kda_oproj_fused, fuse-plan.h rule 7b; one
+// token of one sequence): y = o_proj(y_on) [D], and the GEMV epilogue's adds z0 = y + res0, z1 = z0 + res1 when given.
+// One persistent launch (kda-fused-decode.cu k_kda_oproj_d1): the o_proj rows stream while the heads' tails run.
+struct kda_oproj_args {
+    const void * w = nullptr;   // BF16 [D, H * V]
+    int64_t D = 0;
+    float * y = nullptr;
+    const float * res0 = nullptr;   // with z0: the first ADD (fuse_add), else both null
+    float * z0 = nullptr;
+    const float * res1 = nullptr;   // with z1: the chained ADD
+    float * z1 = nullptr;
+    unsigned * sync = nullptr;   // 2 device counters, 0 before the first launch (the launch leaves them 0)
+    int * err = nullptr;         // the backend's error flags (ERR_SYNC_TIMEOUT)
+};
+// The widths the launch takes (the 48B: 32 heads of K = V = 128, any D); the planner asks the same rule.
+bool kda_oproj_fused_supported_shape(int64_t H, int64_t K, int64_t V, int64_t D);
+bool kda_oproj_fused_supported(const kda_decode_args & a, const kda_oproj_args & o);
+// cfg: thousands digit 1 = the weight rows' L2 policy evict_first; ones digit 9 = tests only: a counter that can never
+// complete (the launch must end with ERR_SYNC_TIMEOUT flagged).
+cudaError_t launch_kda_oproj_fused(const kda_decode_args & a, const kda_oproj_args & o, const dbatch & b, cudaStream_t st,
+                                   int cfg);
 // w (any float-like dtype) [n] -> F32 [n] (norm weights for the fused prologue).
 cudaError_t launch_weight_to_f32(dweight w, int64_t n, float * y, cudaStream_t st);
 

@@ -54,6 +54,12 @@
 //                     which becomes one persistent kernel (moe-layer-decode.cu) writing every folded node's outputs.
 //                     Only when every consumer of the norm's and the route's outputs is folded or comes after the
 //                     launch, and the router is a 2-D BF16 WEIGHT [E, D].
+//   kda_oproj_fused   (after fuse_kda_decode, which it extends) one token: the fused KDA tail's gated-norm output [1, C]
+//                     whose only consumer is a BF16 LINEAR on the GEMV path (o_proj, widths of
+//                     cuda::kda_oproj_fused_supported_shape: the 48B's 32 heads of 128) launching itself alone or with
+//                     rule 4's ADDs: that LINEAR and its ADDs join the tail's launch, which becomes one persistent kernel
+//                     (kda-fused-decode.cu k_kda_oproj_d1). Only when the ADDs' other operands exist at the tail's
+//                     position.
 #pragma once
 #include "backend/cuda/backend-cuda.h"
 #include "ir/graph.h"
@@ -66,6 +72,8 @@ namespace perigee::cuda {
 // kernel file's own rule so the two cannot drift; declared here to keep this header free of CUDA headers.
 bool moe_bf16_shared_supported(int64_t Din, int64_t d_ff, int64_t d_out, int64_t k);
 // moe-layer-decode.cu: whether the one-launch MoE block runs for these widths and this route (moe_layer_fused).
+// kda-fused-decode.cu: whether the KDA tail's launch can also compute the o_proj rows for these widths (kda_oproj_fused).
+bool kda_oproj_fused_supported_shape(int64_t H, int64_t K, int64_t V, int64_t D);
 bool moe_layer_decode_supported_shape(int64_t D, int64_t d_ff, int64_t E, int64_t k, int64_t n_group, int64_t topk_group,
                                       bool softmax);
 } // namespace perigee::cuda
@@ -129,6 +137,9 @@ struct plan {
     std::vector<kda_fold> kda;       // per GATED_RMS_NORM node: the KDA tail its launch computes (scan < 0: none)
     int kda_decodes = 0;             // fused KDA decode launches
     int kda_launches = 0;            // launches they remove (conv_l2's folded L2_NORMs not counted twice)
+    std::vector<seg> kda_oproj;      // per GATED_RMS_NORM node with a KDA fold: the o_proj LINEAR (and its epilogue ADDs)
+                                     // that launch also computes (linear < 0: none; kda_oproj_fused)
+    int kda_oprojs = 0;              // o_proj launches folded so (one launch removed each)
     std::vector<moe_shared_fold> moe_shared;   // per MOE_EXPERTS node: the shared expert its launch computes (add < 0: none)
     int moe_shareds = 0;             // MOE_EXPERTS launches with the shared slot
     int moe_shared_launches = 0;     // node launches they remove (gate, up, GLU, down, ADD, chained ADD)
@@ -142,7 +153,7 @@ struct plan {
     int norms_kept_big = 0;          // foldable norms kept: their LINEARs' weights exceed fuse_norm_max_weight_bytes
     int launches_saved() const {
         return linear_grouped + norms + adds + conv_l2s + sigmoids + 2 * mla_kvs + kda_launches + moe_shared_launches + routes +
-               2 * moe_layers;
+               2 * moe_layers + kda_oprojs;
     }
 };
 
@@ -360,6 +371,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
     p.mla_kv_norm.assign(N, -1);
     p.mla_kv_rope.assign(N, -1);
     p.kda.assign(N, {});
+    p.kda_oproj.assign(N, {});
     p.moe_shared.assign(N, {});
     p.moe_layer.assign(N, {});
     p.route_by.assign(N, -1);
@@ -738,6 +750,49 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             p.kda[i] = kf;
             ++p.kda_decodes;
             p.kda_launches += kf.n();
+        }
+    }
+
+    // 7b. the layer's output projection (and the ADDs its GEMV epilogue writes) into that launch (kda_oproj_fused)
+    if (o.fuse_kda_decode && o.kda_oproj_fused) {
+        auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
+        for (size_t i = 0; i < N; ++i) {
+            if (p.kda[i].scan < 0) continue;
+            const node & sc = g.nodes[size_t(p.kda[i].scan)];
+            const auto & ys = g.nodes[i].outs.at(0).shape;   // the gated norm's output [T, H * V]
+            if (ys.size() != 2 || ys[0] != 1 || cons[i].size() != 1) continue;
+            const int L = cons[i][0];
+            const node & l = g.nodes[size_t(L)];
+            dtype wt;
+            int64_t K;
+            if (p.done_by[size_t(L)] >= 0 || !gemv_linear(g, l, o, wt, K) || wt != dtype::BF16 ||
+                !same(l.src[0], node_ref{int(i), 0}) || K != ys[1])
+                continue;
+            const int64_t D = g.at(l.src[1]).leaf->shape[0];
+            if (!cuda::kda_oproj_fused_supported_shape(sc.p.n_head, sc.p.head_dim_k, sc.p.head_dim_v, D)) continue;
+            // the LINEAR launches itself, alone or with the ADDs of rule 4 (no other segment, no norm, no sigmoid)
+            seg sg{L, {-1, -1}, {}};
+            const launch & la = p.at[size_t(L)];
+            if (!la.empty()) {
+                if (la.norm >= 0 || la.groups.size() != 1 || la.groups[0].size() != 1 || la.groups[0][0].linear != L ||
+                    la.groups[0][0].sig >= 0 || la.groups[0][0].route)
+                    continue;
+                sg = la.groups[0][0];
+            }
+            // moved earlier (from L to i): its residual operands must exist by then; outputs other than 0: none read
+            bool ok = true;
+            for (int k = 0; k < 2; ++k)
+                if (sg.add[k] >= 0) ok &= at_pos(sg.res[k].node) < int(i) || g.at(sg.res[k]).op == op_type::WEIGHT;
+            for (size_t j = 0; j < N && ok; ++j)
+                for (const node_ref & r : g.nodes[j].src)
+                    if (r.valid() && r.out != 0 && (r.node == L || r.node == sg.add[0] || r.node == sg.add[1])) ok = false;
+            if (!ok) continue;
+            p.at[size_t(L)] = {};
+            p.done_by[size_t(L)] = int(i);
+            for (int k = 0; k < 2; ++k)
+                if (sg.add[k] >= 0) p.done_by[size_t(sg.add[k])] = int(i);
+            p.kda_oproj[i] = sg;
+            ++p.kda_oprojs;
         }
     }
     return p;

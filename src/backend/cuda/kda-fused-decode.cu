@@ -20,7 +20,9 @@
 // them folded the outputs agree with the unfused path to fp32 rounding (NMSE), not bitwise.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fuse-ops.h"
+#include "backend/cuda/grid-sync.cuh"
 #include "backend/cuda/kda-step.cuh"
+#include "backend/cuda/moe-bf16-rows.cuh"
 
 namespace perigee::cuda {
 
@@ -55,10 +57,11 @@ __device__ __forceinline__ float lowrank_row(const uint4 (&w)[kMaxChunks], int n
     return acc;
 }
 
-// Grid (H, n_seq), 4 KD threads: KD / 32 scan tiles of 32 columns x 128 threads (k_kda_scan_v2's block), 3 KD conv
-// channels, KD low-rank rows of 4 threads each. KD = K = V in {32, 64, 128}.
-template <int KD>
-__global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args a, dbatch b) {
+// The tail of head h of sequence s on a block of 4 KD threads (every thread of the block calls it). TRIGGER: the PDL
+// prologue is pdl_enter (wait, then let the next kernel be scheduled: the plain launch); else pdl_wait only (the
+// persistent launch with o_proj triggers after its barrier, when all its blocks are resident).
+template <int KD, bool TRIGGER>
+__device__ __forceinline__ void kda_tail(const kda_decode_args & a, const dbatch & b, int h, int s) {
     constexpr int kD = KD, kNW = KD / 32;   // warps per head-wide group (the unfused norms' blocks of KD threads)
     constexpr int kRows = KD / 16;           // scan rows per thread (16 row groups)
     __shared__ float s_fa[32 * kMaxChunks], s_ga[32 * kMaxChunks];
@@ -68,7 +71,6 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     __shared__ float4 red_pred[kTiles][4][8], red_out[kTiles][4][8];   // [tile][warp of the tile][column quad]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.x, s = blockIdx.y;
     const int H = a.H;
     const int64_t HD = int64_t(H) * kD;
 
@@ -117,7 +119,8 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
 #pragma unroll
     for (int j = 0; j < kConvW - 1; ++j) win[j] = part < 3 ? hist[j] : 0.0f;
 
-    pdl_enter();
+    if (TRIGGER) pdl_enter();
+    else pdl_wait();
 
     const float * xin = part == 0 ? a.q : part == 1 ? a.k : a.v;
     float * yconv = part == 0 ? a.y_q : part == 1 ? a.y_k : a.y_v;
@@ -232,6 +235,104 @@ __global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args 
     }
 }
 
+// Grid (H, n_seq), 4 KD threads: KD / 32 scan tiles of 32 columns x 128 threads (k_kda_scan_v2's block), 3 KD conv
+// channels, KD low-rank rows of 4 threads each. KD = K = V in {32, 64, 128}.
+template <int KD>
+__global__ void __launch_bounds__(4 * KD, 1) k_kda_decode_fused(kda_decode_args a, dbatch b) {
+    kda_tail<KD, true>(a, b, int(blockIdx.x), int(blockIdx.y));
+}
+
+// ---- the tail and the layer's output projection in one persistent launch (kda_oproj_fused; one token) ----
+// Why: in the graph the tail (32 blocks, latency-bound: ~6.5 us, the HBM idle) is followed by the o_proj GEMV, which
+// can only start streaming its 18.9 MB (the 48B: [2304, 4096] BF16) once the tail has ended: ~14 us for the pair
+// (session 23 H100 timeline: 6.5 + 7.8 exposed, with 8 MiB of o_proj asked into L2 by a side prefetch). Here the grid
+// is every co-resident block of 4 KD threads; blocks 0 .. H - 1 run the tail of one head each while every warp of the
+// other blocks holds one o_proj row in registers (loaded before the PDL wait: weights) and asks one more into L2, so
+// most of the projection's bytes are on chip when the heads' counter completes. Then every block stages the gated norm's
+// output (C floats) in shared memory, the preloaded rows are finished and the rest are strided over every warp.
+// Arithmetic: the tail is kda_tail, so its outputs are the plain launch's bit for bit; each o_proj row is one warp's
+// sum (moe-bf16-rows.cuh), not the GEMV kernel's order, then the epilogue's adds in the GEMV's order (y + r0, + r1).
+constexpr int k_ko_threads = 4 * 128;   // the tail's block at K = V = 128
+constexpr int k_ko_warps = k_ko_threads / 32;
+
+template <int NU>
+__global__ void __launch_bounds__(k_ko_threads, 1) k_kda_oproj_d1(kda_decode_args a, kda_oproj_args o, dbatch b, int fl) {
+    constexpr int C = 256 * NU;   // the o_proj row: H * V values, 8 BF16 per lane per unit
+    __shared__ __align__(16) float xs[C];
+    const int tid = int(threadIdx.x), lane = tid & 31, wid = tid >> 5;
+    const int G = int(gridDim.x), H = a.H, D = int(o.D), blk = int(blockIdx.x);
+    const uint64_t pol = l2_stream_policy(fl & 2);
+    unsigned * bar_heads = o.sync, * bar_exit = o.sync + 1;
+    const unsigned heads_target = unsigned(H) + unsigned((fl & 4) != 0);   // fl bit 2: the timeout's control (tests)
+    const int NT = G - H;                          // blocks without a head
+    const int P = min(D, NT * k_ko_warps);         // rows held in registers before the wait (one per such warp)
+
+    auto dot_store = [&](int r, const uint4 (&q)[NU]) {
+        const float v = warp_sum(bf16_row_lane_dot<NU, XM_PLAIN>(q, xs, lane));
+        if (lane == 0) {
+            o.y[r] = v;
+            if (o.z0) {
+                const float z = v + o.res0[r];
+                o.z0[r] = z;
+                if (o.z1) o.z1[r] = z + o.res1[r];
+            }
+        }
+    };
+    // after the heads' counter: the gated norm's output (written by the head blocks) into shared memory, read past L1
+    auto stage = [&]() {
+        for (int i = tid; i < C / 4; i += k_ko_threads)
+            reinterpret_cast<float4 *>(xs)[i] = __ldcg(reinterpret_cast<const float4 *>(a.y_on) + i);
+        __syncthreads();
+    };
+    // rows P .. D - 1, strided over every warp of the grid (numbered across the SMs first)
+    auto rest = [&]() {
+        for (int r = P + wid * G + blk; r < D; r += G * k_ko_warps) {
+            uint4 q[NU];
+            bf16_row_issue<NU>(o.w, r, pol, lane, q);
+            dot_store(r, q);
+        }
+    };
+
+    if (blk < H) {
+        kda_tail<128, false>(a, b, blk, 0);
+        block_arrive(bar_heads);
+        block_wait_count(bar_heads, heads_target, o.err);
+        pdl_trigger();   // every block is resident by now or never triggers: the next grid waits for all of them
+        stage();
+        rest();
+    } else {
+        const int row = wid * NT + (blk - H);   // this warp's preloaded row
+        uint4 q[NU];
+        if (row < P) bf16_row_issue<NU>(o.w, row, pol, lane, q);
+        // the rows after P into L2 (one bulk prefetch of a row per warp), so `rest` reads them from L2
+        if (lane == 0 && P + row < D) prefetch_l2_bulk(static_cast<const char *>(o.w) + int64_t(P + row) * C * 2, C * 2);
+        pdl_wait();
+        block_wait_count(bar_heads, heads_target, o.err);
+        pdl_trigger();
+        stage();
+        if (row < P) dot_store(row, q);
+        rest();
+    }
+    grid_exit_reset(o.sync, 1, bar_exit);   // bar_heads
+}
+
+// The grid: every block of k_ko_threads that fits on the device at once, cached per device ordinal.
+template <int NU>
+int ko_grid() {
+    constexpr int k_max_dev = 64;
+    static int grid[k_max_dev] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= k_max_dev) return 0;
+    if (grid[dev] == 0) {
+        int sms = 0, per = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k_kda_oproj_d1<NU>, k_ko_threads, 0) != cudaSuccess)
+            return 0;
+        grid[dev] = sms * per;
+    }
+    return grid[dev];
+}
+
 } // namespace
 
 bool kda_decode_fused_supported(const kda_decode_args & a) {
@@ -253,6 +354,27 @@ cudaError_t launch_kda_decode_fused(const kda_decode_args & a, const dbatch & b,
     else if (a.K == 64) launch_k(k_kda_decode_fused<64>, grid, 4 * 64, 0, st, a, b);
     else launch_k(k_kda_decode_fused<32>, grid, 4 * 32, 0, st, a, b);
     return cudaGetLastError();
+}
+
+bool kda_oproj_fused_supported_shape(int64_t H, int64_t K, int64_t V, int64_t D) {
+    return K == 128 && V == 128 && H == 32 && D >= 1 && D <= (int64_t(1) << 20);
+}
+
+bool kda_oproj_fused_supported(const kda_decode_args & a, const kda_oproj_args & o) {
+    auto a16 = [](const void * p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+    return kda_decode_fused_supported(a) && kda_oproj_fused_supported_shape(a.H, a.K, a.V, o.D) &&
+           a16(a.y_on) && o.w && a16(o.w) && o.y && o.sync && o.err && (o.z0 != nullptr) == (o.res0 != nullptr) &&
+           (o.z1 != nullptr) == (o.res1 != nullptr) && (!o.z1 || o.z0);
+}
+
+cudaError_t launch_kda_oproj_fused(const kda_decode_args & a, const kda_oproj_args & o, const dbatch & b, cudaStream_t st,
+                                   int cfg) {
+    if (!kda_oproj_fused_supported(a, o) || b.n_seq != 1) return cudaErrorInvalidValue;
+    const int G = ko_grid<16>();
+    if (G < a.H + 1) return cudaErrorInvalidValue;   // at least one block beside the heads
+    const int fl = (cfg / 1000 % 10 == 1 ? 2 : 0) |   // the weights' L2 policy evict_first (gemv_cfg's digit)
+                   (cfg % 10 == 9 ? 4 : 0);          // tests: the heads' counter target one too high (must time out)
+    return launch_k(k_kda_oproj_d1<16>, unsigned(G), k_ko_threads, 0, st, a, o, b, fl);
 }
 
 } // namespace perigee::cuda

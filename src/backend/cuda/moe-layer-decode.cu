@@ -9,7 +9,7 @@
 // device-wide counters instead of kernel boundaries, and the weights a phase can know early are in flight early:
 //   phase 1  before the PDL wait each warp issues its first task's weight loads (a router row, or a row pair of the
 //            shared expert's gate / up: none depends on the step), so they arrive while the previous kernel finishes;
-//            after the wait every block computes the norm of x itself (k_norm_reg's arithmetic: h bit for bit the
+//            after the wait every block computes the norm of x itself (norm-row.cuh, k_norm_reg's own code: h bit for bit the
 //            RMS_NORM launch's; block 0 writes it), then the warps finish their rows (router logits, shared gate / up /
 //            GLU).
 //   barrier  A: the E router rows written (a counter the router warps raise); each block then selects the top k itself
@@ -21,7 +21,8 @@
 //            rows, all k + 1 slots in slot order with two slots in flight; the combine is the pair's (routed sum in slot
 //            order, then the shared row, then the residual).
 // The last block to leave resets the counters, so each launch finds them 0 (they must be 0 before the first launch).
-// A wait that exceeds its bound (k_ml_wait_ns) flags ERR_SYNC_TIMEOUT and goes on: a flagged wrong result, not a hang.
+// A wait that exceeds its bound (grid-sync.cuh k_grid_wait_ns) flags ERR_SYNC_TIMEOUT and goes on: a flagged wrong
+// result, not a hang.
 // Co-residency: the grid is the occupancy-limited count of blocks (launch checks), every block of which must be
 // resident for the barriers to pass; the PDL trigger comes after barrier B, when all are, so a dependent grid can never
 // take the SM slots a block of this grid still needs. Kernels of the same stream before it drain on their own, so its
@@ -34,6 +35,8 @@
 // checks it); the router row is one warp's sum over the row (the GEMV launcher splits rows differently): the same dot
 // product in another order, checked against the GEMV and an fp64 host sum.
 #include "backend/cuda/moe-bf16-rows.cuh"
+#include "backend/cuda/grid-sync.cuh"
+#include "backend/cuda/norm-row.cuh"
 #include "backend/cuda/route-pick.cuh"
 
 namespace perigee::cuda {
@@ -43,37 +46,6 @@ namespace {
 constexpr int k_ml_warps = 8;   // warps per block (256 threads: the norm's block size, so h is k_norm_reg's bit for bit)
 constexpr int k_ml_threads = 32 * k_ml_warps;
 constexpr int k_ml_select_warps = 4;   // select_small_block<4>, as the selection launch (cuda_options::moe_select_small 4)
-
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned * p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint64_t global_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-// How long a block waits at a counter before it gives up: 4 s, far beyond a legitimate wait (the previous kernel's drain
-// plus one phase: microseconds; expected to stay under a second under compute-sanitizer too, not yet measured), so only
-// a grid that can never complete (not all resident: see above) should reach it.
-constexpr uint64_t k_ml_wait_ns = 4000000000ull;
-// One thread spins until *ctr >= target (acquire), then the block passes a barrier: every thread's later reads see the
-// writes counted. Past k_ml_wait_ns it flags ERR_SYNC_TIMEOUT and lets the block go on (wrong outputs, flagged, rather
-// than a hung device).
-__device__ __forceinline__ void block_wait_count(const unsigned * ctr, unsigned target, int * err) {
-    if (threadIdx.x == 0) {
-        const uint64_t t0 = global_ns();
-        while (ld_acquire_gpu(ctr) < target) {
-            __nanosleep(32);
-            if (global_ns() - t0 > k_ml_wait_ns) {
-                atomicOr(err + ERR_SYNC_TIMEOUT, 1);
-                break;
-            }
-        }
-    }
-    __syncthreads();
-}
 
 // The down task's loads of one slot: R = 2 rows of nu = 32 NUF units.
 template <int NUF>
@@ -108,26 +80,16 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     select_small_bias<k_ml_select_warps>(p.bias, p.rc, bias_mine);
     pdl_wait();
 
-    // ---- the norm: k_norm_reg<0, PT>'s arithmetic on a 256-thread block (x written by the previous kernel)
+    // ---- the norm: norm_row_reg<0, PT> on a 256-thread block, as k_norm_reg<0, *> (x written by the previous kernel)
     {
-        float xv[PT];
+        float xv[PT], v[PT];
 #pragma unroll
         for (int j = 0; j < PT; ++j) xv[j] = p.x[tid + 256 * j];
-        const float mean = 0.0f;
-        float ss = 0.0f;
+        norm_row_reg<0, PT>(xv, xv, nwv, nwv, D, p.eps, v);   // mode 0 reads neither z nor b
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
-            const float d = xv[j] - mean;
-            ss += d * d;
-        }
-        ss = block_sum(ss);
-        const float inv = rsqrtf(ss / float(D) + p.eps);
-#pragma unroll
-        for (int j = 0; j < PT; ++j) {
-            float v = (xv[j] - mean) * inv;
-            v *= nwv[j];
-            hs[tid + 256 * j] = v;
-            if (blockIdx.x == 0) p.h[tid + 256 * j] = v;
+            hs[tid + 256 * j] = v[j];
+            if (blockIdx.x == 0) p.h[tid + 256 * j] = v[j];
         }
     }
     __syncthreads();
@@ -191,11 +153,7 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     down_loads<NUF> b0, b1;
     issue(0, b0);
     issue(1, b1);
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        atomicAdd(bar_h, 1u);
-    }
+    block_arrive(bar_h);
     block_wait_count(bar_h, unsigned(G), p.err);
     pdl_trigger();   // every block is resident (all counted): a dependent grid may be scheduled now
 
@@ -231,12 +189,7 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     }
 
     // ---- the last block out resets the counters for the next launch (every block has passed both barriers)
-    __syncthreads();
-    if (tid == 0 && atomicAdd(bar_exit, 1u) == unsigned(G) - 1u) {
-        atomicExch(bar_route, 0u);
-        atomicExch(bar_h, 0u);
-        atomicExch(bar_exit, 0u);
-    }
+    grid_exit_reset(p.sync, 2, bar_exit);   // bar_route, bar_h
 }
 
 // The grid: every block that fits on the device at once (the occupancy query), cached per device ordinal.

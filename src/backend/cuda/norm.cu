@@ -1,5 +1,5 @@
 // RMS_NORM, LAYER_NORM, L2_NORM, GATED_RMS_NORM: one block per row, fp32 block reductions.
-#include "backend/cuda/common.cuh"
+#include "backend/cuda/norm-row.cuh"
 
 namespace perigee::cuda {
 
@@ -38,12 +38,13 @@ __global__ void k_norm(const float * __restrict__ x, const float * __restrict__ 
 
 // The same arithmetic with the row held in registers (PT elements per thread, element i = threadIdx.x + j * blockDim.x
 // for j < PT, as the loops above visit them): every load of the row is issued before the first sum, and the weights
-// (never written by a kernel of the step) before the PDL wait. Why (ncu, 48B decode step, session 8): k_norm<0> on one
-// 2304-wide row took 8.5-10.2 us on one block; each thread's 9 loads of x, then of w, went out one after another (the
-// loop bound is not a constant), i.e. ~18 dependent memory round trips. Same order of every sum and product as k_norm,
-// so the outputs are bit for bit k_norm's (test-ops-cuda norm_reg_bitwise; LAYER_NORM's w * v + b as two explicit roundings
-// in both kernels: the compiler contracted one form into an fma and not the other, session 8 call B). Launch bound
-// 1024: 16 values per thread at 1024 threads spill rather than fail to launch (64 registers per thread).
+// (never written by a kernel of the step) before the PDL wait; the arithmetic is norm-row.cuh's norm_row_reg. Why (ncu,
+// 48B decode step, session 8): k_norm<0> on one 2304-wide row took 8.5-10.2 us on one block; each thread's 9 loads of
+// x, then of w, went out one after another (the loop bound is not a constant), i.e. ~18 dependent memory round trips.
+// Same order of every sum and product as k_norm, so the outputs are bit for bit k_norm's (test-ops-cuda
+// norm_reg_bitwise; LAYER_NORM's w * v + b as two explicit roundings in both kernels: the compiler contracted one form
+// into an fma and not the other, session 8 call B). Launch bound 1024: 16 values per thread at 1024 threads spill
+// rather than fail to launch (64 registers per thread).
 template <int MODE, int PT>
 __global__ void __launch_bounds__(1024) k_norm_reg(const float * __restrict__ x, const float * __restrict__ z, int64_t N, dweight w, dweight bias,
                            float eps, float * __restrict__ y) {
@@ -68,33 +69,12 @@ __global__ void __launch_bounds__(1024) k_norm_reg(const float * __restrict__ x,
         xv[j] = i < N ? xr[i] : 0.0f;
         zv[j] = MODE == 2 && i < N ? z[r * N + i] : 0.0f;
     }
-    float mean = 0.0f;
-    if (MODE == 3) {
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < PT; ++j)
-            if (threadIdx.x + int64_t(j) * blockDim.x < N) s += xv[j];
-        mean = block_sum(s) / float(N);
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PT; ++j)
-        if (threadIdx.x + int64_t(j) * blockDim.x < N) {
-            const float d = xv[j] - mean;
-            ss += d * d;
-        }
-    ss = block_sum(ss);
-    const float inv = MODE == 1 ? rsqrtf(ss + eps) : rsqrtf(ss / float(N) + eps);
+    float v[PT];
+    norm_row_reg<MODE, PT>(xv, zv, wv, bv, N, eps, v);
 #pragma unroll
     for (int j = 0; j < PT; ++j) {
         const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-        if (i < N) {
-            float v = (xv[j] - mean) * inv;
-            if (MODE == 0) v *= wv[j];
-            if (MODE == 2) v = v * wv[j] * sigmoid_d(zv[j]);
-            if (MODE == 3) v = __fadd_rn(__fmul_rn(v, wv[j]), bv[j]);   // as k_norm
-            y[r * N + i] = v;
-        }
+        if (i < N) y[r * N + i] = v[j];
     }
 }
 

@@ -653,10 +653,11 @@ struct kda_graph {
 };
 enum class kda_form { lowrank, fullrank, inputs };
 // extra_consumer: q_l2 also feeds the output through a node placed before the gated norm (the planner must refuse).
+// D: the hidden width (the 48B: 2304).
 void build_kda_graph(kda_graph & kg, std::shared_ptr<batch> b, kda_form form, int H, int n_slots, uint32_t seed,
-                     float lower_bound, int K = 128, int R = -1, bool extra_consumer = false) {
+                     float lower_bound, int K = 128, int R = -1, bool extra_consumer = false, int D = 256) {
     if (R < 0) R = K;   // the low rank of f_a / g_a (Kimi: the head dim)
-    const int C = H * K, D = 256, W = 4, T = b->n_tokens();
+    const int C = H * K, W = 4, T = b->n_tokens();
     rng r(seed);
     builder bd(b);
     auto lin = [&](node_ref x, int O, int I, dtype dt, const char * nm, float s) {
@@ -830,6 +831,136 @@ TEST(cuda_fuse, kda_decode_tail) {
         }
         restore();
     }
+}
+
+// ---- the KDA tail and its o_proj as one persistent launch (kda_oproj_fused, kda-fused-decode.cu k_kda_oproj_d1) ----
+// The 48B's widths: 32 heads of K = V = 128 (C 4096), hidden D 2304 (more o_proj rows than the warps that hold one before
+// the wait, so both row paths run), one token, the low-rank form; two steps (the second reads the states the first
+// wrote). With the switch on: every output against the CPU (NMSE k_tol_f32), one fused launch counted; the tail's
+// outputs and states bit for bit the run with the tail fused alone (the same kda_tail code); o_proj + residual within
+// NMSE of that run (one warp's sum per row, not the GEMV's order). Controls that must FAIL: the output without its
+// residual, step 1's output for step 2, the comparator family. Planner (no GPU): folds the LINEAR and the ADD into the
+// tail's node (one launch more saved); refuses with the switch off, at 2 tokens, and at 3 heads (outside the kernel).
+TEST(cuda_fuse, kda_oproj_fused) {
+    auto mk = [](kda_graph & kg, std::vector<int> lens, int H, int D) {
+        auto b = std::make_shared<batch>();
+        b->seq_start = {0};
+        for (size_t s = 0; s < lens.size(); ++s)
+            b->seq_start.push_back(b->seq_start.back() + lens[s]), b->pos0.push_back(7), b->slot.push_back(int(s));
+        b->ids.assign(size_t(b->seq_start.back()), 0);
+        build_kda_graph(kg, b, kda_form::lowrank, H, 2, 41000 + uint32_t(H), 0.0f, 128, -1, false, D);
+    };
+    auto opts = [](bool on) {
+        cuda_options o = fuse_opts(true, true);
+        o.fuse_conv_l2 = o.fuse_sigmoid = true;
+        o.fuse_kda_decode = true;
+        o.kda_oproj_fused = on;
+        return o;
+    };
+    {   // the planner
+        kda_graph kg;
+        mk(kg, {1}, 32, 2304);
+        const auto p = cuda_fuse::plan_fusions(kg.g, opts(true));
+        const auto q = cuda_fuse::plan_fusions(kg.g, opts(false));
+        const int anchor = kg.outs[9].node, out = kg.outs[10].node, lin = kg.g.nodes[size_t(out)].src[0].node;
+        const bool ok = p.kda_oprojs == 1 && p.kda_decodes == 1 && p.done_by[size_t(lin)] == anchor &&
+                        p.done_by[size_t(out)] == anchor && p.kda_oproj[size_t(anchor)].linear == lin &&
+                        p.kda_oproj[size_t(anchor)].add[0] == out && p.at[size_t(lin)].empty() && q.kda_oprojs == 0 &&
+                        p.launches_saved() == q.launches_saved() + 1;
+        EXPECT_TRUE(ok) << "planner_kda_oproj: kda_oprojs " << p.kda_oprojs << ", saved " << q.launches_saved() << " -> "
+                        << p.launches_saved();
+        tally(ok);
+        kda_graph two, h3;
+        mk(two, {1, 1}, 32, 2304);
+        mk(h3, {1}, 3, 2304);
+        const std::pair<const char *, bool> refusals[] = {
+            {"2 tokens", cuda_fuse::plan_fusions(two.g, opts(true)).kda_oprojs == 0},
+            {"3 heads", cuda_fuse::plan_fusions(h3.g, opts(true)).kda_oprojs == 0},
+        };
+        for (const auto & r : refusals) {
+            EXPECT_TRUE(r.second) << "planner_kda_oproj must refuse: " << r.first;
+            tally(r.second);
+        }
+    }
+    NEED_GPU();
+    const std::string nm = "kda_oproj/H32/D2304";
+    kda_graph kg;
+    mk(kg, {1}, 32, 2304);
+    std::vector<std::vector<float>> init;
+    for (tensor * t : kg.st) init.push_back(as_f32(*t));
+    auto restore = [&](int from = 0) {
+        for (int i = from; i < 4; ++i) std::memcpy(kg.st[i]->data, init[size_t(i)].data(), init[size_t(i)].size() * 4);
+    };
+    std::vector<std::vector<float>> ref[2];
+    {
+        restore();
+        auto cpu = backend_cpu_init();
+        cpu->check_supported(kg.g);
+        for (int step = 0; step < 2; ++step) {
+            cpu->run(kg.g);
+            for (node_ref o : kg.outs) ref[step].push_back(read_f32(*cpu, o));
+        }
+    }
+    std::vector<std::vector<float>> got[2][2];   // [oproj folded][step]
+    std::vector<std::vector<float>> got_st[2];
+    for (int on = 1; on >= 0; --on) {
+        restore();
+        const std::string m = nm + (on ? "/fused" : "/tail-alone");
+        auto gpu = backend_cuda_init(0, opts(on != 0));
+        gpu->check_supported(kg.g);
+        for (int step = 0; step < 2; ++step) {
+            gpu->run(kg.g);
+            for (size_t i = 0; i < kg.outs.size(); ++i) {
+                got[on][step].push_back(read_f32(*gpu, kg.outs[i]));
+                const bool ok = check(fmt::format("{}/step{}/{}", m, step, kg.g.at(kg.outs[i]).name), to_f64(ref[step][i]),
+                                      got[on][step].back(), metric::NMSE, k_tol_f32);
+                EXPECT_TRUE(ok) << m;
+                tally(ok);
+            }
+            EXPECT_EQ(gpu->fused_kda_decodes(), 1) << m;
+            EXPECT_EQ(gpu->fused_kda_oprojs(), on) << m;
+            tally(gpu->fused_kda_decodes() == 1 && gpu->fused_kda_oprojs() == on);
+        }
+        gpu->sync_state_to_host();
+        for (tensor * t : kg.st) got_st[on].push_back(as_f32(*t));
+        std::printf("[%s] fused_kda_decodes %d, fused_kda_oprojs %d\n", m.c_str(), gpu->fused_kda_decodes(), gpu->fused_kda_oprojs());
+    }
+    bool same = true;   // the tail's outputs (all but `out`) and the states: bit for bit
+    for (int step = 0; step < 2; ++step)
+        for (size_t i = 0; i + 1 < kg.outs.size(); ++i)
+            same &= got[1][step][i].size() == got[0][step][i].size() &&
+                    std::memcmp(got[1][step][i].data(), got[0][step][i].data(), got[1][step][i].size() * 4) == 0;
+    for (int i = 0; i < 4; ++i)
+        same &= std::memcmp(got_st[1][size_t(i)].data(), got_st[0][size_t(i)].data(), got_st[0][size_t(i)].size() * 4) == 0;
+    std::printf("[%s/tail bitwise fused == tail alone] %s\n", nm.c_str(), same ? "yes" : "NO");
+    EXPECT_TRUE(same) << nm;
+    tally(same);
+    {   // control that must FAIL: the same comparison sees the gated norm's output with one element one ulp away
+        std::vector<float> bumped = got[0][1][9];
+        bumped[5] = std::nextafter(bumped[5], INFINITY);
+        const bool ctl = std::memcmp(got[1][1][9].data(), bumped.data(), bumped.size() * 4) == 0;
+        std::printf("[%s/control(o_norm one ulp off) bitwise] (control: must FAIL) %s\n", nm.c_str(),
+                    ctl ? "PASSED - BAD" : "FAILED as required");
+        EXPECT_FALSE(ctl) << nm;
+        tally(!ctl);
+    }
+    for (int step = 0; step < 2; ++step) {
+        const bool close = check(fmt::format("{}/step{}/out fused vs tail alone", nm, step), to_f64(got[0][step][10]),
+                                 got[1][step][10], metric::NMSE, k_tol_f32);
+        EXPECT_TRUE(close) << nm;
+        tally(close);
+    }
+    // controls that must FAIL
+    {
+        const node_ref lin = kg.g.nodes[size_t(kg.outs[10].node)].src[0];
+        restore();
+        auto cpu = backend_cpu_init();
+        for (int step = 0; step < 2; ++step) cpu->run(kg.g);
+        must_fail(nm + "/control(residual dropped: out vs o_proj alone)", read_f32(*cpu, lin), got[1][1][10]);
+    }
+    must_fail(nm + "/control(step-1 output)", ref[0][10], got[1][1][10]);
+    comparator_controls(nm + "/out", ref[1][10], got[1][1][10]);
+    restore();
 }
 
 TEST(cuda_fuse, planner_rules) {
