@@ -477,6 +477,10 @@ struct cuda_options {
     // o_proj rows one warp's sum each (not the GEMV's order). Predicted (session 25, before any GPU run): per KDA layer
     // tail + o_proj ~14 -> ~9 us (H100, the session 23 timeline: 6.5 + 7.8 exposed), 48B B=1 -3..-4%.
     bool kda_oproj_fused = false;
+    // Tests only: the persistent kernels (moe_layer_fused, kda_oproj_fused) are launched with a first barrier that waits
+    // for one more arrival than exists, so each must end with ERR_SYNC_TIMEOUT flagged after k_grid_wait_ns (4 s) and the
+    // run must fail naming the node (the control that a barrier which never completes is reported, not hung or silent).
+    bool persistent_test_timeout = false;
     // The BF16 decode expert pair (moe-bf16-decode.cu) loads its weights with the L2 policy evict_first (cfg thousands
     // digit 1, common.cuh l2_stream_policy): read once per step, they go first, so their ~130 MB per 48B MoE layer does
     // not evict the step's other lines. Results unchanged (a cache policy; test-moe-cuda cfg 1000 / 1100 bit for bit).

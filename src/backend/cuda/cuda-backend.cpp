@@ -1804,7 +1804,8 @@ private:
             o.err = err_ + err_slot_[size_t(id)] * cuda::ERR_COUNT;
             PG_CHECK(cuda::kda_oproj_fused_supported(a, o), "{}: the tail + o_proj launch does not take {} heads of {} x {}, "
                      "{} rows", l.name, a.H, a.K, a.V, o.D);
-            PG_CUDA_CHECK(cuda::launch_kda_oproj_fused(a, o, db_, st_, opt_.gemv_evict_first ? 1000 : 0));
+            PG_CUDA_CHECK(cuda::launch_kda_oproj_fused(a, o, db_, st_, (opt_.gemv_evict_first ? 1000 : 0) +
+                                                                 (opt_.persistent_test_timeout ? 9 : 0)));
             ++n_kda_oproj_;
         }
         ++n_kda_fused_;
@@ -1926,7 +1927,8 @@ private:
         p.err = err;
         PG_CHECK(cuda::moe_layer_decode_supported(sh.w.gate.in, c.d_ff, E, p.rc.topk, p.rc),
                  "{}: the one-launch MoE block does not take D {} d_ff {} top-{} of {}", n.name, sh.w.gate.in, c.d_ff, p.rc.topk, E);
-        PG_CUDA_CHECK(cuda::launch_moe_layer_decode(p, st_, opt_.moe_bf16_evict_first ? 1000 : 0));
+        PG_CUDA_CHECK(cuda::launch_moe_layer_decode(p, st_, (opt_.moe_bf16_evict_first ? 1000 : 0) +
+                                                                (opt_.persistent_test_timeout ? 9 : 0)));
         ++n_moe_shared_;
         ++n_moe_layer_;
     }

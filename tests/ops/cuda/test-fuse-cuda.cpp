@@ -960,6 +960,22 @@ TEST(cuda_fuse, kda_oproj_fused) {
     }
     must_fail(nm + "/control(step-1 output)", ref[0][10], got[1][1][10]);
     comparator_controls(nm + "/out", ref[1][10], got[1][1][10]);
+    {   // control: a barrier that can never complete must end the run with an error naming the tail's node
+        restore();
+        cuda_options o = opts(true);
+        o.persistent_test_timeout = true;
+        auto gpu = backend_cuda_init(0, o);
+        std::string what;
+        try {
+            gpu->run(kg.g);
+        } catch (const std::exception & e) {
+            what = e.what();
+        }
+        const bool named = what.find("timed out") != std::string::npos && what.find("kda_o_norm") != std::string::npos;
+        std::printf("[%s/control(barrier never completes)] %s\n", nm.c_str(), what.empty() ? "no error - BAD" : what.c_str());
+        EXPECT_TRUE(named) << nm << ": " << what;
+        tally(named);
+    }
     restore();
 }
 
@@ -1535,6 +1551,23 @@ TEST(cuda_fuse, moe_layer_fused) {
             must_fail(nm + "/control(shared gate/up exchanged)", cpu_outputs(sw.g, {sw.outs[5]})[0], got[1][4]);
         }
         comparator_controls(nm + "/ffn_moe_out", ref[6], got[1][6]);
+        {   // control: a barrier that can never complete must end the run with an error naming the experts' node
+            cuda_options o = msh_opts(true);
+            o.fuse_norm_linear = false;
+            o.moe_layer_fused = o.guard = o.persistent_test_timeout = true;
+            auto gpu = backend_cuda_init(0, o);
+            std::string what;
+            try {
+                gpu->run(mg.g);
+            } catch (const std::exception & e) {
+                what = e.what();
+            }
+            const std::string ename = mg.g.at(mg.outs[2]).name;
+            const bool named = what.find("timed out") != std::string::npos && what.find(ename) != std::string::npos;
+            std::printf("[%s/control(barrier never completes)] %s\n", nm.c_str(), what.empty() ? "no error - BAD" : what.c_str());
+            EXPECT_TRUE(named) << nm << ": " << what;
+            tally(named);
+        }
     }
 }
 
