@@ -64,4 +64,22 @@ __device__ __forceinline__ void grid_exit_reset(unsigned * ctrs, int n, unsigned
     }
 }
 
+// Host: the grid of a persistent kernel: every block of `threads` threads that fits on the device at once (SMs x the
+// occupancy query), cached per device ordinal; 0 when a query fails (the launcher refuses).
+template <auto Kernel, int threads>
+int resident_grid() {
+    constexpr int k_max_dev = 64;
+    static int grid[k_max_dev] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= k_max_dev) return 0;
+    if (grid[dev] == 0) {
+        int sms = 0, per = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, Kernel, threads, 0) != cudaSuccess)
+            return 0;
+        grid[dev] = sms * per;
+    }
+    return grid[dev];
+}
+
 } // namespace perigee::cuda

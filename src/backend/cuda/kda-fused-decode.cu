@@ -316,22 +316,6 @@ __global__ void __launch_bounds__(k_ko_threads, 1) k_kda_oproj_d1(kda_decode_arg
     grid_exit_reset(o.sync, 1, bar_exit);   // bar_heads
 }
 
-// The grid: every block of k_ko_threads that fits on the device at once, cached per device ordinal.
-template <int NU>
-int ko_grid() {
-    constexpr int k_max_dev = 64;
-    static int grid[k_max_dev] = {};
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= k_max_dev) return 0;
-    if (grid[dev] == 0) {
-        int sms = 0, per = 0;
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k_kda_oproj_d1<NU>, k_ko_threads, 0) != cudaSuccess)
-            return 0;
-        grid[dev] = sms * per;
-    }
-    return grid[dev];
-}
 
 } // namespace
 
@@ -370,7 +354,7 @@ bool kda_oproj_fused_supported(const kda_decode_args & a, const kda_oproj_args &
 cudaError_t launch_kda_oproj_fused(const kda_decode_args & a, const kda_oproj_args & o, const dbatch & b, cudaStream_t st,
                                    int cfg) {
     if (!kda_oproj_fused_supported(a, o) || b.n_seq != 1) return cudaErrorInvalidValue;
-    const int G = ko_grid<16>();
+    const int G = resident_grid<k_kda_oproj_d1<16>, k_ko_threads>();
     if (G < a.H + 1) return cudaErrorInvalidValue;   // at least one block beside the heads
     const int fl = (cfg / 1000 % 10 == 1 ? 2 : 0) |   // the weights' L2 policy evict_first (gemv_cfg's digit)
                    (cfg % 10 == 9 ? 4 : 0);          // tests: the heads' counter target one too high (must time out)

@@ -192,22 +192,6 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     grid_exit_reset(p.sync, 2, bar_exit);   // bar_route, bar_h
 }
 
-// The grid: every block that fits on the device at once (the occupancy query), cached per device ordinal.
-template <int NUD, int NUF, int K>
-int ml_grid() {
-    constexpr int k_max_dev = 64;
-    static int grid[k_max_dev] = {};
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= k_max_dev) return 0;
-    if (grid[dev] == 0) {
-        int sms = 0, per = 0;
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k_moe_layer_d1<NUD, NUF, K>, k_ml_threads, 0) != cudaSuccess)
-            return 0;
-        grid[dev] = sms * per;
-    }
-    return grid[dev];
-}
 
 } // namespace
 
@@ -235,7 +219,7 @@ cudaError_t launch_moe_layer_decode(const dmoe_layer & p, cudaStream_t st, int c
     for (const void * q : {static_cast<const void *>(p.x), p.router, static_cast<const void *>(p.hbuf),
                            static_cast<const void *>(p.sh.act), s.gate.w, s.up.w, s.down.w})
         if (!a16(q)) return cudaErrorInvalidValue;
-    const int G = ml_grid<9, 4, 8>();
+    const int G = resident_grid<k_moe_layer_d1<9, 4, 8>, k_ml_threads>();
     // every phase's tasks fit one pass of the grid's warps (router + shared rows; down row pairs)
     if (G < 1 || int64_t(G) * k_ml_warps < p.E + F || int64_t(G) * k_ml_warps * 2 < D) return cudaErrorInvalidValue;
     const int fl = (cfg / 1000 % 10 == 1 ? 2 : 0) |   // the weights' L2 policy evict_first (as the pair's cfg digit)
