@@ -316,7 +316,6 @@ __global__ void __launch_bounds__(k_ko_threads, 1) k_kda_oproj_d1(kda_decode_arg
     grid_exit_reset(o.sync, 1, bar_exit);   // bar_heads
 }
 
-
 } // namespace
 
 bool kda_decode_fused_supported(const kda_decode_args & a) {

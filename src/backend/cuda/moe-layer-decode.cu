@@ -192,7 +192,6 @@ __global__ void __launch_bounds__(k_ml_threads, 2) k_moe_layer_d1(dmoe_layer p, 
     grid_exit_reset(p.sync, 2, bar_exit);   // bar_route, bar_h
 }
 
-
 } // namespace
 
 bool moe_layer_decode_supported(int64_t D, int64_t F, int64_t E, int64_t k, const droute & rc) {
