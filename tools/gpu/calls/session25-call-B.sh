@@ -22,7 +22,7 @@ done
 grep -h "as one launch\|with their o_proj" $L/d-kimi-linear-48b-ml1-ko1-r1.log >> $S
 timeout 120 $B/bench-cuda-decode --steps 20 --no-compare --no-profile --batch 1 $CUT --preset kimi-linear-48b --set moe_layer_fused=1,kda_oproj_fused=1 --timeline 10 > $OUT/timeline-48b-ml1-ko1.log 2>&1
 echo "timeline rc=$?" >> $S
-run test-fuse-cuda 400 "-rest" --gtest_filter='-cuda_fuse.kda_oproj_fused:cuda_fuse.kda_decode_tail:cuda_fuse.moe_layer_fused'
+run test-fuse-cuda 200 "-rest" --gtest_filter='cuda_fuse.side_prefetch*:cuda_fuse.capture_replay*:cuda_fuse.moe_shared*'
 run test-route-cuda 150 ""
 # last: under the sanitizer the grid's co-residency is not promised (a hang ends at the timeout)
 san memcheck test-moe-layer-cuda 'moe_layer.fused_equals_unfused:moe_layer.refuses' 120
