@@ -6,10 +6,13 @@
 set -u
 source tools/gpu/calls/common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $S 2>&1
+if [ -z "${TINY:-}" ]; then   # TINY=1 (with ROUNDS=1 SHORT=1): the engine-level cases and one bench round only
 run test-moe-layer-cuda 150 ""
 grep -E '^\[(moe_layer|timing)\]|Failure|rror|Expected|Which is|vs ' $L/test-moe-layer-cuda.log | head -40 >> $S
 cp $L/test-moe-layer-cuda.log $OUT/ 2>/dev/null
-run test-fuse-cuda 150 "-ko" --gtest_filter='cuda_fuse.kda_oproj_fused:cuda_fuse.kda_decode_tail:cuda_fuse.moe_layer_fused'
+fi
+KO='cuda_fuse.kda_oproj_fused:cuda_fuse.moe_layer_fused'; [ -z "${TINY:-}" ] && KO="$KO:cuda_fuse.kda_decode_tail"
+run test-fuse-cuda 150 "-ko" --gtest_filter="$KO"
 grep -E '^\[(kda_oproj|moe_layer)|Failure|FAIL|rror' $L/test-fuse-cuda-ko.log | head -40 >> $S
 cp $L/test-fuse-cuda-ko.log $OUT/ 2>/dev/null
 cut_48b
