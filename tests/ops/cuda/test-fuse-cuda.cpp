@@ -650,7 +650,58 @@ struct kda_graph {
     graph g;
     std::vector<node_ref> outs;   // q_conv k_conv v_conv q_l2 k_l2 f gate z scan o_norm out
     tensor * st[4] = {nullptr, nullptr, nullptr, nullptr};   // conv q, k, v, KDA state
+    std::vector<std::vector<float>> init;   // the states as built (keep_init), for restore
+    void keep_init() {
+        init.clear();
+        for (tensor * t : st) init.push_back(as_f32(*t));
+    }
+    void restore(int from = 0) {   // states from .. 3 back to their built values
+        for (int i = from; i < 4; ++i) std::memcpy(st[i]->data, init[size_t(i)].data(), init[size_t(i)].size() * 4);
+    }
 };
+// Two steps of kg on `be` from the built states (the second reads the states the first wrote): each step's outputs, and
+// the states after (synced from the device by `sync`, when given). Every output is checked against ref's (NMSE
+// k_tol_f32) under the name m when ref is given; after_step(step) runs after each step (counters).
+struct kda_steps {
+    std::vector<std::vector<float>> out[2], st;
+};
+template <typename B>
+kda_steps kda_run_two(kda_graph & kg, B & be, const std::string & m, const kda_steps * ref,
+                      const std::function<void(int)> & after_step = {}, const std::function<void()> & sync = {}) {
+    kda_steps r;
+    kg.restore();
+    be.check_supported(kg.g);
+    for (int step = 0; step < 2; ++step) {
+        be.run(kg.g);
+        for (size_t i = 0; i < kg.outs.size(); ++i) {
+            r.out[step].push_back(read_f32(be, kg.outs[i]));
+            if (!ref) continue;
+            const bool ok = check(fmt::format("{}/step{}/{}", m, step, kg.g.at(kg.outs[i]).name), to_f64(ref->out[step][i]),
+                                  r.out[step].back(), metric::NMSE, k_tol_f32);
+            EXPECT_TRUE(ok) << m;
+            tally(ok);
+        }
+        if (after_step) after_step(step);
+    }
+    if (sync) sync();
+    for (tensor * t : kg.st) r.st.push_back(as_f32(*t));
+    return r;
+}
+// The message of the error a run of g on be ends with ("" if it ends without one).
+std::string run_error(backend & be, const graph & g) {
+    try {
+        be.run(g);
+    } catch (const std::exception & e) {
+        return e.what();
+    }
+    return "";
+}
+// The CPU's two steps of kg from its built states (kept here for later restores): the reference of both KDA tests.
+kda_steps kda_cpu_ref(kda_graph & kg) {
+    kg.keep_init();
+    auto cpu = backend_cpu_init();
+    return kda_run_two(kg, *cpu, "cpu", nullptr);
+}
 enum class kda_form { lowrank, fullrank, inputs };
 // extra_consumer: q_l2 also feeds the output through a node placed before the gated norm (the planner must refuse).
 // D: the hidden width (the 48B: 2304).
@@ -734,52 +785,31 @@ TEST(cuda_fuse, kda_decode_tail) {
         };
         kda_graph kg;
         mk(kg, lb);
-        std::vector<std::vector<float>> init;
-        for (tensor * t : kg.st) init.push_back(as_f32(*t));
-        auto restore = [&](int from = 0) {
-            for (int i = from; i < 4; ++i) std::memcpy(kg.st[i]->data, init[size_t(i)].data(), init[size_t(i)].size() * 4);
-        };
-        // CPU: two steps (the second reads the states the first wrote)
-        std::vector<std::vector<float>> ref[2], ref_st;
-        {
-            restore();
-            auto cpu = backend_cpu_init();
-            cpu->check_supported(kg.g);
-            for (int step = 0; step < 2; ++step) {
-                cpu->run(kg.g);
-                for (node_ref o : kg.outs) ref[step].push_back(read_f32(*cpu, o));
-            }
-            for (tensor * t : kg.st) ref_st.push_back(as_f32(*t));
-        }
+        const kda_steps refs = kda_cpu_ref(kg);
+        const auto & ref = refs.out;
+        auto restore = [&](int from = 0) { kg.restore(from); };
         const bool folds = T <= 8;
         std::vector<std::vector<float>> got[2][2];   // [fused][step]
         std::vector<std::vector<float>> got_st[2];
         for (int fuse = 1; fuse >= 0; --fuse) {
-            restore();
             cuda_options o = fuse_opts(true, true);   // the decode defaults around it: norm folded, projections grouped
             o.fuse_conv_l2 = o.fuse_sigmoid = true;
             o.fuse_kda_decode = fuse != 0;
             const std::string m = nm + (fuse ? "/fused" : "/unfused");
             auto gpu = backend_cuda_init(0, o);
-            gpu->check_supported(kg.g);
-            for (int step = 0; step < 2; ++step) {
-                gpu->run(kg.g);
-                for (size_t i = 0; i < kg.outs.size(); ++i) {
-                    got[fuse][step].push_back(read_f32(*gpu, kg.outs[i]));
-                    const bool ok = check(fmt::format("{}/step{}/{}", m, step, kg.g.at(kg.outs[i]).name), to_f64(ref[step][i]),
-                                          got[fuse][step].back(), metric::NMSE, k_tol_f32);
-                    EXPECT_TRUE(ok) << m;
-                    tally(ok);
-                }
-                const int want = fuse && folds ? 1 : 0;
-                EXPECT_EQ(gpu->fused_kda_decodes(), want) << m;
-                tally(gpu->fused_kda_decodes() == want);
-            }
-            gpu->sync_state_to_host();
+            const int want = fuse && folds ? 1 : 0;
+            kda_steps r = kda_run_two(
+                kg, *gpu, m, &refs,
+                [&](int) {
+                    EXPECT_EQ(gpu->fused_kda_decodes(), want) << m;
+                    tally(gpu->fused_kda_decodes() == want);
+                },
+                [&] { gpu->sync_state_to_host(); });
+            for (int step = 0; step < 2; ++step) got[fuse][step] = std::move(r.out[step]);
+            got_st[fuse] = std::move(r.st);
             for (int i = 0; i < 4; ++i) {
-                got_st[fuse].push_back(as_f32(*kg.st[i]));
-                const bool ok = check(fmt::format("{}/state{}", m, i), to_f64(ref_st[size_t(i)]), got_st[fuse].back(), metric::NMSE,
-                                      k_tol_f32);
+                const bool ok = check(fmt::format("{}/state{}", m, i), to_f64(refs.st[size_t(i)]), got_st[fuse][size_t(i)],
+                                      metric::NMSE, k_tol_f32);
                 EXPECT_TRUE(ok) << m;
                 tally(ok);
             }
@@ -886,43 +916,24 @@ TEST(cuda_fuse, kda_oproj_fused) {
     const std::string nm = "kda_oproj/H32/D2304";
     kda_graph kg;
     mk(kg, {1}, 32, 2304);
-    std::vector<std::vector<float>> init;
-    for (tensor * t : kg.st) init.push_back(as_f32(*t));
-    auto restore = [&](int from = 0) {
-        for (int i = from; i < 4; ++i) std::memcpy(kg.st[i]->data, init[size_t(i)].data(), init[size_t(i)].size() * 4);
-    };
-    std::vector<std::vector<float>> ref[2];
-    {
-        restore();
-        auto cpu = backend_cpu_init();
-        cpu->check_supported(kg.g);
-        for (int step = 0; step < 2; ++step) {
-            cpu->run(kg.g);
-            for (node_ref o : kg.outs) ref[step].push_back(read_f32(*cpu, o));
-        }
-    }
+    const kda_steps refs = kda_cpu_ref(kg);
+    const auto & ref = refs.out;
+    auto restore = [&](int from = 0) { kg.restore(from); };
     std::vector<std::vector<float>> got[2][2];   // [oproj folded][step]
     std::vector<std::vector<float>> got_st[2];
     for (int on = 1; on >= 0; --on) {
-        restore();
         const std::string m = nm + (on ? "/fused" : "/tail-alone");
         auto gpu = backend_cuda_init(0, opts(on != 0));
-        gpu->check_supported(kg.g);
-        for (int step = 0; step < 2; ++step) {
-            gpu->run(kg.g);
-            for (size_t i = 0; i < kg.outs.size(); ++i) {
-                got[on][step].push_back(read_f32(*gpu, kg.outs[i]));
-                const bool ok = check(fmt::format("{}/step{}/{}", m, step, kg.g.at(kg.outs[i]).name), to_f64(ref[step][i]),
-                                      got[on][step].back(), metric::NMSE, k_tol_f32);
-                EXPECT_TRUE(ok) << m;
-                tally(ok);
-            }
-            EXPECT_EQ(gpu->fused_kda_decodes(), 1) << m;
-            EXPECT_EQ(gpu->fused_kda_oprojs(), on) << m;
-            tally(gpu->fused_kda_decodes() == 1 && gpu->fused_kda_oprojs() == on);
-        }
-        gpu->sync_state_to_host();
-        for (tensor * t : kg.st) got_st[on].push_back(as_f32(*t));
+        kda_steps r = kda_run_two(
+            kg, *gpu, m, &refs,
+            [&](int) {
+                EXPECT_EQ(gpu->fused_kda_decodes(), 1) << m;
+                EXPECT_EQ(gpu->fused_kda_oprojs(), on) << m;
+                tally(gpu->fused_kda_decodes() == 1 && gpu->fused_kda_oprojs() == on);
+            },
+            [&] { gpu->sync_state_to_host(); });
+        for (int step = 0; step < 2; ++step) got[on][step] = std::move(r.out[step]);
+        got_st[on] = std::move(r.st);
         std::printf("[%s] fused_kda_decodes %d, fused_kda_oprojs %d\n", m.c_str(), gpu->fused_kda_decodes(), gpu->fused_kda_oprojs());
     }
     bool same = true;   // the tail's outputs (all but `out`) and the states: bit for bit
@@ -964,13 +975,7 @@ TEST(cuda_fuse, kda_oproj_fused) {
         restore();
         cuda_options o = opts(true);
         o.persistent_test_timeout = true;
-        auto gpu = backend_cuda_init(0, o);
-        std::string what;
-        try {
-            gpu->run(kg.g);
-        } catch (const std::exception & e) {
-            what = e.what();
-        }
+        const std::string what = run_error(*backend_cuda_init(0, o), kg.g);
         const bool named = what.find("timed out") != std::string::npos && what.find("kda_o_norm") != std::string::npos;
         std::printf("[%s/control(barrier never completes)] %s\n", nm.c_str(), what.empty() ? "no error - BAD" : what.c_str());
         EXPECT_TRUE(named) << nm << ": " << what;
@@ -1555,13 +1560,7 @@ TEST(cuda_fuse, moe_layer_fused) {
             cuda_options o = msh_opts(true);
             o.fuse_norm_linear = false;
             o.moe_layer_fused = o.guard = o.persistent_test_timeout = true;
-            auto gpu = backend_cuda_init(0, o);
-            std::string what;
-            try {
-                gpu->run(mg.g);
-            } catch (const std::exception & e) {
-                what = e.what();
-            }
+            const std::string what = run_error(*backend_cuda_init(0, o), mg.g);
             const std::string ename = mg.g.at(mg.outs[2]).name;
             const bool named = what.find("timed out") != std::string::npos && what.find(ename) != std::string::npos;
             std::printf("[%s/control(barrier never completes)] %s\n", nm.c_str(), what.empty() ? "no error - BAD" : what.c_str());
