@@ -441,14 +441,14 @@ private:
         outs_.assign(g.nodes.size(), {});
         route_logits_.assign(g.nodes.size(), nullptr);
         err_slot_.assign(g.nodes.size(), -1);
+        plan_fusions(g);
         int n_err = 0;
         for (size_t i = 0; i < g.nodes.size(); ++i) {
             const op_type o = g.nodes[i].op;
             if (o == op_type::GET_ROWS || o == op_type::MLA_ATTN || o == op_type::MOE_EXPERTS ||
-                (o == op_type::GATED_RMS_NORM && opt_.kda_oproj_fused))   // the KDA tail + o_proj launch's barrier
+                fplan_.kda_oproj[i].linear >= 0)   // the KDA tail + o_proj launch's barrier (kda_oproj_fused)
                 err_slot_[i] = n_err++;
         }
-        plan_fusions(g);
         err_ = static_cast<int *>(alloc(size_t(std::max(1, n_err)) * cuda::ERR_COUNT * sizeof(int)));
         return n_err;
     }
@@ -1775,7 +1775,7 @@ private:
         a.y_o = outp(kf.scan);
         a.y_on = static_cast<float *>(outs_[size_t(id)].at(0).p);
         PG_CHECK(cuda::kda_decode_fused_supported(a), "fused KDA decode at '{}': unsupported layout or alignment", nn.name);
-        const cuda_fuse::seg & os = fplan_.kda_oproj.empty() ? cuda_fuse::seg{} : fplan_.kda_oproj[size_t(id)];
+        const cuda_fuse::seg & os = fplan_.kda_oproj[size_t(id)];
         if (os.linear < 0) {
             PG_CUDA_CHECK(cuda::launch_kda_decode_fused(a, db_, st_));
         } else {   // kda_oproj_fused: the o_proj LINEAR and its epilogue ADDs in the same (persistent) launch

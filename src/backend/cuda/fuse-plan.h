@@ -188,6 +188,9 @@ inline bool float_leaf_or_none(const graph & g, const node & n, size_t i, int64_
     return t == dtype::F32 || t == dtype::BF16 || t == dtype::F16;
 }
 
+// The position at which node j's output is computed under plan p: the node whose launch computes it, else j itself.
+inline int at_pos(const plan & p, int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; }
+
 // The same output of the same node.
 inline bool same(node_ref a, node_ref b) { return a.node == b.node && a.out == b.out; }
 
@@ -215,7 +218,6 @@ inline bool gemv_route(const graph & g, const node & n, const cuda_options & o, 
 // node whose launch can take its shared expert as an extra slot. cons: consumers of output 0 of each node.
 inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>> & cons, plan & p) {
     const size_t N = g.nodes.size();
-    auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
     auto free_node = [&](int j) { return p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty() && p.moe_shared[size_t(j)].add < 0; };
     auto f32_row = [&](const node_output & t, int64_t C) {
         return t.type == dtype::F32 && t.shape.size() == 2 && t.shape[0] == 1 && t.shape[1] == C;
@@ -285,7 +287,7 @@ inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>>
                 for (int side = 0; side < 2; ++side) {
                     const node_ref sr = a2.src[size_t(side)], rr = a2.src[size_t(1 - side)];
                     if (!same(sr, node_ref{f.add, 0}) || !rr.valid() || rr.node == f.add || !f32_row(g.out(rr), Dout)) continue;
-                    if (at_pos(rr.node) >= int(e)) continue;
+                    if (at_pos(p, rr.node) >= int(e)) continue;
                     f.add2 = j;
                     f.res2 = rr;
                     break;
@@ -296,9 +298,9 @@ inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>>
         auto in_set = [&](int j) { return j == int(e) || std::find(set.begin(), set.end(), j) != set.end(); };
         for (int j : set) {
             ok &= free_node(j);
-            for (int u : cons[size_t(j)]) ok &= in_set(u) || at_pos(u) > int(e);   // consumers: folded or after the launch
+            for (int u : cons[size_t(j)]) ok &= in_set(u) || at_pos(p, u) > int(e);   // consumers: folded or after the launch
             for (const node_ref & r : g.nodes[size_t(j)].src)   // inputs from outside: computed before the launch
-                if (r.valid() && !in_set(r.node)) ok &= at_pos(r.node) < int(e) || g.nodes[size_t(r.node)].op == op_type::WEIGHT;
+                if (r.valid() && !in_set(r.node)) ok &= at_pos(p, r.node) < int(e) || g.nodes[size_t(r.node)].op == op_type::WEIGHT;
         }
         for (size_t j = 0; j < N && ok; ++j)   // outputs other than 0 of a folded node: none exist for these ops
             for (const node_ref & r : g.nodes[j].src)
@@ -315,7 +317,6 @@ inline void plan_moe_shared(const graph & g, const std::vector<std::vector<int>>
 // MOE_EXPERTS node with a shared slot whose norm and route can join its launch.
 inline void plan_moe_layer(const graph & g, plan & p) {
     const size_t N = g.nodes.size();
-    auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
     for (size_t e = 0; e < N; ++e) {
         if (p.moe_shared[e].add < 0) continue;
         const node & m = g.nodes[e];
@@ -352,7 +353,7 @@ inline void plan_moe_layer(const graph & g, plan & p) {
         for (size_t j = 0; j < N && ok; ++j) {
             if (int(j) == ri || int(j) == int(e) || p.done_by[j] == int(e)) continue;
             for (const node_ref & r : g.nodes[j].src)
-                if (r.valid() && (r.node == ni || r.node == ri) && at_pos(int(j)) <= int(e)) ok = false;
+                if (r.valid() && (r.node == ni || r.node == ri) && at_pos(p, int(j)) <= int(e)) ok = false;
         }
         if (!ok) continue;
         p.done_by[size_t(ni)] = int(e);
@@ -648,9 +649,8 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             }
             if (rc < 0) continue;
             bool later = true;   // every consumer of c and r after a (computed at a's position)
-            auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
-            for (int j : cons[size_t(rn)]) later &= at_pos(j) > int(i);
-            for (int j : cons[size_t(rc)]) later &= at_pos(j) > int(i);
+            for (int j : cons[size_t(rn)]) later &= at_pos(p, j) > int(i);
+            for (int j : cons[size_t(rc)]) later &= at_pos(p, j) > int(i);
             for (size_t j = 0; j < N && later; ++j)   // outputs other than 0 are not in cons: none for these ops
                 for (const node_ref & r : g.nodes[j].src)
                     if (r.valid() && (r.node == rn || r.node == rc) && r.out != 0) later = false;
@@ -665,7 +665,6 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
 
     // 7. the KDA decode tail
     if (o.fuse_kda_decode) {
-        auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
         auto is = [&](node_ref r, op_type op) { return r.valid() && r.out == 0 && g.nodes[size_t(r.node)].op == op; };
         auto free_node = [&](int j) { return p.done_by[size_t(j)] < 0 && p.at[size_t(j)].empty(); };
         // a BF16 low-rank projection the launch can fold: its only consumer is `user`, rank % 32 == 0 and <= 128
@@ -732,14 +731,14 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
                                         (j == kf.l2[1] && p.done_by[size_t(j)] == kf.conv[1]);
                 ok &= (l2_by_conv || p.done_by[size_t(j)] < 0) && p.at[size_t(j)].empty() &&
                       (conv_l2_own || p.conv_l2[size_t(j)] < 0) && p.mla_kv_norm[size_t(j)] < 0;
-                for (int u : cons[size_t(j)]) ok &= in_set(u) || at_pos(u) > int(i);   // consumers: folded or later
+                for (int u : cons[size_t(j)]) ok &= in_set(u) || at_pos(p, u) > int(i);   // consumers: folded or later
                 // inputs from outside the set: computed before the launch
                 for (const node_ref & r : g.nodes[size_t(j)].src)
-                    if (r.valid() && !in_set(r.node)) ok &= at_pos(r.node) < int(i) || g.nodes[size_t(r.node)].op == op_type::WEIGHT ||
+                    if (r.valid() && !in_set(r.node)) ok &= at_pos(p, r.node) < int(i) || g.nodes[size_t(r.node)].op == op_type::WEIGHT ||
                                                            g.nodes[size_t(r.node)].op == op_type::STATE;
             }
             for (const node_ref & r : nn.src)   // the anchor's own inputs (z when g_b is not folded, o_norm)
-                if (r.valid() && !in_set(r.node)) ok &= at_pos(r.node) < int(i) || g.nodes[size_t(r.node)].op == op_type::WEIGHT;
+                if (r.valid() && !in_set(r.node)) ok &= at_pos(p, r.node) < int(i) || g.nodes[size_t(r.node)].op == op_type::WEIGHT;
             for (size_t j = 0; j < N && ok; ++j)   // outputs other than 0 of a folded node: none expected
                 for (const node_ref & r : g.nodes[j].src)
                     if (r.valid() && r.out != 0 && in_set(r.node) && r.node != int(i)) ok = false;
@@ -755,7 +754,6 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
 
     // 7b. the layer's output projection (and the ADDs its GEMV epilogue writes) into that launch (kda_oproj_fused)
     if (o.fuse_kda_decode && o.kda_oproj_fused) {
-        auto at_pos = [&](int j) { return p.done_by[size_t(j)] >= 0 ? p.done_by[size_t(j)] : j; };
         for (size_t i = 0; i < N; ++i) {
             if (p.kda[i].scan < 0) continue;
             const node & sc = g.nodes[size_t(p.kda[i].scan)];
@@ -782,7 +780,7 @@ inline plan plan_fusions(const graph & g, const cuda_options & o) {
             // moved earlier (from L to i): its residual operands must exist by then; outputs other than 0: none read
             bool ok = true;
             for (int k = 0; k < 2; ++k)
-                if (sg.add[k] >= 0) ok &= at_pos(sg.res[k].node) < int(i) || g.at(sg.res[k]).op == op_type::WEIGHT;
+                if (sg.add[k] >= 0) ok &= at_pos(p, sg.res[k].node) < int(i) || g.at(sg.res[k]).op == op_type::WEIGHT;
             for (size_t j = 0; j < N && ok; ++j)
                 for (const node_ref & r : g.nodes[j].src)
                     if (r.valid() && r.out != 0 && (r.node == L || r.node == sg.add[0] || r.node == sg.add[1])) ok = false;
